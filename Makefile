@@ -1,0 +1,41 @@
+# kvfabric: everything a fresh machine needs goes through these targets.
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+STAMP  := $(VENV)/.installed
+
+.PHONY: install test lint typecheck unit demo bench clean
+
+install: $(STAMP)
+
+# torch first, pinned to the CPU wheel on disk: a plain `torch` requirement would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	touch $(STAMP)
+
+lint: install
+	$(VENV)/bin/ruff check fabric transports cluster tests benchmarks examples
+
+typecheck: install
+	$(VENV)/bin/mypy fabric transports
+
+unit: install
+	$(VENV)/bin/pytest -q
+
+test: lint typecheck unit
+
+demo: install
+	$(VENV)/bin/kvfabric demo
+
+bench: install
+	$(PY) benchmarks/bench_hashing.py
+	$(PY) benchmarks/bench_blocks.py
+	$(PY) benchmarks/bench_tiers.py
+	$(PY) benchmarks/bench_transfer.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

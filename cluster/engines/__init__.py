@@ -1,0 +1,1 @@
+"""Engine adapters: how an inference engine's KV reaches the fabric."""

@@ -1,0 +1,1 @@
+"""Node-local core of kvfabric: keys, layouts, block manager, radix tree, KV pools, tiers, store."""

@@ -1,0 +1,168 @@
+"""kvfabric configuration: one TOML file with sections [kv], [transport] and [cluster].
+
+Every key has a default that works on a laptop. Unknown sections or keys and values of the wrong
+type or range raise `ConfigError` naming the file, the key and what was expected, so a typo never
+silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin, get_type_hints
+
+
+class ConfigError(ValueError):
+    """The configuration file or a value in it is invalid."""
+
+
+def _default_root() -> Path:
+    return Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
+
+
+@dataclass(slots=True)
+class KVConfig:
+    ram_gib: float = 1.0
+    ssd_dir: str = str(_default_root() / "ssd")
+    ssd_gib: float = 8.0
+    ssd_ttl_s: float = 7 * 24 * 3600.0
+    index_dir: str = str(_default_root() / "index")
+    mirror_pulls: bool = True
+    block_size: int = 16
+    write_through: bool = False          # True: put() returns after the SSD copy is fsynced
+    durable: bool = True                 # fsync SSD files and folders
+    o_direct: bool = True                # use O_DIRECT reads where the filesystem allows it
+    eviction_interval_s: float = 1.0
+    ram_high_water: float = 1.25         # past ram_gib * this, put() answers "full"
+    io_threads: int = 4
+    gpu_offload_threshold: float = 0.85
+    cpu_offload_threshold: float = 0.90
+    prefetch_threshold: float = 0.7
+
+
+@dataclass(slots=True)
+class TransportConfig:
+    kind: Literal["quic", "tls-tcp", "rdma"] = "tls-tcp"
+    host: str = "127.0.0.1"
+    quic_port: int = 0
+    tcp_port: int = 0
+    cert_dir: str = str(_default_root() / "certs")
+    node_name: str = "node-0"
+    max_payload_bytes: int = 64 * 1024 * 1024
+    max_datagram_size: int = 8952
+    connect_timeout_s: float = 5.0
+    idle_timeout_s: float = 30.0
+    frame_timeout_s: float = 10.0
+    max_inflight: int = 32
+
+
+@dataclass(slots=True)
+class ClusterConfig:
+    directory_name: str = "kvfabric-directory"
+    namespace: str = "kvfabric"
+    heartbeat_s: float = 2.0
+    lease_s: float = 10.0
+    num_nodes: int = 2
+
+
+@dataclass(slots=True)
+class Config:
+    kv: KVConfig = field(default_factory=KVConfig)
+    transport: TransportConfig = field(default_factory=TransportConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str]) -> Config:
+        p = Path(path)
+        try:
+            data = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"{p}: config file not found") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}") from None
+        return cls.from_dict(data, source=str(p))
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], source: str = "<config>") -> Config:
+        sections = {f.name: f for f in dataclasses.fields(cls)}
+        cfg = cls()
+        for name, values in data.items():
+            if name not in sections:
+                raise ConfigError(f"{source}: unknown section [{name}]; expected one of "
+                                  f"{', '.join(f'[{s}]' for s in sections)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"{source}: [{name}] must be a table")
+            _apply(getattr(cfg, name), values, f"{source}: [{name}]")
+        cfg.validate(source)
+        return cfg
+
+    def validate(self, source: str = "<config>") -> None:
+        kv = self.kv
+        positive = {"kv.ram_gib": kv.ram_gib, "kv.ssd_gib": kv.ssd_gib, "kv.ssd_ttl_s": kv.ssd_ttl_s,
+                    "kv.block_size": kv.block_size, "kv.eviction_interval_s": kv.eviction_interval_s,
+                    "kv.io_threads": kv.io_threads,
+                    "transport.max_payload_bytes": self.transport.max_payload_bytes,
+                    "transport.max_datagram_size": self.transport.max_datagram_size,
+                    "transport.max_inflight": self.transport.max_inflight,
+                    "cluster.heartbeat_s": self.cluster.heartbeat_s, "cluster.lease_s": self.cluster.lease_s,
+                    "cluster.num_nodes": self.cluster.num_nodes}
+        for key, value in positive.items():
+            if value <= 0:
+                raise ConfigError(f"{source}: {key} must be > 0, got {value}")
+        for key in ("gpu_offload_threshold", "cpu_offload_threshold", "prefetch_threshold"):
+            value = getattr(kv, key)
+            if not 0.0 < value <= 1.0:
+                raise ConfigError(f"{source}: kv.{key} must be in (0, 1], got {value}")
+        if kv.ram_high_water < 1.0:
+            raise ConfigError(f"{source}: kv.ram_high_water must be >= 1.0, got {kv.ram_high_water}")
+        if not 1200 <= self.transport.max_datagram_size <= 65527:
+            raise ConfigError(f"{source}: transport.max_datagram_size must be in [1200, 65527], "
+                              f"got {self.transport.max_datagram_size}")
+        for key in ("quic_port", "tcp_port"):
+            port = getattr(self.transport, key)
+            if not 0 <= port <= 65535:
+                raise ConfigError(f"{source}: transport.{key} must be in [0, 65535], got {port}")
+        if self.cluster.lease_s <= self.cluster.heartbeat_s:
+            raise ConfigError(f"{source}: cluster.lease_s ({self.cluster.lease_s}) must exceed "
+                              f"cluster.heartbeat_s ({self.cluster.heartbeat_s})")
+
+
+def _apply(section: Any, values: dict[str, Any], where: str) -> None:
+    hints = get_type_hints(type(section))
+    known = {f.name for f in dataclasses.fields(section)}
+    for key, value in values.items():
+        if key not in known:
+            raise ConfigError(f"{where}: unknown key {key!r}; expected one of {', '.join(sorted(known))}")
+        setattr(section, key, _coerce(value, hints[key], f"{where} {key}"))
+
+
+def _coerce(value: Any, hint: Any, where: str) -> Any:
+    origin = get_origin(hint)
+    if origin is Literal:
+        choices = get_args(hint)
+        if value not in choices:
+            raise ConfigError(f"{where}: must be one of {', '.join(map(repr, choices))}, got {value!r}")
+        return value
+    if origin is types.UnionType:
+        raise RuntimeError(f"{where}: union types are not supported in config fields")
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: must be true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: must be an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: must be a number, got {value!r}")
+        return float(value)
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: must be a string, got {value!r}")
+        return value
+    raise RuntimeError(f"{where}: unsupported config type {hint!r}")

@@ -1,0 +1,53 @@
+"""Config: defaults that work, clear errors for unknown keys and bad values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from fabric.config import Config, ConfigError
+
+
+def test_defaults_are_valid() -> None:
+    cfg = Config()
+    cfg.validate()
+    assert cfg.kv.block_size == 16 and cfg.kv.gpu_offload_threshold == 0.85
+    assert cfg.kv.cpu_offload_threshold == 0.90 and cfg.kv.prefetch_threshold == 0.7
+
+
+def test_load_toml(tmp_path: Path) -> None:
+    p = tmp_path / "kv.toml"
+    p.write_text('[kv]\nram_gib = 2\nssd_dir = "/data/ssd"\nmirror_pulls = false\n'
+                 '[transport]\nkind = "quic"\nmax_datagram_size = 1452\n[cluster]\nnum_nodes = 4\n')
+    cfg = Config.load(p)
+    assert cfg.kv.ram_gib == 2.0 and isinstance(cfg.kv.ram_gib, float)
+    assert cfg.kv.ssd_dir == "/data/ssd" and cfg.kv.mirror_pulls is False
+    assert cfg.transport.kind == "quic" and cfg.transport.max_datagram_size == 1452
+    assert cfg.cluster.num_nodes == 4
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("[kv]\nram_gb = 1\n", "unknown key 'ram_gb'"),
+    ("[kvv]\n", r"unknown section \[kvv\]"),
+    ("[kv]\nblock_size = 1.5\n", "block_size: must be an integer"),
+    ("[kv]\nmirror_pulls = 1\n", "must be true or false"),
+    ("[kv]\nram_gib = -1\n", "kv.ram_gib must be > 0"),
+    ("[kv]\nprefetch_threshold = 1.5\n", r"must be in \(0, 1\]"),
+    ("[transport]\nkind = \"udp\"\n", "must be one of"),
+    ("[transport]\nmax_datagram_size = 100000\n", "max_datagram_size must be in"),
+    ("[cluster]\nlease_s = 1\nheartbeat_s = 2\n", "must exceed"),
+    ("kv = 3\n", "must be a table"),
+    ("[kv\n", "not valid TOML"),
+])
+def test_bad_config_names_the_problem(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "bad.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=message) as info:
+        Config.load(p)
+    assert str(p) in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not found"):
+        Config.load(tmp_path / "nope.toml")

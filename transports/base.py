@@ -1,0 +1,60 @@
+"""What every transport shares: peers, block sources, pull results and the transport protocols.
+
+A server answers PULL frames from a `BlockSource` (the node's Store). A client's
+`pull(peer, addresses)` yields one `PullResult` per address as frames arrive; the layers of a
+block keep the order they were asked in. Every failure on the way (peer gone, timeout, digest
+mismatch, peer error) is a `Miss` result, never an exception and never unverified bytes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from fabric.keys import BlockAddress
+from transports.codec import Miss
+
+
+@dataclass(frozen=True, slots=True)
+class Peer:
+    """Where to dial a node, and the name its certificate must carry."""
+
+    node: str
+    host: str
+    port: int
+
+
+class SourceBlock(Protocol):
+    @property
+    def payload(self) -> bytes | bytearray | memoryview: ...
+    @property
+    def digest(self) -> bytes: ...
+
+
+class BlockSource(Protocol):
+    """What a transport server serves from: `fabric.store.Store` fits."""
+
+    def get_block(self, address: BlockAddress) -> SourceBlock | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Hit:
+    """A verified payload: its BLAKE3 digest matched the one the peer announced."""
+
+    address: BlockAddress
+    payload: bytes | bytearray | memoryview
+    digest: bytes
+
+
+PullResult = Hit | Miss
+
+
+class TransportServer(Protocol):
+    async def start(self) -> tuple[str, int]: ...
+    async def close(self) -> None: ...
+
+
+class TransportClient(Protocol):
+    def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]: ...
+    async def close(self) -> None: ...

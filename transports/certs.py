@@ -1,0 +1,216 @@
+"""Cluster certificates: one CA per cluster, one certificate per node.
+
+    <dir>/ca.pem, ca.key            cluster CA (EC P-256, self-signed, pathlen 0)
+    <dir>/<node>.pem, <node>.key    node certificate; its DNS SAN is the node name
+
+A node's identity is the DNS name in its certificate's SAN. Node certificates carry both the
+serverAuth and clientAuth usages because every node dials and answers. Private keys are written
+with mode 0600. `NodeCredentials` notices when the files change (rotation) so new connections
+use the new certificate while open connections carry on with the old one.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import logging
+import os
+import ssl
+from dataclasses import dataclass
+from pathlib import Path
+
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+logger = logging.getLogger(__name__)
+
+CA_CERT = "ca.pem"
+CA_KEY = "ca.key"
+
+
+class CertificateError(Exception):
+    """Certificate material is missing, unreadable or does not fit the cluster CA."""
+
+
+def _now() -> dt.datetime:
+    return dt.datetime.now(dt.UTC)
+
+
+def _write(path: Path, data: bytes, private: bool) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600 if private else 0o644)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
+    return key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                             serialization.NoEncryption())
+
+
+def init_ca(cert_dir: str | os.PathLike[str], name: str = "kvfabric cluster CA", days: int = 3650,
+            overwrite: bool = False) -> Path:
+    """Create the cluster CA in `cert_dir`; refuses to replace an existing one unless `overwrite`."""
+    d = Path(cert_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    if (d / CA_CERT).exists() and not overwrite:
+        raise CertificateError(f"{d / CA_CERT} already exists; a new CA would orphan every node certificate")
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)])
+    now = _now()
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(subject).issuer_name(subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                     content_commitment=False, key_encipherment=False, data_encipherment=False,
+                                     key_agreement=False, encipher_only=False, decipher_only=False), critical=True)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .sign(key, hashes.SHA256())
+    )
+    _write(d / CA_KEY, _key_pem(key), private=True)
+    _write(d / CA_CERT, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    logger.info("created cluster CA in %s", d)
+    return d / CA_CERT
+
+
+def issue_node(cert_dir: str | os.PathLike[str], node: str, days: int = 365,
+               not_before: dt.datetime | None = None, extra_sans: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """Issue `<node>.pem` / `<node>.key` signed by the CA in `cert_dir`. Returns (cert, key) paths."""
+    d = Path(cert_dir)
+    if not node or "/" in node or node.startswith("."):
+        raise CertificateError(f"invalid node name {node!r}")
+    try:
+        ca_cert = x509.load_pem_x509_certificate((d / CA_CERT).read_bytes())
+        ca_key = serialization.load_pem_private_key((d / CA_KEY).read_bytes(), password=None)
+    except FileNotFoundError as e:
+        raise CertificateError(f"no cluster CA in {d} ({e.filename} missing); "
+                               "run `kvfabric certs init` first") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise CertificateError(f"{d / CA_KEY} is not an EC private key")
+    key = ec.generate_private_key(ec.SECP256R1())
+    start = not_before or (_now() - dt.timedelta(minutes=5))
+    sans: list[x509.GeneralName] = [x509.DNSName(node)]
+    for extra in extra_sans:
+        try:
+            sans.append(x509.IPAddress(ipaddress.ip_address(extra)))
+        except ValueError:
+            sans.append(x509.DNSName(extra))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]),
+                       critical=False)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    cert_path, key_path = d / f"{node}.pem", d / f"{node}.key"
+    _write(key_path, _key_pem(key), private=True)
+    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    logger.info("issued certificate for node %s in %s", node, d)
+    return cert_path, key_path
+
+
+def node_name_of(cert: x509.Certificate) -> str:
+    """The node identity a certificate carries: its first DNS SAN."""
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    except x509.ExtensionNotFound:
+        raise CertificateError("certificate has no subjectAltName; not a kvfabric node certificate") from None
+    names = san.get_values_for_type(x509.DNSName)
+    if not names:
+        raise CertificateError("certificate has no DNS name in its subjectAltName")
+    return names[0]
+
+
+@dataclass(frozen=True, slots=True)
+class CredentialFiles:
+    ca: Path
+    cert: Path
+    key: Path
+
+    @classmethod
+    def for_node(cls, cert_dir: str | os.PathLike[str], node: str) -> CredentialFiles:
+        d = Path(cert_dir)
+        return cls(d / CA_CERT, d / f"{node}.pem", d / f"{node}.key")
+
+    def check(self) -> None:
+        for p in (self.ca, self.cert, self.key):
+            if not p.is_file():
+                raise CertificateError(f"missing certificate file {p}")
+
+    def stamp(self) -> tuple[int, ...]:
+        """Changes whenever any of the three files is replaced or rewritten."""
+        out: list[int] = []
+        for p in (self.ca, self.cert, self.key):
+            st = p.stat()
+            out += [st.st_mtime_ns, st.st_size, st.st_ino]
+        return tuple(out)
+
+
+class NodeCredentials:
+    """A node's CA, certificate and key, reloaded when their files change.
+
+    `ssl_context(server)` returns a TLS 1.3 context that requires and verifies the peer's
+    certificate against the cluster CA. Contexts are rebuilt after a rotation; a context in use by
+    an open connection is never mutated, so open connections are not dropped.
+    """
+
+    def __init__(self, files: CredentialFiles) -> None:
+        files.check()
+        self.files = files
+        self._stamp: tuple[int, ...] = ()
+        self._contexts: dict[bool, ssl.SSLContext] = {}
+        self.generation = 0
+        self.refresh()
+
+    @property
+    def node(self) -> str:
+        return node_name_of(x509.load_pem_x509_certificate(self.files.cert.read_bytes()))
+
+    def refresh(self) -> bool:
+        """Reload if the files changed; True when a reload happened."""
+        stamp = self.files.stamp()
+        if stamp == self._stamp:
+            return False
+        # Validate the new material before switching to it: a half-written rotation keeps the old one.
+        try:
+            for server in (True, False):
+                self._build(server)
+        except (ssl.SSLError, OSError, ValueError) as e:
+            if not self._stamp:
+                raise CertificateError(f"cannot load node credentials {self.files}: {e}") from None
+            logger.warning("ignoring unreadable rotated credentials (%s); keeping the previous ones", e)
+            return False
+        self._contexts = {server: self._build(server) for server in (True, False)}
+        self._stamp = stamp
+        self.generation += 1
+        if self.generation > 1:
+            logger.info("reloaded node credentials from %s (generation %d)", self.files.cert, self.generation)
+        return True
+
+    def ssl_context(self, server: bool) -> ssl.SSLContext:
+        self.refresh()
+        return self._contexts[server]
+
+    def _build(self, server: bool) -> ssl.SSLContext:
+        ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.load_cert_chain(self.files.cert, self.files.key)
+        ctx.load_verify_locations(cafile=str(self.files.ca))
+        ctx.verify_mode = ssl.CERT_REQUIRED  # mTLS: the server demands a client certificate too
+        if not server:
+            ctx.check_hostname = True  # the dialled node name must be in the server's SAN
+        return ctx

@@ -1,0 +1,412 @@
+"""The kvfabric frame codec, shared by every transport. Sans-I/O: bytes in, frames out.
+
+Wire layout of one frame (all integers little-endian):
+
+    0      4   5   6       8           12                  20
+    +------+---+---+-------+-----------+-------------------+----------------+-------------+
+    | KVFB |ver|typ| flags | header_len|    payload_len    | msgpack header |   payload   |
+    +------+---+---+-------+-----------+-------------------+----------------+-------------+
+      magic u8  u8   u16       u32            u64            header_len B    payload_len B
+
+The header is a msgpack map whose schema depends on the frame type; only BLOCK frames carry a
+payload. Limits are checked on the preamble, before anything is buffered, so a peer cannot make
+us allocate more than `max_header` + `max_payload` bytes per connection.
+
+Error strategy (one place): anything malformed raises `ProtocolError` with a message saying what
+was wrong. The decoder is then poisoned (every later call raises the same error): the transport
+catches it once, at its boundary, answers an ERROR frame where it still can, and closes that
+stream or connection. Other peers are unaffected. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import enum
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import msgpack
+
+from fabric.keys import HASH_SIZE, BlockAddress, BlockHash
+
+MAGIC = b"KVFB"
+VERSION = 1
+PREAMBLE = struct.Struct("<4sBBHIQ")
+PREAMBLE_SIZE = PREAMBLE.size  # 20
+DEFAULT_MAX_HEADER = 64 * 1024
+DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
+DIGEST_SIZE = 32
+# Reads smaller than this go through a staging buffer; larger payload remainders are received
+# straight into the payload's own buffer (see FrameDecoder.get_buffer).
+STAGING_SIZE = 256 * 1024
+
+
+class ProtocolError(Exception):
+    """A peer sent bytes that are not a valid kvfabric frame stream."""
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1
+    PULL = 2
+    BLOCK = 3
+    MISS = 4
+    END = 5
+    ERROR = 6
+    BYE = 7
+
+
+class MissReason(enum.StrEnum):
+    NOT_FOUND = "not_found"
+    DIGEST_MISMATCH = "digest_mismatch"
+    PEER_ERROR = "peer_error"
+    PEER_GONE = "peer_gone"
+    TIMEOUT = "timeout"
+
+
+class ErrorCode(enum.StrEnum):
+    PROTOCOL = "protocol"
+    UNAUTHORIZED = "unauthorized"
+    OVERLOADED = "overloaded"
+    INTERNAL = "internal"
+    TIMEOUT = "timeout"
+
+
+@dataclass(frozen=True, slots=True)
+class Hello:
+    """First frame on a connection: who is speaking and what it accepts."""
+
+    TYPE: ClassVar[FrameType] = FrameType.HELLO
+    node: str
+    version: int = VERSION
+    max_payload: int = DEFAULT_MAX_PAYLOAD
+
+
+@dataclass(frozen=True, slots=True)
+class Pull:
+    """Ask for the payloads of `addresses`; answered by one BLOCK or MISS each, then END."""
+
+    TYPE: ClassVar[FrameType] = FrameType.PULL
+    request_id: int
+    addresses: tuple[BlockAddress, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """One (block, layer) payload and the BLAKE3 digest the receiver must check it against."""
+
+    TYPE: ClassVar[FrameType] = FrameType.BLOCK
+    request_id: int
+    address: BlockAddress
+    digest: bytes
+    payload: bytes | bytearray | memoryview = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Miss:
+    TYPE: ClassVar[FrameType] = FrameType.MISS
+    request_id: int
+    address: BlockAddress
+    reason: MissReason = MissReason.NOT_FOUND
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """Every address of request `request_id` has been answered."""
+
+    TYPE: ClassVar[FrameType] = FrameType.END
+    request_id: int
+
+
+@dataclass(frozen=True, slots=True)
+class Error:
+    """The sender gives up on `request_id` (0: the whole connection) for `code`."""
+
+    TYPE: ClassVar[FrameType] = FrameType.ERROR
+    request_id: int
+    code: ErrorCode
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Bye:
+    TYPE: ClassVar[FrameType] = FrameType.BYE
+    reason: str = ""
+
+
+Frame = Hello | Pull | Block | Miss | End | Error | Bye
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+
+
+def _header(frame: Frame) -> dict[str, Any]:
+    match frame:
+        case Hello(node=node, version=version, max_payload=max_payload):
+            return {"node": node, "version": version, "max_payload": max_payload}
+        case Pull(request_id=rid, addresses=addrs):
+            return {"rid": rid, "addrs": [[a.hash, a.layer] for a in addrs]}
+        case Block(request_id=rid, address=a, digest=digest):
+            return {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
+        case Miss(request_id=rid, address=a, reason=reason):
+            return {"rid": rid, "hash": a.hash, "layer": a.layer, "reason": reason.value}
+        case End(request_id=rid):
+            return {"rid": rid}
+        case Error(request_id=rid, code=code, message=message):
+            return {"rid": rid, "code": code.value, "message": message}
+        case Bye(reason=reason):
+            return {"reason": reason}
+    raise TypeError(f"not a frame: {frame!r}")
+
+
+def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[bytes, bytes | bytearray | memoryview]:
+    """Preamble + header as one bytes object, and the payload unchanged (for vectored writes)."""
+    header = msgpack.packb(_header(frame), use_bin_type=True)
+    payload: bytes | bytearray | memoryview = frame.payload if isinstance(frame, Block) else b""
+    payload_len = memoryview(payload).nbytes
+    if len(header) > max_header:
+        raise ValueError(f"{frame.TYPE.name} header is {len(header)} bytes, over the {max_header}-byte limit")
+    if payload_len > max_payload:
+        raise ValueError(f"{frame.TYPE.name} payload is {payload_len} bytes, over the {max_payload}-byte limit")
+    if isinstance(frame, Block) and len(frame.digest) != DIGEST_SIZE:
+        raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
+    preamble = PREAMBLE.pack(MAGIC, VERSION, int(frame.TYPE), 0, len(header), payload_len)
+    return preamble + header, payload
+
+
+def encode(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
+    """The complete wire bytes of one frame."""
+    head, payload = encode_parts(frame, max_header, max_payload)
+    return head + payload if payload else head
+
+
+def encode_many(frames: Iterable[Frame]) -> bytes:
+    return b"".join(encode(f) for f in frames)
+
+
+# ---------------------------------------------------------------------------------------------
+# Decoding
+
+
+def _field(header: dict[Any, Any], name: str, kind: type | tuple[type, ...], ftype: FrameType) -> Any:
+    if name not in header:
+        raise ProtocolError(f"{ftype.name} header lacks field {name!r}")
+    value = header[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise ProtocolError(f"{ftype.name} header field {name!r} has type {type(value).__name__}")
+    return value
+
+
+def _u64(header: dict[Any, Any], name: str, ftype: FrameType) -> int:
+    value: int = _field(header, name, int, ftype)
+    if not 0 <= value < 2**64:
+        raise ProtocolError(f"{ftype.name} header field {name!r} out of range: {value}")
+    return value
+
+
+def _address(hash_: Any, layer: Any, ftype: FrameType) -> BlockAddress:
+    if not isinstance(hash_, bytes) or len(hash_) != HASH_SIZE:
+        raise ProtocolError(f"{ftype.name} carries a block hash that is not {HASH_SIZE} bytes")
+    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < 2**32:
+        raise ProtocolError(f"{ftype.name} carries an invalid layer {layer!r}")
+    return BlockAddress(BlockHash(hash_), layer)
+
+
+def _enum(enum_type: type[enum.StrEnum], value: str, ftype: FrameType) -> Any:
+    try:
+        return enum_type(value)
+    except ValueError:
+        raise ProtocolError(f"{ftype.name} carries unknown {enum_type.__name__} {value!r}") from None
+
+
+def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes) -> Frame:
+    if ftype is not FrameType.BLOCK and payload:
+        raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
+    if ftype is FrameType.HELLO:
+        return Hello(_field(header, "node", str, ftype), _u64(header, "version", ftype),
+                     _u64(header, "max_payload", ftype))
+    if ftype is FrameType.PULL:
+        rid = _u64(header, "rid", ftype)
+        raw = _field(header, "addrs", list, ftype)
+        addrs = []
+        for item in raw:
+            if not isinstance(item, list) or len(item) != 2:
+                raise ProtocolError("PULL address must be a [hash, layer] pair")
+            addrs.append(_address(item[0], item[1], ftype))
+        return Pull(rid, tuple(addrs))
+    if ftype is FrameType.BLOCK:
+        digest = _field(header, "digest", bytes, ftype)
+        if len(digest) != DIGEST_SIZE:
+            raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
+        addr = _address(header.get("hash"), header.get("layer"), ftype)
+        return Block(_u64(header, "rid", ftype), addr, digest, payload)
+    if ftype is FrameType.MISS:
+        addr = _address(header.get("hash"), header.get("layer"), ftype)
+        reason = _enum(MissReason, _field(header, "reason", str, ftype), ftype)
+        return Miss(_u64(header, "rid", ftype), addr, reason)
+    if ftype is FrameType.END:
+        return End(_u64(header, "rid", ftype))
+    if ftype is FrameType.ERROR:
+        code = _enum(ErrorCode, _field(header, "code", str, ftype), ftype)
+        return Error(_u64(header, "rid", ftype), code, _field(header, "message", str, ftype))
+    return Bye(_field(header, "reason", str, ftype))
+
+
+class _State(enum.Enum):
+    PREAMBLE = 0
+    HEADER = 1
+    PAYLOAD = 2
+
+
+class FrameDecoder:
+    """Incremental decoder: accepts any split of the byte stream.
+
+    Two ways to drive it:
+      * `feed(data) -> list[Frame]` for transports that hand over bytes (QUIC streams);
+      * `get_buffer()` / `buffer_updated(n)` for `asyncio.BufferedProtocol` and `recv_into`:
+        a payload's remaining bytes are received directly into the payload's own buffer.
+    """
+
+    def __init__(self, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+        self.max_header = max_header
+        self.max_payload = max_payload
+        self._state = _State.PREAMBLE
+        self._buf = bytearray()            # partial preamble or header
+        self._ftype = FrameType.BYE
+        self._header_len = 0
+        self._payload: bytearray = bytearray()
+        self._payload_view = memoryview(self._payload)
+        self._payload_filled = 0
+        self._header: dict[Any, Any] = {}
+        self._error: ProtocolError | None = None
+        self._staging = bytearray(STAGING_SIZE)
+        self._into_payload = False
+
+    @property
+    def mid_frame(self) -> bool:
+        """True when part of a frame has been received (used to detect stalled peers)."""
+        return self._state is not _State.PREAMBLE or bool(self._buf)
+
+    @property
+    def buffered_bytes(self) -> int:
+        return len(self._buf) + len(self._payload)
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        if self._error is not None:
+            raise self._error
+        try:
+            return self._consume(memoryview(data).cast("B"))
+        except ProtocolError as e:
+            self._error = e
+            raise
+
+    def get_buffer(self, sizehint: int = -1) -> memoryview:
+        """A writable buffer for the next received bytes (BufferedProtocol contract)."""
+        if self._state is _State.PAYLOAD and len(self._payload) - self._payload_filled >= STAGING_SIZE // 4:
+            self._into_payload = True
+            return self._payload_view[self._payload_filled:]
+        self._into_payload = False
+        return memoryview(self._staging)
+
+    def buffer_updated(self, nbytes: int) -> list[Frame]:
+        if self._error is not None:
+            raise self._error
+        if not self._into_payload:
+            return self.feed(memoryview(self._staging)[:nbytes])
+        self._payload_filled += nbytes
+        frames: list[Frame] = []
+        try:
+            if self._payload_filled == len(self._payload):
+                frames.append(self._finish_frame())
+        except ProtocolError as e:
+            self._error = e
+            raise
+        return frames
+
+    def close(self) -> None:
+        """Declare end of stream; raises ProtocolError if a frame was cut short."""
+        if self._error is not None:
+            raise self._error
+        if self.mid_frame:
+            self._error = ProtocolError(f"stream ended inside a {self._state.name.lower()} "
+                                        f"({self._describe_progress()})")
+            raise self._error
+
+    def _describe_progress(self) -> str:
+        if self._state is _State.PAYLOAD:
+            return f"{self._payload_filled} of {len(self._payload)} payload bytes"
+        return f"{len(self._buf)} bytes buffered"
+
+    def _consume(self, data: memoryview) -> list[Frame]:
+        frames: list[Frame] = []
+        pos, end = 0, len(data)
+        while pos < end:
+            if self._state is _State.PAYLOAD:
+                take = min(end - pos, len(self._payload) - self._payload_filled)
+                self._payload_view[self._payload_filled:self._payload_filled + take] = data[pos:pos + take]
+                self._payload_filled += take
+                pos += take
+                if self._payload_filled == len(self._payload):
+                    frames.append(self._finish_frame())
+                continue
+            need = (PREAMBLE_SIZE if self._state is _State.PREAMBLE else self._header_len) - len(self._buf)
+            take = min(need, end - pos)
+            self._buf += data[pos:pos + take]
+            pos += take
+            if take < need:
+                break
+            if self._state is _State.PREAMBLE:
+                self._parse_preamble()
+            elif self._parse_header():  # a frame without payload is complete here
+                frames.append(self._finish_frame())
+        return frames
+
+    def _parse_preamble(self) -> None:
+        magic, version, ftype, flags, header_len, payload_len = PREAMBLE.unpack(self._buf)
+        self._buf = bytearray()
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r} (not a kvfabric peer?)")
+        if version != VERSION:
+            raise ProtocolError(f"unsupported codec version {version}; this side speaks {VERSION}")
+        try:
+            self._ftype = FrameType(ftype)
+        except ValueError:
+            raise ProtocolError(f"unknown frame type {ftype}") from None
+        if flags != 0:
+            raise ProtocolError(f"reserved flags must be zero, got {flags:#x}")
+        if header_len == 0 or header_len > self.max_header:
+            raise ProtocolError(f"{self._ftype.name} header length {header_len} outside (0, {self.max_header}]")
+        if payload_len > self.max_payload:
+            raise ProtocolError(f"{self._ftype.name} payload of {payload_len} bytes exceeds the "
+                                f"{self.max_payload}-byte limit")
+        if payload_len and self._ftype is not FrameType.BLOCK:
+            raise ProtocolError(f"{self._ftype.name} frame must not carry a payload ({payload_len} bytes)")
+        self._header_len = header_len
+        self._payload = bytearray(payload_len)
+        self._payload_view = memoryview(self._payload)
+        self._payload_filled = 0
+        self._state = _State.HEADER
+
+    def _parse_header(self) -> bool:
+        """Parse the header; True when the frame has no payload and is therefore complete."""
+        try:
+            header = msgpack.unpackb(bytes(self._buf), raw=False, strict_map_key=True)
+        except Exception as e:  # msgpack raises several unrelated types for malformed input
+            raise ProtocolError(f"{self._ftype.name} header is not valid msgpack: {e}") from None
+        if not isinstance(header, dict):
+            raise ProtocolError(f"{self._ftype.name} header must be a map, got {type(header).__name__}")
+        self._header = header
+        self._buf = bytearray()
+        self._state = _State.PAYLOAD
+        return not self._payload
+
+    def _finish_frame(self) -> Frame:
+        frame = _build(self._ftype, self._header, self._payload)
+        self._state = _State.PREAMBLE
+        self._header = {}
+        self._payload = bytearray()
+        self._payload_view = memoryview(self._payload)
+        self._payload_filled = 0
+        return frame

@@ -1,0 +1,39 @@
+"""Prometheus metrics of the transports (prefix `kvfabric_`), one registry per owner."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from transports.base import Hit, PullResult
+from transports.codec import MissReason
+
+
+class TransportMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.pulls = Counter("kvfabric_pulls_total", "Pulled (block, layer) results by transport and outcome",
+                             ["transport", "outcome"], registry=self.registry)
+        self.pull_bytes = Counter("kvfabric_pull_bytes_total", "Verified payload bytes pulled",
+                                  ["transport"], registry=self.registry)
+        self.served = Counter("kvfabric_served_total", "(block, layer) answers sent by the server",
+                              ["transport", "outcome"], registry=self.registry)
+        self.served_bytes = Counter("kvfabric_served_bytes_total", "Payload bytes sent by the server",
+                                    ["transport"], registry=self.registry)
+        self.protocol_errors = Counter("kvfabric_protocol_errors_total", "Connections or streams closed for "
+                                       "a protocol error, by transport", ["transport"], registry=self.registry)
+        self.auth_failures = Counter("kvfabric_auth_failures_total", "Peers refused during the handshake",
+                                     ["transport", "reason"], registry=self.registry)
+        self.connections = Gauge("kvfabric_connections", "Open connections", ["transport", "side"],
+                                 registry=self.registry)
+
+    def record(self, transport: str, result: PullResult) -> None:
+        if isinstance(result, Hit):
+            self.pulls.labels(transport, "hit").inc()
+            self.pull_bytes.labels(transport).inc(memoryview(result.payload).nbytes)
+        else:
+            self.pulls.labels(transport, result.reason.value).inc()
+
+    def digest_mismatches(self, transport: str) -> float:
+        value = self.registry.get_sample_value(
+            "kvfabric_pulls_total", {"transport": transport, "outcome": MissReason.DIGEST_MISMATCH.value})
+        return value or 0.0

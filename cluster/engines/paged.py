@@ -1,0 +1,133 @@
+"""A paged inference engine over the fabric: block manager + KV pool + tiny Llama + optional Store.
+
+This is the integration an engine makes with kvfabric, small enough to read in one sitting:
+
+    tokens ──block_hashes──► BlockManager.allocate  (device hits: KV already in the pool)
+           ──► Store.get per (block, layer) for the next blocks (RAM / SSD hits, digest-checked)
+           ──► scatter those payloads into the pool, prefill only the remaining tokens
+           ──► write the new KV into the pool, gather each new full block per layer, Store.put
+
+A block comes back from the store only when every one of its layers verifies; the first block
+that does not is where recompute starts. Logits are therefore exactly those of a full prefill.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from cluster.engines.tiny_llama import TinyLlama
+from fabric.block_manager import BlockManager, SeqState
+from fabric.keys import BlockAddress, BlockHash
+from fabric.kv_pool import StorageType, TokenToKVPool
+from fabric.store import Store
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillResult:
+    logits: torch.Tensor
+    num_tokens: int
+    num_device_hit_tokens: int   # reused from the engine's own pool
+    num_store_hit_tokens: int    # loaded from the node's Store (RAM or SSD) and scattered into the pool
+    num_stored_blocks: int       # full blocks newly written to the Store
+    prefill_s: float
+    seq: SeqState
+
+    @property
+    def num_reused_tokens(self) -> int:
+        return self.num_device_hit_tokens + self.num_store_hit_tokens
+
+
+class OutOfBlocks(RuntimeError):
+    """The pool has no room for this prompt even after evicting every cached block."""
+
+
+class PagedEngine:
+    def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16, store: Store | None = None,
+                 storage: StorageType = StorageType.DEVICE) -> None:
+        self.model = model
+        self.namespace = model.cfg.namespace(block_size)
+        self.layout = self.namespace.layout
+        self.block_size = block_size
+        self.blocks = BlockManager(self.namespace, num_blocks)
+        self.pool = TokenToKVPool(self.layout, num_blocks * block_size, storage)
+        self.store = store
+        self._next_seq_id = 0
+
+    def _slots(self, seq: SeqState, start: int, end: int) -> torch.Tensor:
+        pos = torch.arange(start, end)
+        table = torch.tensor(seq.block_table, dtype=torch.int64)
+        return table[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _block_slots(self, seq: SeqState, block_index: int) -> torch.Tensor:
+        start = block_index * self.block_size
+        return self._slots(seq, start, start + self.block_size)
+
+    def _load_from_store(self, seq: SeqState, hashes: list[BlockHash], first_block: int) -> int:
+        """Scatter verified store payloads into the pool for blocks first_block.. ; returns blocks loaded."""
+        assert self.store is not None
+        loaded = 0
+        for i in range(first_block, len(hashes)):
+            payloads = []
+            for layer in range(self.layout.num_layers):
+                payload = self.store.get(BlockAddress(hashes[i], layer))
+                if payload is None:
+                    return loaded
+                payloads.append(payload)
+            slots = self._block_slots(seq, i)
+            for layer, payload in enumerate(payloads):
+                self.pool.scatter(payload, slots, layer)
+            loaded += 1
+        return loaded
+
+    def prefill(self, tokens: list[int]) -> PrefillResult:
+        """Run the prompt, reusing every cached prefix block; the sequence stays allocated."""
+        start = time.perf_counter()
+        seq = SeqState(self._next_seq_id, tokens)
+        self._next_seq_id += 1
+        if not self.blocks.allocate(seq):
+            raise OutOfBlocks(f"{len(tokens)} tokens need {self.blocks.num_blocks_needed(seq)} blocks; "
+                              f"{self.blocks.num_free_blocks} are free")
+        device_hit = seq.num_cached_tokens
+        hashes = self.blocks.seq_block_hashes(seq)
+        store_blocks = 0
+        if self.store is not None:
+            store_blocks = self._load_from_store(seq, hashes, device_hit // self.block_size)
+        reused = device_hit + store_blocks * self.block_size
+        if reused == len(tokens):  # keep one token to compute: the engine needs its logits
+            reused -= self.block_size
+            store_blocks -= 1 if store_blocks else 0
+            device_hit = min(device_hit, reused)
+        past = None
+        if reused:
+            cached_slots = self._slots(seq, 0, reused)
+            past = [self.pool.layer_buffer(layer)[:, cached_slots] for layer in range(self.layout.num_layers)]
+        logits, new_kv = self.model(torch.tensor(tokens[reused:]), past)
+        new_slots = self._slots(seq, reused, len(tokens))
+        for layer, kv in enumerate(new_kv):
+            self.pool.layer_buffer(layer)[:, new_slots] = kv.to(self.pool.kv.dtype)
+        stored = self._store_new_blocks(seq, hashes, reused // self.block_size)
+        if self.store is not None:
+            self.store.apply_events(self.blocks.take_events())
+        return PrefillResult(logits, len(tokens), device_hit, store_blocks * self.block_size, stored,
+                             time.perf_counter() - start, seq)
+
+    def _store_new_blocks(self, seq: SeqState, hashes: list[BlockHash], first_block: int) -> int:
+        if self.store is None:
+            return 0
+        items = []
+        for i in range(first_block, len(hashes)):
+            slots = self._block_slots(seq, i)
+            for layer in range(self.layout.num_layers):
+                payload = self.pool.gather(slots, layer)
+                items.append((BlockAddress(hashes[i], layer), payload.numpy().data))
+        results = self.store.put_many(items, model=self.namespace.model_id) if items else []
+        return sum(r.ok for r in results) // self.layout.num_layers
+
+    def finish(self, seq: SeqState) -> None:
+        """Release the sequence's blocks; full ones stay cached (hit-able) until reused."""
+        self.blocks.deallocate(seq)
+        if self.store is not None:
+            self.store.apply_events(self.blocks.take_events())

@@ -42,6 +42,8 @@ class KVConfig:
     gpu_offload_threshold: float = 0.85
     cpu_offload_threshold: float = 0.90
     prefetch_threshold: float = 0.7
+    ssd_low_water: float = 0.9           # SSD eviction trims down to ssd_gib * this
+    frequency_half_life_s: float = 60.0  # decay of the access frequency behind prefetch
 
 
 @dataclass(slots=True)
@@ -104,7 +106,7 @@ class Config:
         kv = self.kv
         positive = {"kv.ram_gib": kv.ram_gib, "kv.ssd_gib": kv.ssd_gib, "kv.ssd_ttl_s": kv.ssd_ttl_s,
                     "kv.block_size": kv.block_size, "kv.eviction_interval_s": kv.eviction_interval_s,
-                    "kv.io_threads": kv.io_threads,
+                    "kv.io_threads": kv.io_threads, "kv.frequency_half_life_s": kv.frequency_half_life_s,
                     "transport.max_payload_bytes": self.transport.max_payload_bytes,
                     "transport.max_datagram_size": self.transport.max_datagram_size,
                     "transport.max_inflight": self.transport.max_inflight,
@@ -113,7 +115,7 @@ class Config:
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{source}: {key} must be > 0, got {value}")
-        for key in ("gpu_offload_threshold", "cpu_offload_threshold", "prefetch_threshold"):
+        for key in ("gpu_offload_threshold", "cpu_offload_threshold", "prefetch_threshold", "ssd_low_water"):
             value = getattr(kv, key)
             if not 0.0 < value <= 1.0:
                 raise ConfigError(f"{source}: kv.{key} must be in (0, 1], got {value}")

@@ -1,0 +1,148 @@
+"""Tier thresholds and access-frequency tracking: pure policy, no I/O, time passed in as `now`.
+
+Byte lines per tier (C = capacity)::
+
+    RAM  0 ........ offload·C ........ C ........ high_water·C
+                    evictor target     ram_gib    put() answers FULL past here
+    SSD  0 ........ low_water·C ...... C
+                    evictor target     ssd_gib: a write that would pass it answers FULL
+
+* Device -> RAM: `should_offload_device(u)` once the engine pool's utilisation u passes
+  gpu_offload_threshold; the engine side then gathers its coldest blocks and puts them.
+* RAM -> SSD: once RAM passes cpu_offload_threshold·C the evictor drops least recently used blocks
+  (each already on SSD, written first if it was not) down to that line, so bursts between two
+  evictor ticks land in the headroom instead of being refused.
+* SSD: blocks not seen for ssd_ttl_s expire; past low_water·C the least recently seen go (and,
+  after a write was refused for room, as many more as that write needs).
+* SSD -> RAM prefetch: a block whose decayed access frequency is at least prefetch_threshold of
+  the hottest block's is read back into RAM while RAM is under its offload line.
+
+Decayed frequency: every access adds 1 and the sum halves every `half_life_s`. It is stored as a
+score s = log2(f(t)) + (t - t0) / half_life, which no longer changes as time passes, so comparing
+two blocks (2 ** (s_a - s_b)) or finding the hottest needs no decay pass: touch O(1),
+relative O(1), forget O(1) (O(n) only when the hottest key itself is forgotten).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable, Iterable
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
+from fabric.config import KVConfig
+
+GIB = 1 << 30
+K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True, slots=True)
+class TierPolicy:
+    ram_capacity_bytes: int
+    ram_high_water_bytes: int
+    ram_offload_threshold: float
+    ssd_capacity_bytes: int
+    ssd_low_water: float
+    ssd_ttl_s: float
+    gpu_offload_threshold: float
+    prefetch_threshold: float
+
+    def __post_init__(self) -> None:
+        if self.ram_capacity_bytes <= 0 or self.ssd_capacity_bytes <= 0:
+            raise ValueError("tier capacities must be positive")
+        if self.ram_high_water_bytes < self.ram_capacity_bytes:
+            raise ValueError("RAM high-water mark must be >= its capacity")
+        for name in ("ram_offload_threshold", "ssd_low_water", "gpu_offload_threshold", "prefetch_threshold"):
+            value = getattr(self, name)
+            if not 0.0 < value <= 1.0:
+                raise ValueError(f"{name} must be in (0, 1], got {value}")
+
+    @classmethod
+    def from_config(cls, kv: KVConfig) -> TierPolicy:
+        ram = max(1, int(kv.ram_gib * GIB))
+        return cls(ram_capacity_bytes=ram, ram_high_water_bytes=int(ram * kv.ram_high_water),
+                   ram_offload_threshold=kv.cpu_offload_threshold,
+                   ssd_capacity_bytes=max(1, int(kv.ssd_gib * GIB)), ssd_low_water=kv.ssd_low_water,
+                   ssd_ttl_s=kv.ssd_ttl_s, gpu_offload_threshold=kv.gpu_offload_threshold,
+                   prefetch_threshold=kv.prefetch_threshold)
+
+    @property
+    def ram_offload_line(self) -> int:
+        return int(self.ram_capacity_bytes * self.ram_offload_threshold)
+
+    def ram_bytes_to_free(self, used: int) -> int:
+        """Bytes the evictor should move out of RAM now (0 while under the offload line)."""
+        return max(0, used - self.ram_offload_line)
+
+    def ram_room_for_promotion(self, used: int) -> int:
+        """Bytes a promotion or prefetch may add without creating eviction work."""
+        return max(0, self.ram_offload_line - used)
+
+    def ssd_has_room(self, used: int, num_bytes: int) -> bool:
+        return used + num_bytes <= self.ssd_capacity_bytes
+
+    def ssd_bytes_to_free(self, used: int, wanted: int = 0) -> int:
+        """Bytes to evict: down to the low-water line, and enough for `wanted` bytes that were
+        refused since the last pass (so a refused write fits next time even for huge blocks)."""
+        return max(0, used - int(self.ssd_capacity_bytes * self.ssd_low_water),
+                   used + wanted - self.ssd_capacity_bytes)
+
+    def ssd_expiry_cutoff(self, now_unix: float) -> float:
+        """Blocks last seen before this instant have outlived ssd_ttl_s."""
+        return now_unix - self.ssd_ttl_s
+
+    def should_offload_device(self, pool_utilisation: float) -> bool:
+        return pool_utilisation > self.gpu_offload_threshold
+
+    def should_prefetch(self, relative_frequency: float) -> bool:
+        return relative_frequency >= self.prefetch_threshold
+
+
+class DecayedFrequency(Generic[K]):
+    """Exponentially decayed access counts per key, compared relative to the hottest key."""
+
+    def __init__(self, half_life_s: float = 60.0) -> None:
+        if half_life_s <= 0:
+            raise ValueError(f"half_life_s must be positive, got {half_life_s}")
+        self.half_life_s = half_life_s
+        self._origin: float | None = None
+        self._scores: dict[K, float] = {}
+        self._hottest: K | None = None
+
+    def __len__(self) -> int:
+        return len(self._scores)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._scores
+
+    def touch(self, key: K, now: float, weight: float = 1.0) -> None:
+        if self._origin is None:
+            self._origin = now
+        base = (now - self._origin) / self.half_life_s
+        old = self._scores.get(key)
+        decayed = 0.0 if old is None else 2.0 ** (old - base)
+        score = base + math.log2(decayed + weight)
+        self._scores[key] = score
+        if self._hottest is None or score >= self._scores[self._hottest]:
+            self._hottest = key
+
+    def frequency(self, key: K, now: float) -> float:
+        """The decayed count at `now` (0 for an unknown key)."""
+        score = self._scores.get(key)
+        if score is None or self._origin is None:
+            return 0.0
+        return float(2.0 ** (score - (now - self._origin) / self.half_life_s))
+
+    def relative(self, key: K) -> float:
+        """This key's frequency divided by the hottest key's, in [0, 1]."""
+        score = self._scores.get(key)
+        if score is None or self._hottest is None:
+            return 0.0
+        return float(2.0 ** (score - self._scores[self._hottest]))
+
+    def forget(self, key: K) -> None:
+        if self._scores.pop(key, None) is not None and key == self._hottest:
+            self._hottest = max(self._scores, key=self._scores.__getitem__) if self._scores else None
+
+    def hottest_first(self, keys: Iterable[K]) -> list[K]:
+        return sorted(keys, key=lambda k: self._scores.get(k, -math.inf), reverse=True)

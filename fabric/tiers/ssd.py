@@ -1,0 +1,444 @@
+"""SSD tier: one file per (block, layer) with a self-describing, digest-checked header.
+
+Layout on disk::
+
+    <root>/<2 hex = key[0]>/<16 hex of key>-<layer>.kvb          a committed block
+    <root>/<2 hex>/.<16 hex>-<layer>.<pid>.<n>.tmp               a write in progress (never read)
+
+    file = header (HEADER_SIZE = 4096 bytes, so the payload starts page-aligned for O_DIRECT)
+         + payload (length bytes)
+
+    header  offset size
+            0      4    magic b"KVFB"
+            4      2    version (1)
+            6      2    header size / 16   (256)
+            8      4    flags (0)
+            12     32   storage key
+            44     4    layer (u32)
+            48     8    payload length (u64)
+            56     32   BLAKE3-256 digest of the payload
+            88     8    created (unix seconds, f64)
+            96     32   BLAKE3-256 of header bytes [0, 96)
+            128    ...  zero padding up to 4096
+
+A write goes to a temp name in the block's folder, is fdatasync'ed, renamed over the final name,
+and the folder is fsync'ed (`durable`), so a crash leaves either the old state or the whole new
+file, plus at worst a stray temp file that `scan()` reports. A read checks the header digest,
+key, layer, file length and the payload digest and raises `CorruptBlockError` on any mismatch:
+no byte of a block that does not verify is ever returned. Reads use O_DIRECT into page-aligned
+anonymous memory when the filesystem allows it (probed at open; otherwise a log line and
+buffered reads followed by posix_fadvise(DONTNEED)), so the SSD tier never doubles as a second,
+unaccounted page-cache tier; writes drop their pages after the sync for the same reason.
+
+The in-memory catalog (key -> SsdEntry, ordered least recently seen first) answers `contains`
+without I/O and gives eviction its TTL / LRU order: contains / add / discard / touch O(1),
+expired / lru walks O(victims). The catalog is not thread-safe (the Store serialises it under its
+lock); the file methods are, and do no locking.
+
+16 hex digits of the key name a file: two distinct keys of the same layer collide with
+probability ~n^2 / 2^65; a collision is caught by the key check on read and served as a miss.
+"""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import logging
+import mmap
+import os
+import re
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import blake3
+
+from fabric.keys import StorageKey
+from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier, TierStats
+
+logger = logging.getLogger(__name__)
+
+MAGIC = b"KVFB"
+VERSION = 1
+HEADER_SIZE = 4096
+ALIGN = 4096
+_FIELDS = struct.Struct("<4sHHI32sIQ32sd")          # 96 bytes, followed by their BLAKE3 digest
+_CHECKED = _FIELDS.size + 32
+_NAME_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.kvb$")
+_TEMP_RE = re.compile(r"^\.[0-9a-f]{16}-\d+\..*\.tmp$")
+# Errors that mean "the filesystem has no room for this write" (EFBIG: RLIMIT_FSIZE or a file-size cap).
+NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
+
+@dataclass(slots=True)
+class SsdEntry:
+    """What the catalog knows of one committed block (mirrors its index row)."""
+
+    layer: int
+    num_bytes: int
+    digest: bytes
+    model: str
+    created_unix: float
+    last_seen_unix: float
+
+    @property
+    def file_bytes(self) -> int:
+        return HEADER_SIZE + self.num_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ScannedFile:
+    path: Path
+    size: int
+
+
+@dataclass(slots=True)
+class SsdScan:
+    """Every file under the root: committed blocks by (16-hex key prefix, layer), temp and foreign files."""
+
+    files: dict[tuple[str, int], ScannedFile] = field(default_factory=dict)
+    temp_files: list[Path] = field(default_factory=list)
+    foreign_files: list[Path] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class WriteItem:
+    key: StorageKey
+    layer: int
+    payload: memoryview
+    digest: bytes
+    created_unix: float
+
+
+def file_name(key: bytes, layer: int) -> str:
+    return f"{key.hex()[:16]}-{layer}.kvb"
+
+
+def encode_header(key: bytes, layer: int, length: int, digest: bytes, created_unix: float) -> bytes:
+    fields = _FIELDS.pack(MAGIC, VERSION, HEADER_SIZE // 16, 0, key, layer, length, digest, created_unix)
+    return (fields + blake3.blake3(fields).digest()).ljust(HEADER_SIZE, b"\0")
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    key: bytes
+    layer: int
+    length: int
+    digest: bytes
+    created_unix: float
+
+
+def decode_header(buf: bytes | memoryview, key: StorageKey) -> Header:
+    """Parse and self-check a header; `key` names the block in errors. Raises CorruptBlockError."""
+    if len(buf) < _CHECKED:
+        raise CorruptBlockError(key, f"file shorter than its header ({len(buf)} bytes)")
+    fields = bytes(buf[:_FIELDS.size])
+    if blake3.blake3(fields).digest() != bytes(buf[_FIELDS.size:_CHECKED]):
+        raise CorruptBlockError(key, "header checksum mismatch")
+    magic, version, size16, _flags, hkey, layer, length, digest, created = _FIELDS.unpack(fields)
+    if magic != MAGIC or version != VERSION or size16 * 16 != HEADER_SIZE:
+        raise CorruptBlockError(key, f"unknown format (magic {magic!r}, version {version})")
+    return Header(hkey, layer, length, digest, created)
+
+
+class SsdTier:
+    """Block files under `root` plus their in-memory catalog. See the module docstring."""
+
+    tier = Tier.SSD
+
+    def __init__(self, root: str | os.PathLike[str], *, capacity_bytes: int, durable: bool = True,
+                 o_direct: bool = True) -> None:
+        self.root = Path(root)
+        self.capacity_bytes = capacity_bytes
+        self.durable = durable
+        self._catalog: OrderedDict[StorageKey, SsdEntry] = OrderedDict()
+        self._used = 0
+        self._temp_ids = itertools.count()
+        self._make_folders()
+        self.o_direct = o_direct and self._probe_o_direct()
+
+    # ---- catalog (caller holds the Store lock) -------------------------------------------------
+
+    @property
+    def used_bytes(self) -> int:
+        return self._used
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._catalog)
+
+    def contains(self, key: StorageKey) -> bool:
+        return key in self._catalog
+
+    def entry(self, key: StorageKey) -> SsdEntry | None:
+        return self._catalog.get(key)
+
+    def add(self, key: StorageKey, entry: SsdEntry) -> None:
+        """Record a committed file (replacing an older entry of the same key) as most recently seen."""
+        self.discard(key)
+        self._catalog[key] = entry
+        self._used += entry.file_bytes
+
+    def load(self, entries: Iterable[tuple[StorageKey, SsdEntry]]) -> None:
+        """Fill the catalog from the index at open, least recently seen first."""
+        for key, entry in sorted(entries, key=lambda kv: kv[1].last_seen_unix):
+            self.add(key, entry)
+
+    def discard(self, key: StorageKey) -> SsdEntry | None:
+        entry = self._catalog.pop(key, None)
+        if entry is not None:
+            self._used -= entry.file_bytes
+        return entry
+
+    def touch(self, key: StorageKey, now_unix: float) -> None:
+        entry = self._catalog.get(key)
+        if entry is not None:
+            entry.last_seen_unix = max(entry.last_seen_unix, now_unix)
+            self._catalog.move_to_end(key)
+
+    def expired(self, cutoff_unix: float) -> list[StorageKey]:
+        """Keys last seen before `cutoff_unix` (oldest first)."""
+        out: list[StorageKey] = []
+        for key, entry in self._catalog.items():
+            if entry.last_seen_unix >= cutoff_unix:
+                break
+            out.append(key)
+        return out
+
+    def least_recent(self, num_bytes: int, skip: frozenset[StorageKey] = frozenset()) -> list[StorageKey]:
+        """Least recently seen keys whose files add up to at least `num_bytes`."""
+        out: list[StorageKey] = []
+        freed = 0
+        for key, entry in self._catalog.items():
+            if freed >= num_bytes:
+                break
+            if key in skip:
+                continue
+            out.append(key)
+            freed += entry.file_bytes
+        return out
+
+    def items(self) -> list[tuple[StorageKey, SsdEntry]]:
+        return list(self._catalog.items())
+
+    def stats(self) -> TierStats:
+        return TierStats(len(self._catalog), self._used, self.capacity_bytes)
+
+    # ---- protocol conveniences (catalog + file; single-threaded users such as tests and the CLI) ----
+
+    def get(self, key: StorageKey) -> StoredBlock | None:
+        """Read and verify a catalogued block; None if unknown. Raises CorruptBlockError."""
+        entry = self._catalog.get(key)
+        return None if entry is None else self.read_file(key, entry.layer, entry.digest)
+
+    def remove(self, key: StorageKey) -> bool:
+        entry = self.discard(key)
+        if entry is None:
+            return False
+        self.unlink(key, entry.layer)
+        return True
+
+    # ---- files (thread-safe, no locks) -----------------------------------------------------------
+
+    def folder_for(self, key: bytes) -> Path:
+        return self.root / f"{key[0]:02x}"
+
+    def path_for(self, key: bytes, layer: int) -> Path:
+        return self.folder_for(key) / file_name(key, layer)
+
+    def write_file(self, item: WriteItem, *, sync_folder: bool = True) -> Path:
+        """Write one block file atomically; returns its folder. Raises OSError (temp file removed)."""
+        folder = self.folder_for(item.key)
+        final = folder / file_name(item.key, item.layer)
+        temp = folder / f".{final.stem}.{os.getpid()}.{next(self._temp_ids)}.tmp"
+        header = encode_header(item.key, item.layer, item.payload.nbytes, item.digest, item.created_unix)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                _write_all(fd, [header, item.payload])
+                if self.durable:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+            os.replace(temp, final)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        if sync_folder and self.durable:
+            fsync_folder(folder)
+        return folder
+
+    def write_files(self, items: Sequence[WriteItem], pool: Executor) -> list[OSError | None]:
+        """Group commit: write every file in parallel on `pool`, then fsync each touched folder once.
+
+        Returns one entry per item: None when the file is committed (durable if `durable`),
+        or the OSError that stopped it (its file is then removed).
+        """
+        futures = [pool.submit(self.write_file, item, sync_folder=False) for item in items]
+        results: list[OSError | None] = []
+        folders: dict[Path, list[int]] = {}
+        for i, fut in enumerate(futures):
+            try:
+                folders.setdefault(fut.result(), []).append(i)
+                results.append(None)
+            except OSError as e:
+                results.append(e)
+        if self.durable:
+            synced = list(pool.map(_try_fsync_folder, folders))
+            for (_folder, indices), err in zip(folders.items(), synced, strict=True):
+                for i in indices if err is not None else ():
+                    results[i] = err
+                    self.unlink(items[i].key, items[i].layer)
+        return results
+
+    def read_file(self, key: StorageKey, layer: int, expected_digest: bytes | None = None) -> StoredBlock:
+        """Read and verify one block file. Raises FileNotFoundError or CorruptBlockError."""
+        fd = self._open_for_read(self.path_for(key, layer))
+        try:
+            size = os.fstat(fd).st_size
+            if size < HEADER_SIZE:
+                raise CorruptBlockError(key, f"truncated: {size} bytes, header alone is {HEADER_SIZE}")
+            buf = self._read_all(fd, key, size)
+        finally:
+            os.close(fd)
+        header = decode_header(memoryview(buf)[:HEADER_SIZE], key)
+        if header.key != key or header.layer != layer:
+            raise CorruptBlockError(key, f"file holds another block ({header.key.hex()[:16]}/{header.layer})")
+        if size != HEADER_SIZE + header.length:
+            raise CorruptBlockError(key, f"length mismatch: file has {size - HEADER_SIZE} payload bytes, "
+                                         f"header says {header.length}")
+        if expected_digest is not None and header.digest != expected_digest:
+            raise CorruptBlockError(key, "header digest differs from the index")
+        payload = memoryview(buf)[HEADER_SIZE:size]
+        if blake3.blake3(payload).digest() != header.digest:
+            raise CorruptBlockError(key, "payload digest mismatch")
+        return StoredBlock(payload.toreadonly(), header.digest, Tier.SSD)
+
+    def unlink(self, key: bytes, layer: int) -> bool:
+        try:
+            os.unlink(self.path_for(key, layer))
+        except FileNotFoundError:
+            return False
+        return True
+
+    def scan(self) -> SsdScan:
+        """List every file under the root (no reads beyond the folder entries)."""
+        return scan_folder(self.root)
+
+    # ---- internals -------------------------------------------------------------------------------
+
+    def _folders(self) -> Iterator[Path]:
+        for i in range(256):
+            yield self.root / f"{i:02x}"
+
+    def _make_folders(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        created = False
+        for folder in self._folders():
+            if not folder.is_dir():
+                folder.mkdir(exist_ok=True)
+                created = True
+        if created and self.durable:
+            fsync_folder(self.root)
+
+    def _probe_o_direct(self) -> bool:
+        flag = getattr(os, "O_DIRECT", 0)
+        if not flag:
+            logger.info("O_DIRECT is not available on this platform; SSD reads are buffered + fadvise")
+            return False
+        probe = self.root / f".o_direct_probe.{os.getpid()}"
+        try:
+            probe.write_bytes(b"\0" * ALIGN)
+            fd = os.open(probe, os.O_RDONLY | flag)
+            try:
+                os.preadv(fd, [mmap.mmap(-1, ALIGN)], 0)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            logger.info("O_DIRECT reads refused under %s (%s); falling back to buffered reads with "
+                        "posix_fadvise(DONTNEED)", self.root, e.strerror)
+            return False
+        finally:
+            probe.unlink(missing_ok=True)
+        return True
+
+    def _open_for_read(self, path: Path) -> int:
+        if self.o_direct:
+            try:
+                return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                logger.warning("O_DIRECT open refused for %s; falling back to buffered reads", path)
+                self.o_direct = False
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+
+    def _read_all(self, fd: int, key: StorageKey, size: int) -> mmap.mmap | bytearray:
+        buf: mmap.mmap | bytearray
+        if self.o_direct:
+            # O_DIRECT wants an aligned buffer and length: anonymous mmap memory is page-aligned.
+            buf = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
+            got = os.preadv(fd, [buf], 0)
+        else:
+            buf = bytearray(size)
+            view = memoryview(buf)
+            got = 0
+            while got < size and (n := os.preadv(fd, [view[got:]], got)) > 0:
+                got += n
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if got != size:
+            raise CorruptBlockError(key, f"short read: {got} of {size} bytes (file shrank while read)")
+        return buf
+
+
+def scan_folder(root: Path) -> SsdScan:
+    """Classify every file in the fan-out folders under `root`; changes nothing."""
+    out = SsdScan()
+    for i in range(256):
+        folder = root / f"{i:02x}"
+        if not folder.is_dir():
+            continue
+        with os.scandir(folder) as it:
+            for de in it:
+                if not de.is_file(follow_symlinks=False):
+                    continue
+                match = _NAME_RE.match(de.name)
+                if match:
+                    out.files[(match[1], int(match[2]))] = ScannedFile(Path(de.path), de.stat().st_size)
+                elif _TEMP_RE.match(de.name):
+                    out.temp_files.append(Path(de.path))
+                else:
+                    out.foreign_files.append(Path(de.path))
+    return out
+
+
+def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        n = os.writev(fd, views)
+        while views and n >= views[0].nbytes:
+            n -= views[0].nbytes
+            views.pop(0)
+        if views and n:
+            views[0] = views[0][n:]
+
+
+def fsync_folder(folder: Path) -> None:
+    """Make the folder's entries (renames, creations, unlinks) durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _try_fsync_folder(folder: Path) -> OSError | None:
+    try:
+        fsync_folder(folder)
+    except OSError as e:
+        return e
+    return None

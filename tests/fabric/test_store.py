@@ -1,0 +1,341 @@
+"""Store: put / get / lookup / delete across tiers, promotion, write-behind, eviction, thresholds."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import blake3
+import pytest
+
+from fabric.config import Config, KVConfig
+from fabric.events import BlockEvicted, BlockStored
+from fabric.index import IndexUnavailableError
+from fabric.keys import BlockAddress, BlockHash
+from fabric.store import PutResult, Store
+from fabric.tiers.base import Tier
+from fabric.tiers.device import UnknownEventError
+from fabric.tiers.ssd import HEADER_SIZE
+
+MIB = 1 << 20
+GIB = 1 << 30
+
+
+def kv(tmp_path: Path, **overrides: Any) -> KVConfig:
+    base: dict[str, Any] = dict(ssd_dir=str(tmp_path / "ssd"), index_dir=str(tmp_path / "index"),
+                                ram_gib=64 * MIB / GIB, ssd_gib=256 * MIB / GIB)
+    base.update(overrides)
+    return KVConfig(**base)
+
+
+def addr(i: int, layer: int = 0) -> BlockAddress:
+    return BlockAddress(BlockHash(blake3.blake3(b"block" + i.to_bytes(8, "little")).digest()), layer)
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def payloads() -> dict[int, bytes]:
+    return {i: os.urandom(64 * 1024) for i in range(16)}
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_put_then_get_returns_the_same_verified_bytes(tmp_path: Path, payloads: dict[int, bytes],
+                                                      write_through: bool) -> None:
+    with Store.open(kv(tmp_path, write_through=write_through), background=False) as store:
+        for i, p in payloads.items():
+            assert store.put(addr(i), p, model="llama") is PutResult.OK
+        for i, p in payloads.items():
+            block = store.get_block(addr(i))
+            assert block is not None and bytes(block.payload) == p
+            assert block.digest == blake3.blake3(p).digest() and block.tier is Tier.RAM
+        view = store.get(addr(0))
+        assert isinstance(view, memoryview) and view.readonly
+        assert store.get(addr(99)) is None
+
+
+def test_put_accepts_config_object_and_mutable_buffers_are_copied(tmp_path: Path) -> None:
+    cfg = Config()
+    cfg.kv = kv(tmp_path)
+    buf = bytearray(os.urandom(1000))
+    expected = bytes(buf)
+    with Store.open(cfg, background=False) as store:
+        assert store.put(addr(1), buf).ok
+        buf[:10] = b"\0" * 10                      # the caller reuses its buffer
+        assert store.get(addr(1)) == expected
+
+
+def test_a_wrong_digest_from_the_network_is_rejected_and_nothing_is_stored(tmp_path: Path) -> None:
+    p = os.urandom(5000)
+    with Store.open(kv(tmp_path, write_through=True), background=False) as store:
+        assert store.put(addr(1), p, digest=b"\0" * 32) is PutResult.DIGEST_MISMATCH
+        assert store.get(addr(1)) is None and store.lookup([addr(1)]).num_leading == 0
+        assert store.put(addr(1), p, digest=blake3.blake3(p).digest()) is PutResult.OK
+        assert store.stats()["put_rejected"]["digest_mismatch"] == 1
+
+
+def test_lookup_reports_leading_run_and_tier_per_address(tmp_path: Path, payloads: dict[int, bytes]) -> None:
+    cfg = kv(tmp_path, write_through=True)
+    with Store.open(cfg, background=False) as store:
+        for i in range(4):
+            store.put(addr(i), payloads[i])
+    with Store.open(cfg, background=False) as store:   # RAM starts empty after a restart
+        store.get(addr(1))                             # promoted to RAM
+        store.apply_events([BlockStored((addr(0).hash,), addr(0).hash, (7,))])
+        result = store.lookup([addr(0), addr(1), addr(2), addr(9), addr(3)])
+        assert result.num_leading == 3
+        assert result.tiers == (Tier.DEVICE, Tier.RAM, Tier.SSD, None, Tier.SSD)
+        store.apply_events([BlockEvicted((addr(0).hash,))])
+        assert store.lookup([addr(0)]).tiers == (Tier.SSD,)
+
+
+def test_device_events_of_another_class_with_the_same_name_are_accepted(tmp_path: Path) -> None:
+    @dataclass(frozen=True)
+    class BlockStored:                                  # an engine adapter's own event type
+        block_hashes: tuple[bytes, ...]
+
+    with Store.open(kv(tmp_path), background=False) as store:
+        store.apply_events([BlockStored((addr(5).hash,))])
+        assert store.on_device(addr(5).hash)
+        assert store.lookup([addr(5, layer=3)]).tiers == (Tier.DEVICE,)
+        with pytest.raises(UnknownEventError):
+            store.apply_events([object()])
+
+
+def test_ssd_hit_is_promoted_to_ram_unless_asked_not_to(tmp_path: Path, payloads: dict[int, bytes]) -> None:
+    cfg = kv(tmp_path, write_through=True)
+    with Store.open(cfg, background=False) as store:
+        store.put(addr(1), payloads[1])
+        store.put(addr(2), payloads[2])
+    with Store.open(cfg, background=False) as store:
+        block = store.get_block(addr(1), promote=False)
+        assert block is not None and block.tier is Tier.SSD and bytes(block.payload) == payloads[1]
+        assert store.lookup([addr(1)]).tiers == (Tier.SSD,)
+        assert store.get_block(addr(2)).tier is Tier.SSD  # type: ignore[union-attr]
+        assert store.get_block(addr(2)).tier is Tier.RAM  # type: ignore[union-attr]
+
+
+def test_write_behind_reaches_ssd_on_flush_and_survives_restart(tmp_path: Path,
+                                                                payloads: dict[int, bytes]) -> None:
+    cfg = kv(tmp_path, write_through=False)
+    with Store.open(cfg, background=False) as store:
+        for i, p in payloads.items():
+            store.put(addr(i), p)
+        assert store.stats()["pending_writes"] == len(payloads)
+        assert store.stats()["ssd"]["blocks"] == 0
+        assert store.flush() == 0
+        assert store.stats()["ssd"]["blocks"] == len(payloads)
+        store.put(addr(100), b"written at close")     # close() flushes what is pending
+    with Store.open(cfg, background=False) as store:
+        for i, p in payloads.items():
+            assert store.get(addr(i)) == p
+        assert store.get(addr(100)) == b"written at close"
+
+
+def test_background_thread_flushes_write_behind_and_stops_on_close(tmp_path: Path) -> None:
+    store = Store.open(kv(tmp_path, write_through=False, eviction_interval_s=0.05))
+    store.put(addr(1), b"x" * 10_000)
+    deadline = time.monotonic() + 10
+    while store.stats()["ssd"]["blocks"] == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert store.stats()["ssd"]["blocks"] == 1
+    store.close()
+    assert not any(t.name == "kvfabric-store" for t in threading.enumerate())
+    with pytest.raises(RuntimeError, match="closed"):
+        store.get(addr(1))
+
+
+def test_ram_eviction_writes_unflushed_blocks_before_dropping_them(tmp_path: Path) -> None:
+    # RAM holds 1 MiB; offload line at 90 %. Sixteen 128 KiB blocks (2 MiB) fit under the
+    # 2x high-water mark only while nothing is evicted; nothing has been flushed yet.
+    cfg = kv(tmp_path, write_through=False, ram_gib=MIB / GIB, ram_high_water=2.0)
+    blocks = {i: os.urandom(128 * 1024) for i in range(16)}
+    with Store.open(cfg, background=False) as store:
+        for i, p in blocks.items():
+            assert store.put(addr(i), p) is PutResult.OK
+        assert store.put(addr(99), os.urandom(128 * 1024)) is PutResult.FULL   # past high water
+        done = store.run_maintenance()
+        stats = store.stats()
+        assert done["ram_evicted"] > 0 and stats["evictions"]["ram"] == done["ram_evicted"]
+        assert stats["ram"]["bytes"] <= 0.9 * MIB
+        assert stats["pending_writes"] == 0 and stats["ssd"]["blocks"] == len(blocks)
+        for i, p in blocks.items():                    # nothing was lost on the way out
+            assert store.get(addr(i)) == p
+        assert store.put(addr(99), os.urandom(128 * 1024)) is PutResult.OK
+
+
+def test_ssd_blocks_expire_after_ttl_since_last_seen(tmp_path: Path) -> None:
+    clock = Clock()
+    cfg = kv(tmp_path, write_through=True, ssd_ttl_s=100.0)
+    with Store.open(cfg, background=False, clock=clock) as store:
+        store.put(addr(1), b"old")
+        store.put(addr(2), b"kept alive")
+        clock.now += 60
+        store.get(addr(2))                              # seen again at +60
+        clock.now += 60
+        done = store.run_maintenance()
+        assert done["ssd_evicted"] == 1
+        assert store.lookup([addr(1), addr(2)]).tiers[1] is not None
+        assert store.stats()["ssd"]["blocks"] == 1
+    with Store.open(cfg, background=False, clock=clock) as store:
+        assert store.get(addr(1)) is None              # file and row gone for good
+        assert store.get(addr(2)) == b"kept alive"
+        assert store.reconciled["row_without_file"] == 0
+
+
+def test_ssd_capacity_refuses_then_evicts_least_recently_seen(tmp_path: Path) -> None:
+    clock = Clock()
+    per_file = HEADER_SIZE + 256 * 1024
+    cfg = kv(tmp_path, write_through=True, ssd_gib=4.5 * per_file / GIB)
+    with Store.open(cfg, background=False, clock=clock) as store:
+        for i in range(4):
+            clock.now += 1
+            assert store.put(addr(i), os.urandom(256 * 1024)) is PutResult.OK
+        assert store.put(addr(4), os.urandom(256 * 1024)) is PutResult.FULL
+        assert store.stats()["put_rejected"]["full"] == 1
+        clock.now += 1
+        store.lookup([addr(0)])                         # 0 is now the most recently seen
+        # 4 files are under the 90 % line (4.05 files), but the refused write needs one more.
+        assert store.run_maintenance()["ssd_evicted"] == 1
+        assert store.stats()["ssd"]["blocks"] == 3
+        assert store.put(addr(4), os.urandom(256 * 1024)) is PutResult.OK
+    with Store.open(cfg, background=False, clock=clock) as store:    # RAM is empty: only SSD answers
+        tiers = store.lookup([addr(i) for i in range(5)]).tiers
+        assert tiers == (Tier.SSD, None, Tier.SSD, Tier.SSD, Tier.SSD)
+
+
+def test_ssd_evictor_keeps_usage_under_the_low_water_line(tmp_path: Path) -> None:
+    clock = Clock()
+    per_file = HEADER_SIZE + 64 * 1024
+    cfg = kv(tmp_path, write_through=True, ssd_gib=10 * per_file / GIB, ssd_low_water=0.8)
+    with Store.open(cfg, background=False, clock=clock) as store:
+        for i in range(10):
+            clock.now += 1
+            assert store.put(addr(i), os.urandom(64 * 1024)) is PutResult.OK
+        assert store.run_maintenance()["ssd_evicted"] == 2           # 10 files -> 8 (80 %)
+        assert store.stats()["ssd"]["bytes"] == 8 * per_file
+        assert store.stats()["evictions"]["ssd"] == 2
+
+
+def test_write_behind_under_a_full_ssd_replaces_the_oldest_blocks(tmp_path: Path) -> None:
+    clock = Clock()
+    per_file = HEADER_SIZE + 64 * 1024
+    cfg = kv(tmp_path, write_through=False, ssd_gib=4 * per_file / GIB)
+    blocks = {i: os.urandom(64 * 1024) for i in range(6)}
+    with Store.open(cfg, background=False, clock=clock) as store:
+        for i, p in blocks.items():
+            clock.now += 1
+            store.put(addr(i), p)
+        assert store.flush() == 2                          # four fit, two wait pinned in RAM
+        store.run_maintenance()                            # evicts old SSD blocks for them
+        assert store.stats()["pending_writes"] == 0
+        assert store.stats()["ssd"]["bytes"] <= 4 * per_file
+        for i, p in blocks.items():                        # every block still served (RAM or SSD)
+            assert store.get(addr(i)) == p
+    with Store.open(cfg, background=False) as store:       # and the newest ones are on SSD
+        assert store.lookup([addr(4), addr(5)]).num_leading == 2
+
+
+def test_hot_ssd_blocks_are_prefetched_into_ram(tmp_path: Path, payloads: dict[int, bytes]) -> None:
+    clock = Clock()
+    cfg = kv(tmp_path, write_through=True, prefetch_threshold=0.7)
+    with Store.open(cfg, background=False, clock=clock) as store:
+        for i in range(3):
+            store.put(addr(i), payloads[i])
+    with Store.open(cfg, background=False, clock=clock) as store:
+        for _ in range(10):
+            clock.now += 1
+            store.lookup([addr(0), addr(1)])
+        store.lookup([addr(2)])                         # touched once: far below 0.7 of the hottest
+        assert store.run_maintenance(clock.now)["prefetched"] == 2
+        assert store.lookup([addr(0), addr(1), addr(2)]).tiers == (Tier.RAM, Tier.RAM, Tier.SSD)
+
+
+def test_offload_thresholds_come_from_config(tmp_path: Path) -> None:
+    with Store.open(kv(tmp_path, gpu_offload_threshold=0.85), background=False) as store:
+        assert not store.should_offload_device(0.80)
+        assert store.should_offload_device(0.86)
+        assert store.policy.ram_offload_line == int(64 * MIB * 0.90)
+
+
+def test_delete_removes_every_copy(tmp_path: Path) -> None:
+    cfg = kv(tmp_path, write_through=True)
+    with Store.open(cfg, background=False) as store:
+        store.put(addr(1), b"to be deleted")
+        path = Path(cfg.ssd_dir) / f"{addr(1).storage_key[0]:02x}" / f"{addr(1).storage_key.hex()[:16]}-0.kvb"
+        assert path.exists()
+        assert store.delete(addr(1)) is True
+        assert store.get(addr(1)) is None and not path.exists()
+        assert store.delete(addr(1)) is False
+    with Store.open(cfg, background=False) as store:
+        assert store.get(addr(1)) is None
+
+
+def test_put_many_is_one_group_commit_and_handles_repeated_keys(tmp_path: Path) -> None:
+    with Store.open(kv(tmp_path, write_through=True), background=False) as store:
+        results = store.put_many([(addr(1), b"first"), (addr(2), b"two"), (addr(1), b"second")])
+        assert results == [PutResult.OK] * 3
+        assert store.get(addr(1)) == b"second"
+        assert store.put(addr(2), b"two") is PutResult.OK    # already stored: no rewrite
+        assert store.stats()["ssd"]["blocks"] == 2
+
+
+def test_concurrent_puts_gets_and_deletes_stay_consistent(tmp_path: Path) -> None:
+    blocks = {i: os.urandom(8192 + i) for i in range(64)}
+    errors: list[str] = []
+    with Store.open(kv(tmp_path, write_through=False, eviction_interval_s=0.02)) as store:
+        def worker(seed: int) -> None:
+            for n in range(1500):
+                i = (seed * 31 + n * 7) % 64
+                op = (seed + n) % 5
+                if op < 2:
+                    store.put(addr(i), blocks[i])
+                elif op < 4:
+                    got = store.get(addr(i))
+                    if got is not None and bytes(got) != blocks[i]:
+                        errors.append(f"block {i} served wrong bytes")
+                else:
+                    store.delete(addr(i))
+        threads = [threading.Thread(target=worker, args=(s,)) for s in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        store.flush()
+        stats = store.stats()
+        assert stats["pending_writes"] == 0
+        present = [i for i in blocks if store.lookup([addr(i)]).num_leading]
+        for i in present:
+            assert store.get(addr(i)) == blocks[i]
+    assert errors == []
+
+
+def test_async_wrappers_run_off_the_event_loop(tmp_path: Path) -> None:
+    cfg = kv(tmp_path, write_through=True)
+    with Store.open(cfg, background=False) as store:
+        store.put(addr(1), b"one")
+
+    async def main(store: Store) -> tuple[PutResult, bytes | None, bytes | None]:
+        put = await store.aput(addr(2), b"two")
+        first = await store.aget_block(addr(1))        # SSD: read on the store's pool
+        second = await store.aget_block(addr(2))       # RAM: answered inline
+        return put, first and bytes(first.payload), second and bytes(second.payload)
+
+    with Store.open(cfg, background=False) as store:
+        assert asyncio.run(main(store)) == (PutResult.OK, b"one", b"two")
+
+
+def test_a_second_store_on_the_same_index_is_refused(tmp_path: Path) -> None:
+    with Store.open(kv(tmp_path), background=False), pytest.raises(IndexUnavailableError):
+        Store.open(kv(tmp_path), background=False)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
+from fabric.keys import Namespace
+from fabric.layout import KVLayout
+
 
 class ConfigError(ValueError):
     """The configuration file or a value in it is invalid."""
@@ -44,6 +47,13 @@ class KVConfig:
     prefetch_threshold: float = 0.7
     ssd_low_water: float = 0.9           # SSD eviction trims down to ssd_gib * this
     frequency_half_life_s: float = 60.0  # decay of the access frequency behind prefetch
+
+    def namespace(self, model_id: str, layout: KVLayout, *, weights_fingerprint: str = "", shard: int = 0,
+                  num_shards: int = 1, tenant_salt: bytes = b"") -> Namespace:
+        """The namespace of a model's blocks with this node's `block_size`: every process that builds
+        its keys here agrees on the block size, so their hashes match."""
+        return Namespace(model_id, layout, self.block_size, weights_fingerprint=weights_fingerprint,
+                         shard=shard, num_shards=num_shards, tenant_salt=tenant_salt)
 
 
 @dataclass(slots=True)

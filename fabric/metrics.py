@@ -11,6 +11,13 @@
     kvfabric_put_rejected_total{reason}         counter: full / no_space / digest_mismatch / io_error
     kvfabric_pending_writes                     gauge: write-behind blocks not yet on SSD
 
+An engine's BlockManager is exported beside them by `AllocatorMetrics` (read at scrape time):
+
+    kvfabric_allocator_blocks{state}            gauge: available / cached / in_use / reserved
+    kvfabric_allocator_utilisation              gauge: share of blocks a new request cannot take
+    kvfabric_allocator_latency_seconds{op}      summary (count, sum) of allocate / release calls
+    kvfabric_allocator_recent_latency_seconds{op,quantile}   gauge: p50 / p99 of recent calls
+
 One `CollectorRegistry` per Store, so several stores (or tests) in one process never collide.
 `render()` gives the text exposition; `serve(port)` starts an HTTP endpoint for that registry.
 Gauges are callbacks, so the hot paths pay nothing for them; the histogram children used on the
@@ -20,11 +27,14 @@ hot path are bound once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
+from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
+from prometheus_client.registry import Collector
 
+from fabric.block_manager import BlockManagerStats, LatencyStats
 from fabric.tiers.base import Tier
 
 LOOKUP_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
@@ -80,3 +90,40 @@ class StoreMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
         """Serve /metrics for this registry on addr:port (port 0 picks one: see server.server_port)."""
         return start_http_server(port, addr=addr, registry=self.registry)
+
+
+class AllocatorMetrics(Collector):
+    """A BlockManager's occupancy and latencies, read from `stats()` at scrape time (no hot-path cost).
+
+    Register one per engine pool: `AllocatorMetrics(manager.stats, registry)`. The manager is not
+    thread-safe, so `stats` must be safe to call from the scraping thread (its owner's lock, or a
+    snapshot the owner refreshes).
+    """
+
+    def __init__(self, stats: Callable[[], BlockManagerStats], registry: CollectorRegistry) -> None:
+        self._stats = stats
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        st = self._stats()
+        blocks = GaugeMetricFamily("kvfabric_allocator_blocks", "Engine pool blocks by state", labels=["state"])
+        for state, n in (("available", st.num_available), ("cached", st.num_cached),
+                         ("in_use", st.num_in_use), ("reserved", st.num_reserved)):
+            blocks.add_metric([state], n)
+        yield blocks
+        yield GaugeMetricFamily("kvfabric_allocator_utilisation", "Share of engine pool blocks a new "
+                                "request cannot take", value=st.utilisation)
+        total = SummaryMetricFamily("kvfabric_allocator_latency_seconds", "Allocate / release calls of the "
+                                    "engine pool", labels=["op"])
+        recent = GaugeMetricFamily("kvfabric_allocator_recent_latency_seconds", "Latency quantiles over the "
+                                   "most recent allocate / release calls", labels=["op", "quantile"])
+        for op, lat in (("allocate", st.alloc_latency), ("release", st.release_latency)):
+            total.add_metric([op], lat.count, lat.count * lat.mean_ns / 1e9)
+            for quantile, ns in _quantiles(lat):
+                recent.add_metric([op, quantile], ns / 1e9)
+        yield total
+        yield recent
+
+
+def _quantiles(lat: LatencyStats) -> tuple[tuple[str, int], ...]:
+    return (("0.5", lat.p50_ns), ("0.99", lat.p99_ns))

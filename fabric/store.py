@@ -5,6 +5,7 @@
     get ──► RAM hit ─────────────────────────────────────────────────────────► view, no copy
         └─► SSD file ─► verify header + digest ─► promote to RAM ─────────────► view over the read
     lookup(addresses) ─► tier per address (device / RAM / SSD catalog, no I/O), leading run length
+    mirror(address, payload, digest) ─► a put checked against the peer's digest if [kv].mirror_pulls
 
 Crash consistency. A block is written in this order (a write-through put, or one group commit
 of the write-behind flusher or of `put_many`):
@@ -201,8 +202,11 @@ class Store:
             if last[address.storage_key] != i:
                 continue    # a key given twice in one call: its last payload wins
             view = as_bytes_view(payload)
-            # Own the bytes before hashing them, so what is hashed is what is stored.
-            owned = view if isinstance(view.obj, bytes) else memoryview(bytes(view))
+            # Own the bytes before hashing them, so what is hashed is what is stored. A view of a
+            # whole bytes object is kept as is; a slice is copied, or RAM would keep the (maybe far
+            # larger) object alive while counting only the slice.
+            whole = isinstance(view.obj, bytes) and len(view.obj) == view.nbytes
+            owned = view if whole else memoryview(bytes(view))
             actual = digest_of(owned)
             if digests is not None and digests[i] != actual:
                 results[i] = self._reject(PutResult.DIGEST_MISMATCH)
@@ -222,6 +226,18 @@ class Store:
                 raise RuntimeError(f"put of {address} ended without a result")
             out.append(result)
         return out
+
+    def mirror(self, address: BlockAddress, payload: Payload, *, digest: bytes,
+               model: str = "") -> PutResult | None:
+        """Keep a block pulled from a peer, as `put` with the peer's digest, if [kv].mirror_pulls is on.
+
+        None (nothing stored) when mirroring is off: the block stays the owner's and the next
+        request for it pulls again.
+        """
+        self._check_open()
+        if not self.config.mirror_pulls:
+            return None
+        return self.put(address, payload, model=model, digest=digest)
 
     def delete(self, address: BlockAddress) -> bool:
         """Remove a block from every tier this store holds; True if it was anywhere."""
@@ -466,7 +482,10 @@ class Store:
             if err is not None:
                 logger.warning("SSD write of %s failed: %s", item.key.hex()[:16], err)
         committed = [k for k, r in outcome.items() if r.ok]
-        rows = [(k, _meta(batch[k], Tier.SSD, batch[k].created_unix)) for k in committed]
+        # Seen now: a write-behind block that waited in RAM for longer than the TTL is not expired
+        # the moment it reaches the SSD.
+        now = self._clock()
+        rows = [(k, _meta(batch[k], Tier.SSD, now)) for k in committed]
         try:
             self._index.put_many(rows, sync=self.config.durable)
         except IndexUnavailableError as e:
@@ -479,8 +498,7 @@ class Store:
             self._ssd_reserved -= sum(p.payload.nbytes + HEADER_SIZE for p in batch.values())
             for k in committed:
                 p = batch[k]
-                self._ssd.add(k, SsdEntry(p.layer, p.payload.nbytes, p.digest, p.model, p.created_unix,
-                                          p.created_unix))
+                self._ssd.add(k, SsdEntry(p.layer, p.payload.nbytes, p.digest, p.model, p.created_unix, now))
         return outcome
 
     def _flush_batch(self) -> bool:
@@ -526,16 +544,20 @@ class Store:
         with self._read_slots:
             try:
                 block = self._ssd.read_file(key, entry.layer, entry.digest)
+            # Either way the read is a miss. It is counted as corrupt / vanished only if the entry
+            # was still current: a delete or rewrite that raced the read explains it otherwise.
             except CorruptBlockError as e:
-                logger.warning("corrupt SSD block removed: %s", e)
-                self.metrics.observe_corrupt(Tier.SSD, time.perf_counter() - start)
-                self._drop_file(key, entry)
+                if self._drop_file(key, entry):
+                    logger.warning("corrupt SSD block removed: %s", e)
+                    self.metrics.observe_corrupt(Tier.SSD, time.perf_counter() - start)
+                else:
+                    self.metrics.observe_miss(time.perf_counter() - start)
                 return None
             except FileNotFoundError:
-                logger.warning("SSD file of %s vanished; dropping its row", key.hex()[:16])
-                self.metrics.reconciled.labels("row_without_file").inc()
+                if self._drop_file(key, entry):
+                    logger.warning("SSD file of %s vanished; dropped its row", key.hex()[:16])
+                    self.metrics.reconciled.labels("row_without_file").inc()
                 self.metrics.observe_miss(time.perf_counter() - start)
-                self._drop_file(key, entry)
                 return None
             except OSError as e:
                 logger.warning("SSD read of %s failed (%s); answering a miss", key.hex()[:16], e)
@@ -545,7 +567,8 @@ class Store:
             if self._ssd.entry(key) is entry:
                 now = self._clock()
                 self._touch(key, now)
-                if promote:
+                # A put that landed while the file was read holds newer bytes in RAM: keep them.
+                if promote and not self._ram.contains(key):
                     self._ram.put(key, block.payload, block.digest, footprint=_footprint(block.payload),
                                   limit_bytes=self._ram.capacity_bytes)
         self.metrics.observe_hit(Tier.SSD, time.perf_counter() - start)

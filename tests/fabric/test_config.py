@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 
 from fabric.config import Config, ConfigError
+from fabric.keys import block_hashes
+from fabric.layout import KVLayout
 
 
 def test_defaults_are_valid() -> None:
@@ -51,3 +53,13 @@ def test_bad_config_names_the_problem(tmp_path: Path, text: str, message: str) -
 def test_missing_file(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="not found"):
         Config.load(tmp_path / "nope.toml")
+
+
+def test_namespaces_take_the_configured_block_size(tmp_path: Path) -> None:
+    p = tmp_path / "kv.toml"
+    p.write_text("[kv]\nblock_size = 4\n")
+    layout = KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, dtype="f16")
+    ns = Config.load(p).kv.namespace("m", layout, tenant_salt=b"t")
+    assert ns.block_size == 4 and ns.tenant_salt == b"t"
+    assert len(block_hashes(ns, list(range(10)))) == 2           # full blocks of 4 tokens
+    assert ns.root != Config().kv.namespace("m", layout, tenant_salt=b"t").root

@@ -238,3 +238,18 @@ def test_cuda_pool_round_trip_through_pinned_buffer(dtype: DType) -> None:
     assert payload.device.type == "cpu"
     dst.scatter(payload, [0, 1, 2, 3], 1)
     assert torch.equal(as_bits(dst.layer_buffer(1)[:, :4]), as_bits(src.layer_buffer(1)[:, [3, 1, 4, 15]]))
+
+
+def test_scatter_into_scattered_slots_in_any_order() -> None:
+    layout = LAYOUTS["gqa"](DType.BF16)
+    src = TokenToKVPool(layout, num_slots=32, storage=StorageType.SYSTEM)
+    dst = TokenToKVPool(layout, num_slots=32, storage=StorageType.SYSTEM)
+    fill_random(src, seed=7)
+    src_slots, dst_slots = [30, 2, 17, 9], [11, 0, 25, 4]          # neither contiguous nor sorted
+    for layer in range(layout.num_layers):
+        dst.scatter(payload_view(src.gather(src_slots, layer)), dst_slots, layer)
+        for s, d in zip(src_slots, dst_slots, strict=True):      # token i of the block lands in slot d_i
+            assert torch.equal(as_bits(dst.layer_buffer(layer)[:, d]), as_bits(src.layer_buffer(layer)[:, s]))
+    untouched = torch.ones(32, dtype=torch.bool)
+    untouched[dst_slots] = False
+    assert not as_bits(dst.kv[:, :, untouched]).any()

@@ -339,3 +339,85 @@ def test_async_wrappers_run_off_the_event_loop(tmp_path: Path) -> None:
 def test_a_second_store_on_the_same_index_is_refused(tmp_path: Path) -> None:
     with Store.open(kv(tmp_path), background=False), pytest.raises(IndexUnavailableError):
         Store.open(kv(tmp_path), background=False)
+
+
+def test_an_ssd_read_never_replaces_a_newer_write_behind_payload(tmp_path: Path) -> None:
+    # A get that started reading the SSD copy while a newer payload of the same key was put
+    # (write-behind) must not promote the old bytes over the new, unflushed ones in RAM.
+    old, new = os.urandom(4096), os.urandom(4096)
+    cfg = kv(tmp_path, write_through=False)
+    with Store.open(cfg, background=False) as store:
+        store.put(addr(1), old)
+        store.flush()
+    with Store.open(cfg, background=False) as store:     # RAM empty: the next get reads the file
+        real_read = store._ssd.read_file
+
+        def read_then_race(*args: Any, **kwargs: Any) -> Any:
+            block = real_read(*args, **kwargs)
+            assert store.put(addr(1), new) is PutResult.OK   # lands while the read is in flight
+            return block
+
+        store._ssd.read_file = read_then_race  # type: ignore[method-assign]
+        assert store.get(addr(1)) == old                    # what was stored when the get began
+        store._ssd.read_file = real_read  # type: ignore[method-assign]
+        assert store.get(addr(1)) == new
+        assert store.stats()["ram"]["pinned_blocks"] == 1   # still waiting for its SSD copy
+        assert store.flush() == 0
+        assert store.get(addr(1)) == new
+    with Store.open(cfg, background=False) as store:
+        assert store.get(addr(1)) == new
+
+
+def test_ram_accounts_for_the_whole_buffer_a_payload_view_keeps_alive(tmp_path: Path) -> None:
+    big = os.urandom(8 * MIB)
+    with Store.open(kv(tmp_path, write_through=False), background=False) as store:
+        for i in range(4):
+            assert store.put(addr(i), memoryview(big)[i * 4096:(i + 1) * 4096]) is PutResult.OK
+        owners = {id(view.obj): len(view.obj) for i in range(4)  # type: ignore[arg-type]
+                  if (view := store.get(addr(i))) is not None}
+        assert sum(owners.values()) <= store.stats()["ram"]["bytes"] == 4 * 4096
+        for i in range(4):
+            assert store.get(addr(i)) == big[i * 4096:(i + 1) * 4096]
+
+
+@pytest.mark.parametrize("mirror_pulls", [True, False])
+def test_pulled_blocks_are_mirrored_only_when_configured(tmp_path: Path, mirror_pulls: bool) -> None:
+    p = os.urandom(4096)
+    with Store.open(kv(tmp_path, mirror_pulls=mirror_pulls), background=False) as store:
+        assert store.mirror(addr(1), p, digest=b"\0" * 32) is (PutResult.DIGEST_MISMATCH if mirror_pulls
+                                                                 else None)
+        result = store.mirror(addr(1), p, digest=blake3.blake3(p).digest(), model="m")
+        assert result is (PutResult.OK if mirror_pulls else None)
+        assert (store.get(addr(1)) == p) is mirror_pulls
+        assert store.lookup([addr(1)]).num_leading == int(mirror_pulls)
+
+
+def test_a_block_flushed_late_is_not_expired_at_once(tmp_path: Path) -> None:
+    # A write-behind block that waited in RAM (e.g. for SSD room) longer than the TTL starts its
+    # SSD life when it reaches the SSD, not when it was put.
+    clock = Clock()
+    cfg = kv(tmp_path, write_through=False, ssd_ttl_s=100.0)
+    with Store.open(cfg, background=False, clock=clock) as store:
+        store.put(addr(1), b"waited in RAM")
+        clock.now += 150
+        assert store.flush() == 0
+        assert store.run_maintenance()["ssd_evicted"] == 0
+    with Store.open(cfg, background=False, clock=clock) as store:
+        assert store.get(addr(1)) == b"waited in RAM"
+
+
+def test_a_delete_racing_a_read_is_a_miss_not_a_lost_file(tmp_path: Path) -> None:
+    cfg = kv(tmp_path, write_through=True)
+    with Store.open(cfg, background=False) as store:
+        store.put(addr(1), b"short-lived")
+    with Store.open(cfg, background=False) as store:     # RAM empty: the get reads the file
+        real_read = store._ssd.read_file
+
+        def delete_then_read(*args: Any, **kwargs: Any) -> Any:
+            assert store.delete(addr(1))                   # lands after the get found the entry
+            return real_read(*args, **kwargs)
+
+        store._ssd.read_file = delete_then_read  # type: ignore[method-assign]
+        assert store.get(addr(1)) is None
+        assert store.metrics.value("kvfabric_index_reconciled_total", action="row_without_file") == 0
+        assert store.metrics.value("kvfabric_lookup_seconds_count", tier="none", outcome="miss") == 1

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 class DType(enum.StrEnum):
@@ -30,7 +32,18 @@ class DType(enum.StrEnum):
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return _TORCH[self]
+        # torch is imported here, not at module level: keys and transports need layouts but not
+        # torch, and importing it costs ~1 s per process.
+        import torch
+
+        return {
+            DType.F32: torch.float32,
+            DType.F16: torch.float16,
+            DType.BF16: torch.bfloat16,
+            DType.FP8_E4M3: torch.float8_e4m3fn,
+            DType.FP8_E5M2: torch.float8_e5m2,
+            DType.U8: torch.uint8,
+        }[self]
 
     @classmethod
     def parse(cls, name: str) -> DType:
@@ -49,14 +62,6 @@ _ITEMSIZE = {
     DType.FP8_E4M3: 1,
     DType.FP8_E5M2: 1,
     DType.U8: 1,
-}
-_TORCH = {
-    DType.F32: torch.float32,
-    DType.F16: torch.float16,
-    DType.BF16: torch.bfloat16,
-    DType.FP8_E4M3: torch.float8_e4m3fn,
-    DType.FP8_E5M2: torch.float8_e5m2,
-    DType.U8: torch.uint8,
 }
 
 

@@ -281,7 +281,7 @@ class FrameDecoder:
         self._payload_filled = 0
         self._header: dict[Any, Any] = {}
         self._error: ProtocolError | None = None
-        self._staging = bytearray(STAGING_SIZE)
+        self._staging = bytearray()  # allocated on first get_buffer(): feed()-only users never pay for it
         self._into_payload = False
 
     @property
@@ -308,6 +308,8 @@ class FrameDecoder:
             self._into_payload = True
             return self._payload_view[self._payload_filled:]
         self._into_payload = False
+        if not self._staging:
+            self._staging = bytearray(STAGING_SIZE)
         return memoryview(self._staging)
 
     def buffer_updated(self, nbytes: int) -> list[Frame]:

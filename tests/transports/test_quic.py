@@ -1,0 +1,429 @@
+"""QUIC transport over real loopback connections: pulls, pooling, resumption, rotation, bad peers.
+
+Every test runs a real server and client on 127.0.0.1 in one event loop. Peers that misbehave
+are built from stock aioquic plus our codec, so the server sees exactly the bytes we choose.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import resource
+import shutil
+from collections.abc import AsyncIterator, Awaitable, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from aioquic.asyncio.client import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import serve
+from aioquic.quic.configuration import QuicConfiguration
+
+from fabric.config import KVConfig
+from fabric.keys import BlockAddress, BlockHash
+from fabric.store import Store
+from transports.base import BlockSource, Hit, Peer, PullResult
+from transports.certs import CredentialFiles, NodeCredentials, issue_node
+from transports.codec import (
+    MAGIC,
+    PREAMBLE,
+    VERSION,
+    Block,
+    End,
+    Error,
+    ErrorCode,
+    FrameDecoder,
+    FrameType,
+    Miss,
+    MissReason,
+    Pull,
+    encode,
+)
+from transports.metrics import TransportMetrics
+from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer
+
+TIMEOUT_S = 30.0
+
+
+def creds(cert_dir: Path, node: str) -> NodeCredentials:
+    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, TIMEOUT_S)
+    return asyncio.run(bounded())
+
+
+@asynccontextmanager
+async def serving(cert_dir: Path, source: BlockSource, node: str = "node-a",
+                  **kwargs: Any) -> AsyncIterator[tuple[QuicTransportServer, Peer]]:
+    server = QuicTransportServer(creds(cert_dir, node), source, **kwargs)
+    host, port = await server.start()
+    try:
+        yield server, Peer(node, host, port)
+    finally:
+        await server.close()
+
+
+@asynccontextmanager
+async def client_of(cert_dir: Path, node: str = "client-1", **kwargs: Any) -> AsyncIterator[QuicTransportClient]:
+    client = QuicTransportClient(creds(cert_dir, node), **kwargs)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+async def pull_all(client: QuicTransportClient, peer: Peer, addresses: Sequence[BlockAddress]) -> list[PullResult]:
+    return [r async for r in client.pull(peer, addresses)]
+
+
+def unknown(n: int) -> list[BlockAddress]:
+    return [BlockAddress(BlockHash(bytes([0xEE, i]) * 16), 0) for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Pulls
+
+
+def test_pull_of_many_blocks_returns_verified_payloads_in_the_order_asked(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=6, num_layers=4, payload_size=200_000)
+    small = memory_source(num_blocks=MAX_ADDRESSES_PER_STREAM + 200, num_layers=1, payload_size=512)
+
+    async def main() -> None:
+        source.blocks.update(small.blocks)
+        async with serving(cert_dir, source) as (server, peer), client_of(cert_dir) as client:
+            results = await pull_all(client, peer, source.addresses)
+            assert [r.address for r in results] == source.addresses  # layers of each block in order
+            assert all(isinstance(r, Hit) and bytes(r.payload) == source.blocks[r.address].payload
+                       for r in results)
+            assert server.peer_nodes == ["client-1"]
+            info = client.connection_info(peer)
+            assert info is not None and info.open and info.num_connects == 1
+            hits = client.metrics.registry.get_sample_value("kvfabric_pulls_total",
+                                                            {"transport": "quic", "outcome": "hit"})
+            assert hits == len(source.addresses)
+
+    run(main())
+
+
+def test_concurrent_pulls_interleave_on_one_connection(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=48, num_layers=1, payload_size=256 * 1024)
+    groups = [source.addresses[i::6] for i in range(6)]
+    arrivals: list[int] = []
+
+    async def one(client: QuicTransportClient, peer: Peer, index: int) -> list[PullResult]:
+        out = []
+        async for r in client.pull(peer, groups[index]):
+            arrivals.append(index)
+            out.append(r)
+        return out
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (server, peer), client_of(cert_dir, max_inflight=8) as client:
+            results = await asyncio.gather(*(one(client, peer, i) for i in range(len(groups))))
+            for group, got in zip(groups, results, strict=True):
+                assert [r.address for r in got] == group
+                assert all(isinstance(r, Hit) for r in got)
+            info = client.connection_info(peer)
+            assert info is not None and info.num_connects == 1
+            assert server.num_connections == 1
+        # Answers of different pulls arrived interleaved: they were in flight at the same time.
+        first_done = min(max(i for i, g in enumerate(arrivals) if g == k) for k in range(len(groups)))
+        assert len(set(arrivals[:first_done + 1])) > 1
+
+    run(main())
+
+
+def test_unknown_addresses_are_misses_in_place(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=3, num_layers=1, payload_size=1000)
+    missing = unknown(2)
+    asked = [source.addresses[0], missing[0], source.addresses[1], missing[1], source.addresses[2]]
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            results = await pull_all(client, peer, asked)
+            assert [r.address for r in results] == asked
+            assert [type(r) for r in results] == [Hit, Miss, Hit, Miss, Hit]
+            assert all(r.reason is MissReason.NOT_FOUND for r in results if isinstance(r, Miss))
+
+    run(main())
+
+
+def test_serves_from_the_real_store(cert_dir: Path, tmp_path: Path) -> None:
+    kv = KVConfig(ram_gib=0.05, ssd_dir=str(tmp_path / "ssd"), index_dir=str(tmp_path / "index"),
+                  ssd_gib=0.1, write_through=True, durable=False, o_direct=False)
+    addresses = [BlockAddress(BlockHash(os.urandom(32)), layer) for layer in range(6)]
+    payloads = {a: os.urandom(100_000) for a in addresses}
+
+    async def main() -> list[PullResult]:
+        with Store.open(kv, background=False) as store:
+            for a, p in payloads.items():
+                assert store.put(a, p).ok
+            async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
+                return await pull_all(client, peer, addresses + unknown(1))
+
+    results = run(main())
+    assert [r.address for r in results] == addresses + unknown(1)
+    assert all(isinstance(r, Hit) and bytes(r.payload) == payloads[r.address] for r in results[:-1])
+    assert isinstance(results[-1], Miss) and results[-1].reason is MissReason.NOT_FOUND
+
+
+@dataclass
+class _Tampered:
+    payload: bytes
+    digest: bytes
+
+
+class LyingSource:
+    """Serves one address with a payload that does not match the digest it announces."""
+
+    def __init__(self, inner: Any, victim: BlockAddress) -> None:
+        self.inner, self.victim = inner, victim
+
+    def get_block(self, address: BlockAddress) -> Any:
+        block = self.inner.get_block(address)
+        if address == self.victim and block is not None:
+            return _Tampered(b"\x00" + block.payload[1:], block.digest)
+        return block
+
+
+def test_lying_server_payload_is_a_counted_digest_mismatch_miss(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=4, num_layers=1, payload_size=50_000)
+    victim = source.addresses[2]
+
+    async def main() -> None:
+        async with serving(cert_dir, LyingSource(source, victim)) as (_, peer), client_of(cert_dir) as client:
+            results = await pull_all(client, peer, source.addresses)
+            assert [r.address for r in results] == source.addresses
+            bad = [r for r in results if not isinstance(r, Hit)]
+            assert bad == [Miss(bad[0].request_id, victim, MissReason.DIGEST_MISMATCH)]  # type: ignore[union-attr]
+            assert client.metrics.digest_mismatches("quic") == 1
+
+    run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# Connection pool, resumption, rotation
+
+
+def test_pool_reuses_the_connection_and_reconnects_after_restart_or_idle_drop(
+        cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=10_000)
+
+    async def main() -> None:
+        async with client_of(cert_dir, idle_timeout_s=0.5) as client:
+            async with serving(cert_dir, source) as (_, peer):
+                await pull_all(client, peer, source.addresses)
+                await pull_all(client, peer, source.addresses)
+                assert client.connection_info(peer).num_connects == 1  # type: ignore[union-attr]
+            # The server restarts on the same port: its close reached the client.
+            async with serving(cert_dir, source, port=peer.port) as (_, peer2):
+                assert peer2 == peer
+                results = await pull_all(client, peer, source.addresses)
+                assert all(isinstance(r, Hit) for r in results)
+                assert client.connection_info(peer).num_connects == 2  # type: ignore[union-attr]
+                # The idle timeout drops the connection silently; the next pull dials again.
+                await asyncio.sleep(1.5)
+                assert not client.connection_info(peer).open  # type: ignore[union-attr]
+                results = await pull_all(client, peer, source.addresses)
+                assert all(isinstance(r, Hit) for r in results)
+                assert client.connection_info(peer).num_connects == 3  # type: ignore[union-attr]
+
+    run(main())
+
+
+def test_reconnect_resumes_the_session_and_keeps_the_client_identity(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=10_000)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (server, peer), client_of(cert_dir) as client:
+            await pull_all(client, peer, source.addresses)
+            assert not client.connection_info(peer).session_resumed  # type: ignore[union-attr]
+            await client.disconnect(peer)
+            results = await pull_all(client, peer, source.addresses)
+            assert all(isinstance(r, Hit) for r in results)
+            info = client.connection_info(peer)
+            assert info is not None and info.num_connects == 2 and info.session_resumed
+            assert server.peer_nodes == ["client-1"]
+
+    run(main())
+
+
+def test_rotation_keeps_open_connections_and_new_handshakes_use_the_new_certificate(
+        cert_dir: Path, tmp_path: Path, memory_source: Any) -> None:
+    certs = tmp_path / "certs"
+    shutil.copytree(cert_dir, certs)
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=10_000)
+
+    async def main() -> None:
+        async with serving(certs, source) as (server, peer), client_of(certs) as old:
+            assert all(isinstance(r, Hit) for r in await pull_all(old, peer, source.addresses))
+            # Rotate the server's files to a certificate naming "node-a-v2".
+            new_cert, new_key = issue_node(certs, "node-a-v2")
+            shutil.copy(new_key, certs / "node-a.key")
+            shutil.copy(new_cert, certs / "node-a.pem")
+            async with client_of(certs) as fresh:
+                moved = Peer("node-a-v2", peer.host, peer.port)
+                assert all(isinstance(r, Hit) for r in await pull_all(fresh, moved, source.addresses))
+                stale = await pull_all(fresh, peer, source.addresses[:1])  # old name: not in the new cert
+                assert isinstance(stale[0], Miss) and stale[0].reason is MissReason.PEER_GONE
+            # The connection made before the rotation still carries pulls.
+            assert all(isinstance(r, Hit) for r in await pull_all(old, peer, source.addresses))
+            assert old.connection_info(peer).num_connects == 1  # type: ignore[union-attr]
+            assert server.credentials.generation == 2
+
+    run(main())
+
+
+# ---------------------------------------------------------------------------------------------
+# Misbehaving peers (raw aioquic client with a valid certificate, bytes of our choosing)
+
+
+@asynccontextmanager
+async def raw_peer(cert_dir: Path, port: int) -> AsyncIterator[QuicConnectionProtocol]:
+    config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name="node-a")
+    config.load_verify_locations(cadata=(cert_dir / "ca.pem").read_bytes())
+    config.load_cert_chain(cert_dir / "client-1.pem", cert_dir / "client-1.key")
+    async with connect("127.0.0.1", port, configuration=config) as protocol:
+        yield protocol
+
+
+async def exchange(protocol: QuicConnectionProtocol, data: bytes, fin: bool = True) -> list[Any]:
+    """Send `data` on a new stream; the frames the server answered before closing the stream."""
+    reader, writer = await protocol.create_stream()
+    writer.write(data)
+    if fin:
+        writer.write_eof()
+    raw = await asyncio.wait_for(reader.read(), 10)  # until the server's FIN
+    if not fin:
+        with contextlib.suppress(RuntimeError, ValueError):  # the server stopped or finished our side
+            writer.write_eof()
+    return FrameDecoder(max_payload=1 << 20).feed(raw)
+
+
+def preamble(ftype: FrameType, header_len: int, payload_len: int, magic: bytes = MAGIC) -> bytes:
+    return PREAMBLE.pack(magic, VERSION, int(ftype), 0, header_len, payload_len)
+
+
+def protocol_errors(server: QuicTransportServer) -> float:
+    return server.metrics.registry.get_sample_value("kvfabric_protocol_errors_total", {"transport": "quic"}) or 0
+
+
+@pytest.mark.parametrize("garbage, what", [
+    (b"HTTP/1.1 200 OK\r\n\r\n" + b"x" * 40, "bad magic"),
+    (preamble(FrameType.BLOCK, 10, 2**40), "oversize payload claimed"),
+    (preamble(FrameType.PULL, 1 << 20, 0), "oversize header claimed"),
+    (encode(Pull(7, tuple(unknown(3))))[:-5], "truncated PULL then FIN"),
+    (encode(Block(7, unknown(1)[0], b"d" * 32, b"")), "a BLOCK from a client"),
+    (encode(End(7)) + encode(End(8)), "not a PULL"),
+])
+def test_bad_frames_close_only_their_stream(cert_dir: Path, memory_source: Any, garbage: bytes, what: str) -> None:
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=30_000)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (server, peer), raw_peer(cert_dir, peer.port) as raw, \
+                client_of(cert_dir) as other:
+            frames = await exchange(raw, garbage)
+            assert len(frames) == 1 and isinstance(frames[0], Error), what
+            assert frames[0].code is ErrorCode.PROTOCOL
+            assert protocol_errors(server) == 1
+            # Another stream on the same connection, and another client, still work.
+            good = await exchange(raw, encode(Pull(9, tuple(source.addresses))))
+            assert [type(f) for f in good] == [Block, Block, End]
+            assert all(isinstance(r, Hit) for r in await pull_all(other, peer, source.addresses))
+
+    run(main())
+
+
+def test_stream_stalled_mid_frame_is_timed_out_and_freed(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
+
+    async def main() -> None:
+        async with serving(cert_dir, source, frame_timeout_s=0.3) as (server, peer), \
+                raw_peer(cert_dir, peer.port) as raw:
+            frames = await exchange(raw, encode(Pull(3, tuple(source.addresses)))[:11], fin=False)
+            assert len(frames) == 1 and isinstance(frames[0], Error) and frames[0].code is ErrorCode.TIMEOUT
+            conn = next(iter(server._connections))
+            assert not any(s.decoder is not None for s in conn._streams.values())  # nothing buffered
+            good = await exchange(raw, encode(Pull(4, tuple(source.addresses))))
+            assert [type(f) for f in good] == [Block, End]
+
+    run(main())
+
+
+def test_server_memory_stays_bounded_under_huge_length_claims(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (server, peer), raw_peer(cert_dir, peer.port) as raw:
+            before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            claims = [preamble(FrameType.BLOCK, 100, 4 << 30), preamble(FrameType.PULL, 2**32 - 1, 0),
+                      preamble(FrameType.BLOCK, 64 * 1024, 2**63)]
+            answers = await asyncio.gather(*(exchange(raw, c + b"\x00" * 64, fin=False) for c in claims))
+            assert all(isinstance(a[0], Error) for a in answers)
+            grown_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before
+            assert grown_kib < 64 * 1024, f"server grew by {grown_kib} KiB"
+            assert protocol_errors(server) == len(claims)
+
+    run(main())
+
+
+@asynccontextmanager
+async def raw_server(cert_dir: Path, answer: bytes) -> AsyncIterator[Peer]:
+    """Stock aioquic server with node-a's certificate that answers every stream with `answer`
+    (no FIN), whatever it was asked."""
+    config = QuicConfiguration(is_client=False, alpn_protocols=[ALPN])
+    config.load_cert_chain(cert_dir / "node-a.pem", cert_dir / "node-a.key")
+
+    writers = []  # a collected StreamWriter would send FIN
+
+    def on_stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(answer)
+        writers.append(writer)
+
+    server = await serve("127.0.0.1", 0, configuration=config, stream_handler=on_stream)
+    assert server._transport is not None
+    try:
+        yield Peer("node-a", "127.0.0.1", server._transport.get_extra_info("sockname")[1])
+    finally:
+        server.close()
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (encode(Block(1, unknown(1)[0], b"d" * 32, b"p" * 5000))[:3000], MissReason.TIMEOUT),
+    (b"\x00" * 64, MissReason.PEER_ERROR),
+])
+def test_a_server_that_stalls_or_sends_garbage_yields_misses(cert_dir: Path, answer: bytes,
+                                                             reason: MissReason) -> None:
+    async def main() -> None:
+        async with raw_server(cert_dir, answer) as peer, client_of(cert_dir, frame_timeout_s=0.3) as client:
+            results = await pull_all(client, peer, unknown(2))
+            assert [r.address for r in results] == unknown(2)
+            assert [r.reason for r in results] == [reason] * 2  # type: ignore[union-attr]
+            errors = client.metrics.registry.get_sample_value("kvfabric_protocol_errors_total",
+                                                              {"transport": "quic"})
+            assert errors == (1 if reason is MissReason.PEER_ERROR else None)
+
+    run(main())
+
+
+def test_a_pull_to_a_peer_that_never_answers_is_peer_gone_misses(cert_dir: Path) -> None:
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        transport, _ = await loop.create_datagram_endpoint(asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0))
+        port = transport.get_extra_info("sockname")[1]
+        try:
+            async with client_of(cert_dir, connect_timeout_s=0.3, metrics=TransportMetrics()) as client:
+                results = await pull_all(client, Peer("node-a", "127.0.0.1", port), unknown(2))
+                assert [r.reason for r in results] == [MissReason.PEER_GONE] * 2  # type: ignore[union-attr]
+        finally:
+            transport.close()
+
+    run(main())
+

@@ -1,0 +1,290 @@
+"""Mutual TLS for aioquic servers: the client-certificate check aioquic 1.7.2 leaves out.
+
+Stock aioquic honours `verify_mode` only on the client. Its server `tls.Context` has a private
+`_request_client_certificate` flag, accepts an empty client Certificate message and checks only
+the CertificateVerify signature, never the chain (aiortc/aioquic #541, #548, #586). So a server
+built on it alone serves anyone. This module closes the hole:
+
+    QuicConnection._initialize()          aioquic builds its tls.Context here (no factory hook)
+        └─ install_client_auth() wraps it: the new Context becomes a `ClusterServerContext`
+             · asks for the client certificate
+             · empty Certificate            → alert certificate_required (116)
+             · not from the cluster CA       → alert bad_certificate
+             · expired / not yet valid       → alert certificate_expired
+             · no DNS SAN, no clientAuth use → alert bad_certificate
+             · CertificateVerify signature   → checked by aioquic (proves the private key)
+           and records `peer_node` (the SAN) once the client proved its key.
+
+A refused handshake never gets 1-RTT keys, so no application byte of that client is processed.
+
+Session resumption skips certificates, so tickets carry the identity: the server issues tickets
+only to a client authenticated by a full mutual handshake (or by a ticket that was), keeps them
+in a `TicketStore` bound to the client's node name and certificate expiry, and accepts each
+ticket once. No 0-RTT: tickets do not offer early data, and the transport closes a connection
+that sends stream data before its handshake completed.
+`TicketStore` is an LRU map: add / take O(1), at most `capacity` entries.
+
+`QuicTlsMaterial` turns the node's `NodeCredentials` into aioquic configurations, one immutable
+`TlsGeneration` per version of the certificate files: a rotation affects new handshakes only,
+and starts a fresh ticket store (tickets never outlive the certificates they were issued under).
+
+The hook relies on private aioquic names, hence the exact version pin checked at import.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import ssl
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import NoReturn, cast
+
+import aioquic
+from aioquic import tls
+from aioquic._buffer import Buffer
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
+
+from transports.certs import CertificateError, NodeCredentials, node_name_of
+
+PINNED_AIOQUIC = "1.7.2"
+if aioquic.__version__ != PINNED_AIOQUIC:
+    raise ImportError(
+        f"transports.quic_tls patches aioquic {PINNED_AIOQUIC} internals (server-side client certificate "
+        f"checks) but aioquic {aioquic.__version__} is installed; re-check tls.Context and "
+        f"QuicConnection._initialize against the new version before moving the pin")
+
+logger = logging.getLogger(__name__)
+
+
+class AlertCertificateRequired(tls.Alert):
+    description = tls.AlertDescription.certificate_required
+
+
+class AuthFailure(enum.StrEnum):
+    """Why a server refused a client (the `reason` label of auth_failures_total)."""
+
+    NO_CERTIFICATE = "no_certificate"
+    EXPIRED = "expired"
+    UNTRUSTED = "untrusted"          # chain does not lead to the cluster CA
+    NOT_A_NODE = "not_a_node"        # no DNS SAN, or not valid for client authentication
+    HANDSHAKE = "handshake"          # any other TLS failure (bad signature, no common ALPN, ...)
+
+
+@dataclass(slots=True)
+class _Ticket:
+    ticket: tls.SessionTicket
+    node: str
+    cert_not_after: float  # the client certificate's expiry bounds every ticket chained from it
+    expires_at: float
+
+
+@dataclass(slots=True)
+class TicketStore:
+    """Server-side session tickets, each bound to the node that earned it with a full handshake."""
+
+    capacity: int = 4096
+    lifetime_s: float = 3600.0
+    _tickets: OrderedDict[bytes, _Ticket] = field(default_factory=OrderedDict)
+
+    def __len__(self) -> int:
+        return len(self._tickets)
+
+    def add(self, ticket: tls.SessionTicket, node: str, cert_not_after: float, now: float) -> None:
+        self._tickets[ticket.ticket] = _Ticket(ticket, node, cert_not_after,
+                                               min(now + self.lifetime_s, cert_not_after))
+        while len(self._tickets) > self.capacity:
+            self._tickets.popitem(last=False)
+
+    def take(self, ticket_id: bytes, now: float) -> tuple[tls.SessionTicket, str, float] | None:
+        """(ticket, node, certificate expiry), removed from the store (single use); None if unknown
+        or expired."""
+        entry = self._tickets.pop(ticket_id, None)
+        if entry is None or now > entry.expires_at:
+            return None
+        return entry.ticket, entry.node, entry.cert_not_after
+
+    def clear(self) -> None:
+        self._tickets.clear()
+
+
+@dataclass(frozen=True, slots=True)
+class TlsGeneration:
+    """One generation of a node's QUIC TLS material; replaced as a whole when certificates rotate.
+    `tickets` are the session tickets a server issued under it."""
+
+    configuration: QuicConfiguration
+    cluster_ca: bytes
+    tickets: TicketStore
+
+
+class QuicTlsMaterial:
+    """A node's certificate, key and cluster CA as aioquic configurations, reloaded on rotation.
+
+    `base` carries everything but the TLS material (ALPN, windows, datagram size, timeouts).
+    A generation is never mutated, so handshakes already under way keep theirs.
+    """
+
+    def __init__(self, credentials: NodeCredentials, base: QuicConfiguration,
+                 ticket_lifetime_s: float = 3600.0) -> None:
+        self.credentials = credentials
+        self.generation = -1
+        self._base = base
+        self._ticket_lifetime_s = ticket_lifetime_s
+        self._current: TlsGeneration | None = None
+
+    def current(self) -> TlsGeneration:
+        """The material for a new handshake, reloaded first if the files changed."""
+        self.credentials.refresh()
+        if self._current is not None and self.credentials.generation == self.generation:
+            return self._current
+        files = self.credentials.files
+        config = dataclasses.replace(self._base)
+        try:
+            config.load_cert_chain(files.cert, files.key)
+            cadata = files.ca.read_bytes()
+        except (OSError, ValueError) as e:
+            if self._current is None:
+                raise CertificateError(f"cannot load QUIC credentials {files}: {e}") from None
+            logger.warning("keeping the previous QUIC certificate; rotated files unreadable: %s", e)
+            return self._current
+        config.load_verify_locations(cadata=cadata)
+        config.verify_mode = ssl.CERT_REQUIRED  # clients check the server's chain and name
+        self._current = TlsGeneration(config, cadata, TicketStore(lifetime_s=self._ticket_lifetime_s))
+        if self.generation >= 0:
+            logger.info("QUIC now uses certificate generation %d", self.credentials.generation)
+        self.generation = self.credentials.generation
+        return self._current
+
+
+def _client_auth_allowed(cert: x509.Certificate) -> bool:
+    try:
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return True  # no extended key usage: valid for every purpose
+    return ExtendedKeyUsageOID.CLIENT_AUTH in usage
+
+
+class ClusterServerContext(tls.Context):
+    """aioquic's server TLS context with client authentication against the cluster CA."""
+
+    cluster_ca: bytes
+    tickets: TicketStore
+    peer_node: str | None
+    auth_failure: AuthFailure | None
+    _candidate: tuple[str, float] | None  # (node, certificate expiry) of the client being checked
+
+    def enforce(self, server_tls: TlsGeneration) -> None:
+        self.cluster_ca = server_tls.cluster_ca
+        self.tickets = server_tls.tickets
+        self.peer_node = None
+        self.auth_failure = None
+        self._candidate = None
+        self._request_client_certificate = True
+        self._verify_mode = ssl.CERT_REQUIRED  # for readers of the context; the checks are ours
+        self._max_early_data = None  # no 0-RTT: early data could be replayed
+        self.get_session_ticket_cb = self._resume
+        self.new_session_ticket_cb = self._issue
+
+    # -- full handshake ------------------------------------------------------------------------
+
+    def _server_handle_certificate(self, input_buf: Buffer) -> None:
+        super()._server_handle_certificate(input_buf)
+        if self._peer_certificate is None:
+            self._refuse(AuthFailure.NO_CERTIFICATE,
+                         AlertCertificateRequired("client sent no certificate; kvfabric requires mutual TLS"))
+        cert = self._peer_certificate
+        try:
+            tls.verify_certificate(certificate=cert, chain=self._peer_certificate_chain, cadata=self.cluster_ca)
+        except tls.AlertCertificateExpired as e:
+            self._refuse(AuthFailure.EXPIRED, e)
+        except tls.Alert as e:
+            self._refuse(AuthFailure.UNTRUSTED, tls.AlertBadCertificate(f"not issued by the cluster CA: {e}"))
+        try:
+            node = node_name_of(cert)
+        except CertificateError as e:
+            self._refuse(AuthFailure.NOT_A_NODE, tls.AlertBadCertificate(str(e)))
+        if not _client_auth_allowed(cert):
+            self._refuse(AuthFailure.NOT_A_NODE,
+                         tls.AlertBadCertificate("certificate is not valid for client authentication"))
+        self._candidate = (node, cert.not_valid_after_utc.timestamp())
+
+    def _server_handle_certificate_verify(self, input_buf: Buffer) -> None:
+        try:
+            super()._server_handle_certificate_verify(input_buf)  # proves the client holds the key
+        except tls.Alert as e:
+            self._refuse(AuthFailure.HANDSHAKE, e)
+        assert self._candidate is not None, "CertificateVerify accepted before a verified Certificate"
+        self.peer_node = self._candidate[0]
+
+    # -- resumption ----------------------------------------------------------------------------
+
+    def _server_handle_hello(self, input_buf: Buffer, initial_buf: Buffer, handshake_buf: Buffer) -> None:
+        super()._server_handle_hello(input_buf, initial_buf, handshake_buf)
+        if self._session_resumed:
+            assert self._candidate is not None, "session resumed without a ticket from our store"
+            self.peer_node = self._candidate[0]
+            if self.state == tls.State.SERVER_EXPECT_CERTIFICATE:
+                # aioquic sends no CertificateRequest on a PSK handshake but would still wait
+                # for a client Certificate; a resumed client goes straight to Finished.
+                self._server_expect_finished()
+
+    def _resume(self, ticket_id: bytes) -> tls.SessionTicket | None:
+        found = self.tickets.take(ticket_id, time.time())
+        if found is None:
+            return None
+        ticket, node, cert_not_after = found
+        self._candidate = (node, cert_not_after)
+        return ticket
+
+    def _issue(self, ticket: tls.SessionTicket) -> None:
+        # Called after the client's Finished; a resumed session re-issues under the same identity.
+        if self.peer_node is None or self._candidate is None:
+            return
+        self.tickets.add(ticket, self.peer_node, self._candidate[1], time.time())
+
+    def _refuse(self, reason: AuthFailure, alert: tls.Alert) -> NoReturn:
+        self.auth_failure = reason
+        raise alert
+
+
+def install_client_auth(connection: QuicConnection, current: Callable[[], TlsGeneration]) -> None:
+    """Make the server-side `connection` demand and verify a cluster client certificate.
+
+    Call before the connection sees its first datagram. `current()` is asked for the TLS material
+    when the handshake starts, so a rotated certificate applies to new connections only.
+    """
+    if connection._is_client:
+        raise RuntimeError("install_client_auth is for server connections; clients verify with verify_mode")
+    original = connection._initialize
+
+    def _initialize(peer_cid: bytes) -> None:
+        server_tls = current()
+        # Only the TLS fields differ between generations, so swapping the configuration before
+        # aioquic reads it leaves the transport parameters (already taken from it) consistent.
+        connection._configuration = server_tls.configuration
+        original(peer_cid)
+        # aioquic has no factory for its tls.Context: upgrade the instance it just built.
+        context = connection.tls
+        context.__class__ = ClusterServerContext
+        cast(ClusterServerContext, context).enforce(server_tls)
+
+    connection._initialize = _initialize  # type: ignore[method-assign]
+
+
+def peer_node(connection: QuicConnection) -> str | None:
+    """The authenticated node name of a server connection's client, once its handshake passed."""
+    context = getattr(connection, "tls", None)
+    return context.peer_node if isinstance(context, ClusterServerContext) else None
+
+
+def auth_failure(connection: QuicConnection) -> AuthFailure | None:
+    context = getattr(connection, "tls", None)
+    return context.auth_failure if isinstance(context, ClusterServerContext) else None
+

@@ -1,0 +1,474 @@
+"""Pull throughput over 127.0.0.1: kvfabric's transports beside the sockets and stores users know.
+
+    .venv/bin/python benchmarks/bench_transfer.py [--quick] [--total-mb 1024] [--rounds 2]
+
+Each method moves about `--total-mb` of random payloads as 1 MiB and as 256 KiB blocks (64 MiB of
+distinct blocks, cycled), every server in its own process:
+
+    tls_tcp       kvfabric TLS-TCP: PULLs of 16 addresses, 2 in flight, every payload's BLAKE3 verified
+    quic          kvfabric QUIC at 8952- and 1452-byte datagrams, and aioquic with its default settings
+                  (benchmarks/transfer_quic.py; time-bounded: QUIC moves less than the others)
+    tls_socket    plain TLS 1.3 sockets, same certificates, server sendall / client recv_into (no framing,
+                  no verification): the ceiling for any TLS transport on this machine
+    tcp_socket    the same without TLS: the loopback ceiling
+    redis_get     redis-server (--save "" --appendonly no), redis-py + hiredis, GETs pipelined 16 at a time
+    ray_object    Ray object store between two actors: ray.put in one, ray.get in the other (one node:
+                  shared memory, zero-copy get; not a network transfer)
+
+Methods are interleaved round by round (warm-up excluded); MB/s = total moved / total time, 1 MB = 10^6 B.
+The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k for 256 KiB, and
+ratios). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import blake3
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks._common import emit_json, print_table
+from fabric.keys import BlockAddress, BlockHash
+from transports.base import Hit, Peer
+from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.tls_tcp import TlsTcpClient, TlsTcpServer
+
+logger = logging.getLogger("bench_transfer")
+
+MB = 1_000_000
+DISTINCT_BYTES = 64 << 20        # distinct payload bytes each server holds per block size
+BLOCK_SIZES = {"": 1 << 20, "_256k": 256 << 10}
+PULL_SIZE = 16
+CONCURRENT_PULLS = 2
+REDIS_PIPELINE = 16
+SERVER_NODE, CLIENT_NODE = "bench-server", "bench-client"
+REQUEST = struct.Struct("<QQ")   # socket servers: (block_size, count)
+
+
+def ensure_certs(cert_dir: Path) -> Path:
+    if not (cert_dir / CA_CERT).exists():
+        init_ca(cert_dir)
+    for node in (SERVER_NODE, CLIENT_NODE):
+        if not (cert_dir / f"{node}.pem").exists():
+            issue_node(cert_dir, node, days=30)
+    return cert_dir
+
+
+def creds(cert_dir: Path, node: str) -> NodeCredentials:
+    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
+
+
+def address(block_size: int, i: int) -> BlockAddress:
+    return BlockAddress(BlockHash(blake3.blake3(b"bench-transfer-%d-%d" % (block_size, i)).digest()), 0)
+
+
+def num_distinct(block_size: int) -> int:
+    return DISTINCT_BYTES // block_size
+
+
+def random_blocks(block_size: int) -> list[bytes]:
+    return [os.urandom(block_size) for _ in range(num_distinct(block_size))]
+
+
+# -- servers (run as `bench_transfer.py --serve KIND` subprocesses) ------------------------------
+
+
+class _Stored:
+    __slots__ = ("digest", "payload")
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.digest = blake3.blake3(payload).digest()
+
+
+class _Source:
+    """The kvfabric server's blocks: random payloads of every benchmarked size, digests precomputed."""
+
+    def __init__(self) -> None:
+        self.blocks = {address(size, i): _Stored(p) for size in BLOCK_SIZES.values()
+                       for i, p in enumerate(random_blocks(size))}
+
+    def get_block(self, addr: BlockAddress) -> _Stored | None:
+        return self.blocks.get(addr)
+
+
+async def _serve_kvfabric(cert_dir: Path) -> None:
+    server = TlsTcpServer(creds(cert_dir, SERVER_NODE), _Source(), "127.0.0.1", 0)
+    _, port = await server.start()
+    print(f"READY {port}", flush=True)
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
+    await server.close()
+
+
+def _recv_exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:
+        chunk = conn.recv(size - len(data))
+        if not chunk:
+            return b""
+        data += chunk
+    return data
+
+
+def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
+    payloads = {size: random_blocks(size) for size in BLOCK_SIZES.values()}
+    ctx = creds(cert_dir, SERVER_NODE).ssl_context(server=True) if use_tls else None
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"READY {listener.getsockname()[1]}", flush=True)
+    while True:
+        raw, _ = listener.accept()
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = ctx.wrap_socket(raw, server_side=True) if ctx is not None else raw
+        with conn:
+            while header := _recv_exactly(conn, REQUEST.size):
+                size, count = REQUEST.unpack(header)
+                blocks = payloads[size]
+                for i in range(count):
+                    conn.sendall(blocks[i % len(blocks)])
+
+
+class Server:
+    """A benchmark server subprocess; stopped by closing its stdin (or killed by PID)."""
+
+    def __init__(self, kind: str, cert_dir: Path) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", kind, "--cert-dir", str(cert_dir)]
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            self.stop()
+            raise RuntimeError(f"{kind} server did not start (said {line!r})")
+        self.port = int(line.split()[1])
+
+    def stop(self) -> None:
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+# -- clients: each returns (bytes moved, seconds) of one timed run ---------------------------------
+
+Run = Callable[[int, int, float], tuple[int, float]]   # (block_size, total_bytes, time_limit_s)
+
+
+def socket_run(port: int, cert_dir: Path, use_tls: bool) -> Run:
+    raw = socket.create_connection(("127.0.0.1", port))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = creds(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(
+        raw, server_hostname=SERVER_NODE) if use_tls else raw
+
+    def receive(block_size: int, count: int, buf: memoryview) -> int:
+        conn.sendall(REQUEST.pack(block_size, count))
+        want, got = block_size * count, 0
+        while got < want:
+            n = conn.recv_into(buf)
+            if not n:
+                raise ConnectionError("socket server closed the connection")
+            got += n
+        return got
+
+    def run(block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+        buf = memoryview(bytearray(block_size))
+        receive(block_size, 4, buf)  # warm-up
+        moved, start = 0, time.perf_counter()
+        step = max(1, (16 << 20) // block_size)
+        while moved < total and time.perf_counter() - start < time_limit_s:
+            moved += receive(block_size, min(step, -(-(total - moved) // block_size)), buf)
+        return moved, time.perf_counter() - start
+
+    return run
+
+
+def kvfabric_run(port: int, cert_dir: Path) -> Run:
+    peer = Peer(SERVER_NODE, "127.0.0.1", port)
+
+    async def pulls(block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+        client = TlsTcpClient(creds(cert_dir, CLIENT_NODE))
+        counts = {"moved": 0, "misses": 0, "next": 0}
+
+        async def one_pull() -> None:
+            first = counts["next"]
+            counts["next"] += PULL_SIZE
+            batch = [address(block_size, (first + i) % num_distinct(block_size)) for i in range(PULL_SIZE)]
+            async for result in client.pull(peer, batch):
+                if isinstance(result, Hit):
+                    counts["moved"] += len(result.payload)
+                else:
+                    counts["misses"] += 1
+
+        try:
+            await one_pull()  # warm-up: connect, handshake
+            counts["moved"] = 0
+            start = time.perf_counter()
+
+            async def worker() -> None:
+                while counts["moved"] < total and time.perf_counter() - start < time_limit_s:
+                    await one_pull()
+
+            await asyncio.gather(*(worker() for _ in range(CONCURRENT_PULLS)))
+            elapsed = time.perf_counter() - start
+        finally:
+            await client.close()
+        if counts["misses"]:
+            raise RuntimeError(f"{counts['misses']} kvfabric pulls missed; the benchmark counts only hits")
+        return counts["moved"], elapsed
+
+    return lambda block_size, total, limit: asyncio.run(pulls(block_size, total, limit))
+
+
+class Redis:
+    """redis-server on a free 127.0.0.1 port, without persistence; stopped by PID."""
+
+    def __init__(self, workdir: Path) -> None:
+        import redis
+
+        with socket.create_server(("127.0.0.1", 0)) as probe:
+            self.port = probe.getsockname()[1]
+        self.proc = subprocess.Popen(
+            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+             "--dir", str(workdir), "--protected-mode", "yes"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self.client = redis.Redis(host="127.0.0.1", port=self.port)
+        for _ in range(200):
+            try:
+                self.client.ping()
+                break
+            except redis.ConnectionError:
+                time.sleep(0.02)
+        else:
+            self.stop()
+            raise RuntimeError("redis-server did not answer PING")
+        for size in BLOCK_SIZES.values():
+            pipe = self.client.pipeline(transaction=False)
+            for i, payload in enumerate(random_blocks(size)):
+                pipe.set(f"b{size}:{i}", payload)
+            pipe.execute()
+
+    def run(self, block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+        keys = [f"b{block_size}:{i}" for i in range(num_distinct(block_size))]
+
+        def batch(first: int) -> int:
+            pipe = self.client.pipeline(transaction=False)
+            for i in range(REDIS_PIPELINE):
+                pipe.get(keys[(first + i) % len(keys)])
+            return sum(len(v) for v in pipe.execute())
+
+        batch(0)  # warm-up
+        moved, n, start = 0, 0, time.perf_counter()
+        while moved < total and time.perf_counter() - start < time_limit_s:
+            moved += batch(n)
+            n += REDIS_PIPELINE
+        return moved, time.perf_counter() - start
+
+    def stop(self) -> None:
+        self.client.close()
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class RayObjects:
+    """Two Ray actors: a producer that ray.put()s payloads and a consumer that ray.get()s them."""
+
+    def __init__(self, workdir: Path) -> None:
+        import numpy as np
+        import ray
+
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(workdir), logging_level="ERROR",
+                 log_to_driver=False)
+
+        @ray.remote
+        class Producer:
+            def __init__(self) -> None:
+                self.blocks = {size: [np.frombuffer(p, np.uint8) for p in random_blocks(size)]
+                               for size in BLOCK_SIZES.values()}
+
+            def make(self, size: int, first: int, count: int) -> list[Any]:
+                blocks = self.blocks[size]
+                return [ray.put(blocks[(first + i) % len(blocks)]) for i in range(count)]
+
+        @ray.remote
+        class Consumer:
+            def take(self, refs: list[Any]) -> int:
+                return sum(int(a.nbytes) for a in ray.get(refs))
+
+        self.ray = ray
+        self.producer = Producer.remote()  # type: ignore[attr-defined]
+        self.consumer = Consumer.remote()  # type: ignore[attr-defined]
+
+    def run(self, block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+        ray, step = self.ray, max(1, (16 << 20) // block_size)
+
+        def move(first: int) -> int:
+            refs = ray.get(self.producer.make.remote(block_size, first, step))
+            return int(ray.get(self.consumer.take.remote(refs)))
+
+        move(0)  # warm-up
+        moved, n, start = 0, 0, time.perf_counter()
+        while moved < total and time.perf_counter() - start < time_limit_s:
+            moved += move(n)
+            n += step
+        return moved, time.perf_counter() - start
+
+    def stop(self) -> None:
+        self.ray.shutdown()
+
+
+def quic_runs(cert_dir: Path) -> dict[str, Run] | None:
+    """The QUIC measurements of benchmarks/transfer_quic.py (None when that module is absent)."""
+    try:
+        from benchmarks import transfer_quic as tq
+    except ImportError as e:
+        logger.warning("benchmarks/transfer_quic.py not importable (%s): QUIC figures left null", e)
+        return None
+    tq.ensure_certs(cert_dir)
+
+    def timed(measure: Callable[[int, int, float], float]) -> Run:
+        def run(block_size: int, total: int, limit: float) -> tuple[int, float]:
+            # transfer_quic reports MB/s of what moved before the limit: count it as one second's worth
+            return int(measure(block_size, total, limit) * MB), 1.0
+
+        return run
+
+    return {
+        "quic": timed(lambda bs, total, limit: tq.measure_kvfabric_quic(total, bs, 8952, cert_dir, limit)),
+        "quic_1452": timed(lambda bs, total, limit: tq.measure_kvfabric_quic(total, bs, 1452, cert_dir, limit)),
+        "quic_default": timed(lambda bs, total, limit: tq.measure_aioquic_default(total, bs, cert_dir, limit)),
+    }
+
+
+# -- the run ---------------------------------------------------------------------------------------
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="~32 MiB per method, no Ray (smoke test)")
+    parser.add_argument("--total-mb", type=float, default=1024.0, help="MiB per method and block size")
+    parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the total is split)")
+    parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per run, at most")
+    parser.add_argument("--quic-time-limit", type=float, default=4.0, help="seconds per QUIC run")
+    parser.add_argument("--dir", default=None, help="where to put certificates, Redis and Ray files (removed after)")
+    parser.add_argument("--serve", choices=["kvfabric", "tcp", "tls"], help=argparse.SUPPRESS)
+    parser.add_argument("--cert-dir", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.serve:
+        cert_dir = Path(args.cert_dir)
+        if args.serve == "kvfabric":
+            asyncio.run(_serve_kvfabric(cert_dir))
+        else:
+            _serve_socket(cert_dir, use_tls=args.serve == "tls")
+        return
+    rounds = 1 if args.quick else args.rounds
+    per_run = int((32 if args.quick else args.total_mb) * (1 << 20) / rounds)
+    quic_limit = 1.0 if args.quick else args.quic_time_limit
+    workdir = Path(tempfile.mkdtemp(prefix="kvfabric-bench-transfer-", dir=args.dir))
+    try:
+        result = measure(workdir, args.quick, rounds, per_run, args.time_limit, quic_limit)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    report(result, args.quick, rounds, per_run)
+
+
+def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
+            quic_limit: float) -> dict[str, float | None]:
+    cert_dir = ensure_certs(workdir / "certs")
+    stoppers: list[Callable[[], None]] = []
+    runs: dict[str, Run] = {}
+    notes: list[str] = []
+    try:
+        for kind in ("tcp", "tls", "kvfabric"):
+            server = Server(kind, cert_dir)
+            stoppers.append(server.stop)
+            runs[{"tcp": "tcp_socket", "tls": "tls_socket", "kvfabric": "tls_tcp"}[kind]] = (
+                kvfabric_run(server.port, cert_dir) if kind == "kvfabric"
+                else socket_run(server.port, cert_dir, use_tls=kind == "tls"))
+        if shutil.which("redis-server"):
+            redis_server = Redis(workdir)
+            stoppers.append(redis_server.stop)
+            runs["redis_get"] = redis_server.run
+        else:
+            notes.append("redis-server not found (apt-get install redis-server): redis_get left null")
+        if quick:
+            notes.append("--quick: Ray skipped, ray_object left null")
+        else:
+            ray_objects = RayObjects(workdir / "ray")
+            stoppers.append(ray_objects.stop)
+            runs["ray_object"] = ray_objects.run
+        quic = quic_runs(cert_dir)
+        if quic is None:
+            notes.append("benchmarks/transfer_quic.py missing: QUIC figures left null")
+        totals: dict[str, list[float]] = {}
+        plan = [(suffix, size, name) for suffix, size in BLOCK_SIZES.items() for _ in range(rounds)
+                for name in runs]
+        plan += [(suffix, size, name) for suffix, size in BLOCK_SIZES.items() for name in (quic or {})]
+        for suffix, size, name in tqdm(plan, desc="transfer", file=sys.stderr):
+            run = runs[name] if name in runs else (quic or {})[name]
+            moved, seconds = run(size, per_run, quic_limit if name.startswith("quic") else limit)
+            acc = totals.setdefault(name + suffix, [0.0, 0.0])
+            acc[0] += moved
+            acc[1] += seconds
+    finally:
+        for stop in reversed(stoppers):
+            stop()
+    for note in notes:
+        logger.warning(note)
+    names = ["tcp_socket", "tls_socket", "tls_tcp", "redis_get", "ray_object", "quic", "quic_1452", "quic_default"]
+    out: dict[str, float | None] = {}
+    for suffix in BLOCK_SIZES:
+        for name in names:
+            moved_s = totals.get(name + suffix)
+            out[f"{name}_mb_s{suffix}"] = round(moved_s[0] / MB / moved_s[1], 1) if moved_s else None
+    return out
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a is not None and b else None
+
+
+def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: int) -> None:
+    rows = []
+    labels = {"tcp_socket": "plain TCP sockets (ceiling)", "tls_socket": "plain TLS 1.3 sockets",
+              "tls_tcp": "kvfabric TLS-TCP (verified)", "redis_get": "Redis GET (redis-py, pipelined)",
+              "ray_object": "Ray object store, actor to actor", "quic": "kvfabric QUIC, 8952-byte datagrams",
+              "quic_1452": "kvfabric QUIC, 1452-byte datagrams", "quic_default": "aioquic default settings"}
+    for name, label in labels.items():
+        rows.append([label, *(result[f"{name}_mb_s{suffix}"] or "-" for suffix in BLOCK_SIZES)])
+    print_table(f"Pull throughput over 127.0.0.1, MB/s ({rounds} round(s) of {per_run >> 20} MiB per method)",
+                ["method", "1 MiB blocks", "256 KiB blocks"], rows)
+    out: dict[str, object] = dict(result)
+    for suffix in BLOCK_SIZES:
+        tls_tcp = result[f"tls_tcp_mb_s{suffix}"]
+        out[f"tls_tcp_vs_tls_socket{suffix}"] = _ratio(tls_tcp, result[f"tls_socket_mb_s{suffix}"])
+        out[f"tls_tcp_vs_redis{suffix}"] = _ratio(tls_tcp, result[f"redis_get_mb_s{suffix}"])
+        out[f"quic_vs_default{suffix}"] = _ratio(result[f"quic_mb_s{suffix}"], result[f"quic_default_mb_s{suffix}"])
+    out["quick"] = quick
+    emit_json(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""Smoke test of benchmarks/bench_transfer.py: `--quick` runs every method and ends with the JSON line.
+
+Timing is not asserted (benchmarks report figures, tests do not gate on them).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick",
+                           "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert any("kvfabric TLS-TCP" in line for line in lines[:-1]), "expected the table before the JSON line"
+    result = json.loads(lines[-1])
+    measured = ["tcp_socket", "tls_socket", "tls_tcp"]
+    if shutil.which("redis-server"):
+        measured.append("redis_get")
+    if (ROOT / "benchmarks" / "transfer_quic.py").exists():
+        measured += ["quic", "quic_1452", "quic_default"]
+    for name in measured:
+        for key in (f"{name}_mb_s", f"{name}_mb_s_256k"):
+            assert isinstance(result[key], float) and result[key] > 0, key
+    assert result["ray_object_mb_s"] is None  # --quick skips Ray
+    assert isinstance(result["tls_tcp_vs_tls_socket"], float)
+    assert result["quick"] is True
+    assert list(tmp_path.iterdir()) == []  # certificates and server files removed

@@ -20,7 +20,9 @@ from fabric.keys import BlockAddress
 from transports.base import BlockSource, Hit, PullResult
 from transports.codec import Block, End, Error, Frame, Miss, MissReason, ProtocolError, Pull
 
-MAX_ADDRESSES_PER_PULL = 4096
+# One PULL header holds ~40 bytes per address; 1024 keeps it (~41 KiB) under the codec's 64 KiB
+# header limit. Transports split longer requests into several PULLs.
+MAX_ADDRESSES_PER_PULL = 1024
 
 
 def answer_pull(source: BlockSource, pull: Pull) -> Iterator[Frame]:

@@ -98,6 +98,12 @@ def test_duplicate_addresses_are_each_answered() -> None:
     assert len(results) == 2 and all(isinstance(r, Hit) for r in results) and tracker.done
 
 
+def test_the_largest_pull_fits_the_header_limit() -> None:
+    worst = tuple(BlockAddress(BlockHash(b"\xff" * 32), 2**32 - 1) for _ in range(MAX_ADDRESSES_PER_PULL))
+    (frame,) = FrameDecoder().feed(encode(Pull(2**64 - 1, worst)))
+    assert isinstance(frame, Pull) and len(frame.addresses) == MAX_ADDRESSES_PER_PULL
+
+
 def test_oversized_pull_is_refused() -> None:
     with pytest.raises(ProtocolError, match="exceeds"):
         list(answer_pull(DictSource(), Pull(1, tuple(_addr(0) for _ in range(MAX_ADDRESSES_PER_PULL + 1)))))

@@ -34,11 +34,13 @@ import mmap
 import secrets
 import ssl
 import struct
+import sys
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import msgpack
@@ -227,6 +229,11 @@ async def exchange_params(sock: ssl.SSLSocket, mine: RdmaParams, *, initiator: b
 
 def rdma_unavailable_reason() -> str | None:
     """Why RDMA cannot run here, or None when pyverbs and at least one device are present."""
+    sysfs = Path("/sys/class/infiniband")
+    if sys.platform == "linux" and not (sysfs.is_dir() and any(sysfs.iterdir())):
+        # The hardware check comes first: without a device, installing pyverbs would not help.
+        return (f"no RDMA device: {sysfs} lists none (no InfiniBand/RoCE NIC, or the rdma kernel "
+                f"modules are not loaded)")
     try:
         import pyverbs.device as d
         from pyverbs.pyverbs_error import PyverbsError

@@ -14,6 +14,7 @@ that does not is where recompute starts. Logits are therefore exactly those of a
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from fabric.block_manager import BlockManager, SeqState
 from fabric.keys import BlockAddress, BlockHash
 from fabric.kv_pool import StorageType, TokenToKVPool
 from fabric.store import Store
+from fabric.tiers.base import Payload
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,7 +32,7 @@ class PrefillResult:
     logits: torch.Tensor
     num_tokens: int
     num_device_hit_tokens: int   # reused from the engine's own pool
-    num_store_hit_tokens: int    # loaded from the node's Store (RAM or SSD) and scattered into the pool
+    num_store_hit_tokens: int    # loaded from the node's Store (RAM or SSD) or pulled, scattered into the pool
     num_stored_blocks: int       # full blocks newly written to the Store
     prefill_s: float
     seq: SeqState
@@ -65,14 +67,18 @@ class PagedEngine:
         start = block_index * self.block_size
         return self._slots(seq, start, start + self.block_size)
 
-    def _load_from_store(self, seq: SeqState, hashes: list[BlockHash], first_block: int) -> int:
-        """Scatter verified store payloads into the pool for blocks first_block.. ; returns blocks loaded."""
-        assert self.store is not None
+    def _load_from_store(self, seq: SeqState, hashes: list[BlockHash], first_block: int,
+                         pulled: Mapping[BlockAddress, Payload]) -> int:
+        """Scatter verified payloads (store first, then `pulled`) into the pool for blocks first_block..;
+        returns how many blocks were loaded."""
         loaded = 0
         for i in range(first_block, len(hashes)):
             payloads = []
             for layer in range(self.layout.num_layers):
-                payload = self.store.get(BlockAddress(hashes[i], layer))
+                address = BlockAddress(hashes[i], layer)
+                payload: Payload | None = self.store.get(address) if self.store is not None else None
+                if payload is None:
+                    payload = pulled.get(address)
                 if payload is None:
                     return loaded
                 payloads.append(payload)
@@ -82,8 +88,12 @@ class PagedEngine:
             loaded += 1
         return loaded
 
-    def prefill(self, tokens: list[int]) -> PrefillResult:
-        """Run the prompt, reusing every cached prefix block; the sequence stays allocated."""
+    def prefill(self, tokens: list[int], pulled: Mapping[BlockAddress, Payload] | None = None) -> PrefillResult:
+        """Run the prompt, reusing every cached prefix block; the sequence stays allocated.
+
+        `pulled` holds digest-verified payloads fetched from peers that the store did not keep
+        (mirroring off); they are used like store hits.
+        """
         start = time.perf_counter()
         seq = SeqState(self._next_seq_id, tokens)
         self._next_seq_id += 1
@@ -93,8 +103,8 @@ class PagedEngine:
         device_hit = seq.num_cached_tokens
         hashes = self.blocks.seq_block_hashes(seq)
         store_blocks = 0
-        if self.store is not None:
-            store_blocks = self._load_from_store(seq, hashes, device_hit // self.block_size)
+        if self.store is not None or pulled:
+            store_blocks = self._load_from_store(seq, hashes, device_hit // self.block_size, pulled or {})
         reused = device_hit + store_blocks * self.block_size
         if reused == len(tokens):  # keep one token to compute: the engine needs its logits
             reused -= self.block_size

@@ -6,7 +6,7 @@
     storage   = BLAKE3(h_i || layer as little-endian u32)        (32 bytes)
 
 Only full blocks get a hash. Two requests share block i exactly when their namespaces and
-all tokens up to the end of block i are equal. Nothing here depends on Python's `hash()`,
+all tokens up to the end of block i are equal. Nothing here depends on Python's builtin hashing,
 PYTHONHASHSEED, or any other process state; `tests/vectors/block_hashes.json` pins the output.
 """
 

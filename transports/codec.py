@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import enum
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -267,11 +267,17 @@ class FrameDecoder:
       * `feed(data) -> list[Frame]` for transports that hand over bytes (QUIC streams);
       * `get_buffer()` / `buffer_updated(n)` for `asyncio.BufferedProtocol` and `recv_into`:
         a payload's remaining bytes are received directly into the payload's own buffer.
+
+    `payload_allocator(n)` makes each payload buffer (default `bytearray(n)`, zero-filled). A
+    transport may pass one that skips the zero-filling: a BLOCK frame is only returned once every
+    byte of its payload has been received, so no uninitialised byte is ever handed out.
     """
 
-    def __init__(self, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD) -> None:
+    def __init__(self, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 payload_allocator: Callable[[int], bytearray] = bytearray) -> None:
         self.max_header = max_header
         self.max_payload = max_payload
+        self._allocate = payload_allocator
         self._state = _State.PREAMBLE
         self._buf = bytearray()            # partial preamble or header
         self._ftype = FrameType.BYE
@@ -386,7 +392,9 @@ class FrameDecoder:
         if payload_len and self._ftype is not FrameType.BLOCK:
             raise ProtocolError(f"{self._ftype.name} frame must not carry a payload ({payload_len} bytes)")
         self._header_len = header_len
-        self._payload = bytearray(payload_len)
+        self._payload = self._allocate(payload_len) if payload_len else bytearray()
+        if len(self._payload) != payload_len:
+            raise RuntimeError(f"payload allocator returned {len(self._payload)} bytes for {payload_len}")
         self._payload_view = memoryview(self._payload)
         self._payload_filled = 0
         self._state = _State.HEADER

@@ -31,7 +31,8 @@ Limits per connection:
     a pull whose pooled connection vanished before answering anything is retried once).
 Every frame costs O(1) Python work besides its payload's one BLAKE3 hash on the client. The
 client also raises glibc's malloc thresholds once per process (`tls_link.tune_allocator`): fresh
-payload buffers otherwise page-fault in anew, a third of the client's CPU per byte.
+payload buffers otherwise page-fault in anew, a third of the client's CPU per byte; and payload
+buffers are not zero-filled (`tls_link.uninitialised_bytearray`: decryption overwrites every byte).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ from transports.tls_link import (
     open_tls,
     peer_node,
     tune_allocator,
+    uninitialised_bytearray,
 )
 
 logger = logging.getLogger(__name__)
@@ -709,7 +711,8 @@ class TlsTcpClient:
 
     async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
-        return TlsLink(sock, FrameDecoder(max_payload=self.max_payload), conn.on_frames, conn.on_closed,
+        decoder = FrameDecoder(max_payload=self.max_payload, payload_allocator=uninitialised_bytearray)
+        return TlsLink(sock, decoder, conn.on_frames, conn.on_closed,
                        self.frame_timeout_s, self.metrics, self.transport, batch_frames=True)
 
     def _forget(self, conn: _ClientConnection) -> None:

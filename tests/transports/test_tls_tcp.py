@@ -41,7 +41,7 @@ from transports.codec import (
     encode,
 )
 from transports.metrics import TransportMetrics
-from transports.tls_link import READ_BUDGET, open_tls
+from transports.tls_link import READ_BUDGET, open_tls, uninitialised_bytearray
 from transports.tls_tcp import ADDRESSES_PER_PULL, TRANSPORT, TlsTcpClient, TlsTcpServer
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
@@ -178,6 +178,31 @@ def test_pulls_many_blocks_verified_in_order(cert_dir: Path, memory_source: Memo
             assert served == len(source.blocks)
 
     run(main())
+
+
+def test_uninitialised_payload_buffers_hold_exactly_the_received_bytes() -> None:
+    # Dirty the heap with freed 0xff-filled buffers of the payload size, so that unzeroed
+    # allocations likely reuse them; every decoded payload must still be exactly what was sent.
+    size = 300_000
+    for _ in range(4):
+        junk = bytearray(b"\xff" * size)
+        del junk
+    fresh = uninitialised_bytearray(size)
+    assert isinstance(fresh, bytearray) and len(fresh) == size
+    assert uninitialised_bytearray(0) == bytearray()
+    payloads = [os.urandom(size) for _ in range(3)]
+    wire = b"".join(encode(Block(1, BlockAddress(BlockHash(os.urandom(32)), i), blake3.blake3(p).digest(), p))
+                    for i, p in enumerate(payloads))
+    decoder = FrameDecoder(payload_allocator=uninitialised_bytearray)
+    frames: list[Frame] = []
+    pos = 0
+    while pos < len(wire):  # the way TlsLink drives it: reads of at most one TLS record
+        buf = decoder.get_buffer()
+        n = min(len(buf), 16 * 1024 - 7, len(wire) - pos)
+        buf[:n] = wire[pos:pos + n]
+        pos += n
+        frames += decoder.buffer_updated(n)
+    assert [bytes(f.payload) for f in frames if isinstance(f, Block)] == payloads
 
 
 def test_misses_keep_their_place(cert_dir: Path, memory_source: MemorySourceFactory) -> None:

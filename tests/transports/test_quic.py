@@ -250,7 +250,8 @@ def test_reconnect_resumes_the_session_and_keeps_the_client_identity(cert_dir: P
             assert all(isinstance(r, Hit) for r in results)
             info = client.connection_info(peer)
             assert info is not None and info.num_connects == 2 and info.session_resumed
-            assert server.peer_nodes == ["client-1"]
+            # The resumed connection carries the identity; the dropped one may not be reaped yet.
+            assert set(server.peer_nodes) == {"client-1"}
 
     run(main())
 

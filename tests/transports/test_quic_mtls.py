@@ -100,7 +100,8 @@ def test_client_without_certificate_is_refused_counted_and_logged(
             assert auth_failures(server, "no_certificate") == 1
             assert source.num_gets == 0
             await good_client_is_served(cert_dir, peer, source.addresses)
-            assert server.peer_nodes == ["client-1"]
+            # The refused connection never became a peer; the good client's may already be closed.
+            assert server.peer_nodes in ([], ["client-1"])
 
     with caplog.at_level(logging.WARNING, logger="transports.quic"):
         run(main())

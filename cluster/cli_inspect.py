@@ -178,7 +178,9 @@ def _print(summary: Summary, kv: KVConfig, verify: tuple[VerifyReport, dict[str,
     # Piped output gets room for long model names instead of rich's 80-column default.
     console = Console() if sys.stdout.isatty() else Console(width=160)
     table = Table(title=f"kvfabric store: index {kv.index_dir}, SSD {kv.ssd_dir}")
-    for column in ("tier", "model", "blocks", "bytes", "oldest", "newest"):
+    # Every indexed block is on SSD; the tier column says where the store last saw it served from
+    # ("ram": also cached in RAM then; RAM does not survive a restart).
+    for column in ("last tier", "model", "blocks", "bytes", "oldest", "newest"):
         table.add_column(column, justify="right" if column in ("blocks", "bytes") else "left")
     for (tier, model), g in sorted(summary.groups.items()):
         table.add_row(tier, model, f"{g.blocks:,}", _size(g.bytes), _when(g.oldest), _when(g.newest))
@@ -188,6 +190,7 @@ def _print(summary: Summary, kv: KVConfig, verify: tuple[VerifyReport, dict[str,
                       _size(sum(g.bytes for g in summary.groups.values())),
                       _when(total["oldest_created_unix"]), _when(total["newest_created_unix"]), style="bold")
     console.print(table)
+    console.print("every indexed block is on SSD; 'last tier' = ram: it was also cached in RAM when last recorded")
     d = summary.disk
     console.print(f"SSD folder: {d['files']:,} block files, {_size(d['bytes'])}; "
                   f"{d['temp_files']} temp files, {d['files_without_row']} files without a row, "

@@ -124,7 +124,13 @@ def issue_node(cert_dir: str | os.PathLike[str], node: str, days: int = 365,
 
 
 def node_name_of(cert: x509.Certificate) -> str:
-    """The node identity a certificate carries: its first DNS SAN."""
+    """The node identity a certificate carries: its first DNS SAN. A CA certificate names no node
+    (TLS chain checks accept a CA certificate as the leaf, so this is where it is refused)."""
+    try:
+        if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
+            raise CertificateError("a CA certificate is not a kvfabric node certificate")
+    except x509.ExtensionNotFound:
+        pass  # no basic constraints: an end-entity certificate
     try:
         san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
     except x509.ExtensionNotFound:
@@ -182,7 +188,13 @@ class NodeCredentials:
 
     def refresh(self) -> bool:
         """Reload if the files changed; True when a reload happened."""
-        stamp = self.files.stamp()
+        try:
+            stamp = self.files.stamp()
+        except OSError as e:  # a rotation that deletes before it writes: keep serving with what we have
+            if not self._stamp:
+                raise CertificateError(f"cannot read node credentials {self.files}: {e}") from None
+            logger.warning("node credentials missing mid-rotation (%s); keeping the previous ones", e)
+            return False
         if stamp == self._stamp:
             return False
         # Validate the new material before switching to it: a half-written rotation keeps the old one.

@@ -11,7 +11,7 @@ built on it alone serves anyone. This module closes the hole:
              · empty Certificate            → alert certificate_required (116)
              · not from the cluster CA       → alert bad_certificate
              · expired / not yet valid       → alert certificate_expired
-             · no DNS SAN, no clientAuth use → alert bad_certificate
+             · a CA cert, no DNS SAN, no clientAuth use → alert bad_certificate
              · CertificateVerify signature   → checked by aioquic (proves the private key)
            and records `peer_node` (the SAN) once the client proved its key.
 

@@ -333,20 +333,22 @@ class TlsTcpServer:
         metrics = self.metrics
         try:
             sock = await accept_tls(raw, self.credentials, self.handshake_timeout_s)
-            node = peer_node(sock)
         except ssl.SSLError as e:
             reason = auth_failure_reason(e)
             metrics.auth_failures.labels(self.transport, reason).inc()
             logger.warning("refused TLS client %s (%s): %s", where, reason, e)
             return
-        except CertificateError as e:
-            metrics.auth_failures.labels(self.transport, "bad_certificate").inc()
-            logger.warning("refused TLS client %s: %s", where, e)
-            return
         except (OSError, TimeoutError) as e:
             metrics.auth_failures.labels(self.transport, "handshake").inc()
             logger.info("TLS handshake with %s failed: %s", where, e)
             raw.close()
+            return
+        try:
+            node = peer_node(sock)
+        except CertificateError as e:  # a chain from the cluster CA, but no node certificate
+            metrics.auth_failures.labels(self.transport, "bad_certificate").inc()
+            logger.warning("refused TLS client %s: %s", where, e)
+            sock.close()
             return
         conn = _ServerConnection(self, node)
         try:

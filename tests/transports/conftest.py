@@ -5,6 +5,8 @@
 * `openssl_foreign` (session): a second CA and certificates made with the `openssl` command-line
   tool, not with our code: a client certificate whose SAN is "intruder" and a server certificate
   whose SAN is "node-a" (to impersonate a real node from outside the cluster CA).
+* `odd_certs` (session): certificates signed by the cluster CA that must still not authenticate
+  a node: "rogue-ca" carries CA:TRUE (a CA, not a node), "server-only" lacks the clientAuth usage.
 * `memory_source`: a factory of `MemorySource`, a dict-backed `BlockSource` filled with random
   payloads whose BLAKE3 digests are computed on insertion.
 """
@@ -20,6 +22,10 @@ from pathlib import Path
 
 import blake3
 import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fabric.keys import BlockAddress, BlockHash
 from transports.certs import init_ca, issue_node
@@ -79,6 +85,39 @@ def openssl_foreign(tmp_path_factory: pytest.TempPathFactory) -> ForeignCerts:
         (server_dir / f).write_bytes((d / f).read_bytes())
     server_cert, server_key = _openssl_leaf(server_dir, "node-a")
     return ForeignCerts(d / "ca.pem", client_cert, client_key, server_cert, server_key)
+
+
+def _issue_odd(d: Path, name: str, ca: bool, usages: list[x509.ObjectIdentifier]) -> None:
+    """`<name>.pem/.key` signed by the cluster CA in `d`, built here rather than by `issue_node`."""
+    ca_cert = x509.load_pem_x509_certificate((d / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((d / "ca.key").read_bytes(), password=None)
+    assert isinstance(ca_key, ec.EllipticCurvePrivateKey)
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder()
+            .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key())
+            .serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=5)).not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName(name)]), critical=False)
+            .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    (d / f"{name}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                                      serialization.NoEncryption()))
+    (d / f"{name}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+ODD_NODES = ("rogue-ca", "server-only")
+
+
+@pytest.fixture(scope="session")
+def odd_certs(cert_dir: Path) -> Path:
+    """`cert_dir` plus the ODD_NODES certificates (see the module docstring)."""
+    both = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    _issue_odd(cert_dir, "rogue-ca", ca=True, usages=both)
+    _issue_odd(cert_dir, "server-only", ca=False, usages=[ExtendedKeyUsageOID.SERVER_AUTH])
+    return cert_dir
 
 
 @dataclass(frozen=True, slots=True)

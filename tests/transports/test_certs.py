@@ -64,6 +64,10 @@ def test_rotation_is_noticed_and_a_broken_rotation_keeps_the_old_material(tmp_pa
     (tmp_path / "a.key").write_text("not a key")
     assert not creds.refresh()
     assert creds.ssl_context(True) is new
+    (tmp_path / "a.key").unlink()  # a rotation tool that deletes before it writes
+    assert creds.ssl_context(True) is new and creds.ssl_context(False) is not None
+    issue_node(tmp_path, "a")
+    assert creds.ssl_context(True) is not new and creds.generation == 3
 
 
 def test_missing_files_are_named(tmp_path: Path) -> None:

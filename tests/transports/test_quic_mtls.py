@@ -139,8 +139,38 @@ def test_client_with_expired_certificate_is_refused(cert_dir: Path, memory_sourc
     run(main())
 
 
+@pytest.mark.parametrize("node", ["rogue-ca", "server-only"])
+def test_cluster_signed_certificate_that_is_no_client_node_certificate_is_refused(
+        odd_certs: Path, memory_source: Any, node: str) -> None:
+    """Signed by the cluster CA, but a CA certificate or one not valid for client authentication."""
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
+
+    async def main() -> None:
+        async with serving(node_files(odd_certs, "node-a"), source) as (server, peer):
+            results, _ = await pull_with(node_files(odd_certs, node), peer, source.addresses)
+            assert_refused(results, source.addresses)
+            assert auth_failures(server, "not_a_node") == 1
+            assert source.num_gets == 0 and server.peer_nodes == []
+            await good_client_is_served(odd_certs, peer, source.addresses)
+
+    run(main())
+
+
 # ---------------------------------------------------------------------------------------------
 # The client refuses bad servers
+
+
+def test_client_refuses_a_cluster_server_whose_certificate_expired(cert_dir: Path, memory_source: Any) -> None:
+    source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
+
+    async def main() -> None:
+        async with serving(node_files(cert_dir, "expired-1"), source, node="expired-1") as (_, peer):
+            results, client = await pull_with(node_files(cert_dir, "client-1"), peer, source.addresses)
+            assert_refused(results, source.addresses)
+            assert auth_failures(client, "server_untrusted") == 1
+            assert source.num_gets == 0
+
+    run(main())
 
 
 def test_client_refuses_a_server_certified_by_a_foreign_ca(

@@ -97,7 +97,7 @@ def assert_hits(results: list[PullResult], source: MemorySource, addresses: list
         assert bytes(r.payload) == source.blocks[r.address].payload
 
 
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 3.0) -> None:
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.01)
@@ -333,7 +333,7 @@ def test_server_stalling_mid_frame_times_out(cert_dir: Path) -> None:
                 client_of(cert_dir, frame_timeout_s=0.3) as client:
             start = asyncio.get_running_loop().time()
             results = await pull_all(client, Peer("node-a", "127.0.0.1", port), addresses)
-            assert asyncio.get_running_loop().time() - start < 3
+            assert asyncio.get_running_loop().time() - start < 10  # the frame timeout, not the 30 s idle one
         assert [r.reason for r in results if isinstance(r, Miss)] == [MissReason.TIMEOUT] * 3
 
     run(main())
@@ -403,8 +403,8 @@ def test_client_stalling_mid_frame_is_timed_out(cert_dir: Path, memory_source: M
             reader, writer = await raw_connect(cert_dir, peer)
             writer.write(encode(Hello("client-1")) + encode(Pull(1, tuple(source.addresses)))[:30])
             start = asyncio.get_running_loop().time()
-            frames = await read_frames(reader)
-            assert asyncio.get_running_loop().time() - start < 3
+            frames = await read_frames(reader, timeout_s=15)
+            assert asyncio.get_running_loop().time() - start < 10  # the frame timeout, not the 30 s idle one
             assert any(isinstance(f, Error) and f.code is ErrorCode.TIMEOUT for f in frames)
             await wait_until(lambda: server.num_connections == 0)
             writer.close()
@@ -431,19 +431,27 @@ def test_hello_must_match_the_certificate(cert_dir: Path, memory_source: MemoryS
 # --- certificates ----------------------------------------------------------------------------------
 
 
-def _refused_client(cert_dir: Path, foreign: ForeignCerts, kind: str) -> tuple[ssl.SSLContext, str]:
+def _refused_client(cert_dir: Path, foreign: ForeignCerts, kind: str) -> tuple[ssl.SSLContext, str, str]:
+    """(client context, the server's auth failure reason, the node its HELLO names)."""
     if kind == "no_certificate":
-        return client_context(cert_dir, None, None), "no_certificate"
+        return client_context(cert_dir, None, None), "no_certificate", "client-1"
     if kind == "openssl_foreign_ca":
-        return client_context(cert_dir, foreign.client_cert, foreign.client_key), "untrusted"
-    return client_context(cert_dir, cert_dir / f"{EXPIRED_NODE}.pem", cert_dir / f"{EXPIRED_NODE}.key"), "expired"
+        return client_context(cert_dir, foreign.client_cert, foreign.client_key), "untrusted", "intruder"
+    if kind in ODD_REASONS:  # signed by the cluster CA, yet no client node certificate
+        return client_context(cert_dir, cert_dir / f"{kind}.pem", cert_dir / f"{kind}.key"), ODD_REASONS[kind], kind
+    return (client_context(cert_dir, cert_dir / f"{EXPIRED_NODE}.pem", cert_dir / f"{EXPIRED_NODE}.key"), "expired",
+            EXPIRED_NODE)
 
 
-@pytest.mark.parametrize("kind", ["no_certificate", "openssl_foreign_ca", "expired"])
+ODD_REASONS = {"rogue-ca": "bad_certificate", "server-only": "untrusted"}
+
+
+@pytest.mark.parametrize("kind", ["no_certificate", "openssl_foreign_ca", "expired", *ODD_REASONS])
 def test_server_refuses_clients_without_a_valid_certificate(
-        cert_dir: Path, openssl_foreign: ForeignCerts, memory_source: MemorySourceFactory, kind: str) -> None:
+        odd_certs: Path, openssl_foreign: ForeignCerts, memory_source: MemorySourceFactory, kind: str) -> None:
+    cert_dir = odd_certs
     source = memory_source(num_blocks=2, num_layers=1)
-    ctx, reason = _refused_client(cert_dir, openssl_foreign, kind)
+    ctx, reason, hello_node = _refused_client(cert_dir, openssl_foreign, kind)
 
     async def main() -> None:
         async with serving(cert_dir, source) as (server, peer), client_of(cert_dir) as good:
@@ -451,7 +459,7 @@ def test_server_refuses_clients_without_a_valid_certificate(
             try:  # TLS 1.3: the client may finish its side before the server's refusal arrives
                 reader, writer = await asyncio.open_connection(peer.host, peer.port, ssl=ctx,
                                                                server_hostname="node-a")
-                writer.write(encode(Hello("client-1")) + encode(Pull(1, tuple(source.addresses))))
+                writer.write(encode(Hello(hello_node)) + encode(Pull(1, tuple(source.addresses))))
                 frames = await read_frames(reader)
                 writer.close()
             except (ssl.SSLError, ConnectionError):
@@ -460,6 +468,20 @@ def test_server_refuses_clients_without_a_valid_certificate(
             await wait_until(lambda: auth_failures(server.metrics, reason) == 1)
             assert server.num_connections == 0
             assert_hits(await pull_all(good, peer, source.addresses), source, source.addresses)
+
+    run(main())
+
+
+def test_client_refuses_a_cluster_server_whose_certificate_expired(
+        cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    source = memory_source(num_blocks=1, num_layers=1)
+
+    async def main() -> None:
+        async with serving(cert_dir, source, node=EXPIRED_NODE) as (_, peer), client_of(cert_dir) as client:
+            results = await pull_all(client, peer, source.addresses)
+            assert isinstance(results[0], Miss) and results[0].reason is MissReason.PEER_ERROR
+            assert auth_failures(client.metrics, "server_expired") == 1
+            assert source.num_gets == 0
 
     run(main())
 

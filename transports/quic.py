@@ -71,7 +71,11 @@ logger = logging.getLogger(__name__)
 
 ALPN = "kvfabric/1"
 TRANSPORT = "quic"
-MAX_ADDRESSES_PER_STREAM = 1024    # keeps a PULL header (~40 B per address) under the 64 KiB limit
+# aioquic widens a stream's receive window as data arrives, not as the caller consumes it, so a
+# stream's answers can pile up in the client. Asking at most 64 addresses per stream bounds that
+# to 64 payloads per pull in flight (and keeps the PULL header far under the 64 KiB limit); the
+# extra stream per 64 blocks costs one round trip.
+MAX_ADDRESSES_PER_STREAM = 64
 STREAM_PROTOCOL_ERROR = 0x1        # application error codes for STOP_SENDING / RESET_STREAM
 STREAM_TIMEOUT = 0x2
 STREAM_CANCELLED = 0x3

@@ -455,3 +455,24 @@ def test_a_pull_to_a_peer_that_never_answers_is_peer_gone_misses(cert_dir: Path)
 
     run(main())
 
+
+
+def test_slow_consumer_bounds_what_the_client_buffers(cert_dir: Path, memory_source: Any) -> None:
+    """aioquic opens flow-control windows as data arrives, so the bound comes from asking for at most
+    MAX_ADDRESSES_PER_STREAM addresses per stream: while the caller stalls, the server is asked for
+    (and the client can be holding) no more than that many answers."""
+    source = memory_source(num_blocks=192, num_layers=1, payload_size=16 * 1024)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            results: list[PullResult] = []
+            async for r in client.pull(peer, source.addresses):
+                results.append(r)
+                if len(results) == 1:
+                    await asyncio.sleep(0.5)  # the caller is busy while the server keeps sending
+                    assert source.num_gets <= 64
+            assert [r.address for r in results] == source.addresses
+            assert all(isinstance(r, Hit) for r in results)
+            assert source.num_gets == len(source.addresses)
+
+    run(main())

@@ -50,8 +50,6 @@ from transports.base import BlockSource, Peer
 from transports.certs import NodeCredentials
 from transports.codec import (
     DEFAULT_MAX_PAYLOAD,
-    Error,
-    ErrorCode,
     Frame,
     FrameDecoder,
     MissReason,
@@ -60,7 +58,7 @@ from transports.codec import (
 )
 from transports.metrics import TransportMetrics
 from transports.slabs import Extent, SlabAllocator
-from transports.tls_link import WRITE_HIGH, FrameLink, tls_recv, tls_send_all
+from transports.tls_link import WRITE_HIGH, FrameLink, LinkBase, tls_recv, tls_send_all
 from transports.tls_tcp import TlsTcpClient, TlsTcpServer, _ClientConnection, _ServerConnection
 
 logger = logging.getLogger(__name__)
@@ -342,7 +340,7 @@ class _RegisteredSlabs:
 # One RC queue pair carrying frames (same surface as tls_link.TlsLink)
 
 
-class RdmaLink:
+class RdmaLink(LinkBase):
     """Frames over one RC queue pair; the TLS control socket is watched and closes the link.
 
     A thread polls the completion queue (adaptive sleep when idle) and hands completions to the
@@ -359,13 +357,12 @@ class RdmaLink:
         from pyverbs.qp import QP, QPAttr, QPCap, QPInitAttr
 
         self._e = e
-        self._loop = asyncio.get_running_loop()
+        self._init_link(TRANSPORT, metrics)
         self._device = device
         self._control = control
         self._decoder = decoder
         self._on_frames = on_frames
         self._on_closed = on_closed
-        self._metrics = metrics
         self.max_payload = max_payload
         self.frame_timeout_s = frame_timeout_s
         self.batch_frames = batch_frames
@@ -392,15 +389,8 @@ class RdmaLink:
         self._next_wr = recv_slots
         self._held: deque[tuple[int, int]] = deque()   # completed receives while paused
         self._reading = False
-        self._drained = asyncio.Event()
-        self._drained.set()
-        self._empty = asyncio.Event()
-        self._empty.set()
-        self._closers: set[asyncio.Task[None]] = set()
         self._stopping = threading.Event()
         self._poller: threading.Thread | None = None
-        self.closed = False
-        self.last_rx = self.last_tx = self._loop.time()
 
     def local_params(self, node: str) -> RdmaParams:
         return RdmaParams(node, self.qp.qp_num, self.psn, self._device.lid, self._device.gid, self._device.port_num,
@@ -455,8 +445,12 @@ class RdmaLink:
     def mid_frame(self) -> bool:
         return self._decoder.mid_frame
 
+    def _queued_bytes(self) -> int:
+        return self._backlog_bytes
+
     @property
     def write_pending(self) -> bool:
+        # Posted sends not yet completed count too: the peer has not taken them yet.
         return bool(self._backlog or self._sends)
 
     def send(self, frame: Frame) -> None:
@@ -471,39 +465,6 @@ class RdmaLink:
                 self._backlog.append(part)
                 self._backlog_bytes += part.nbytes
         self._pump()
-
-    async def drain(self) -> None:
-        while self._backlog_bytes > WRITE_HIGH and not self.closed:
-            self._drained.clear()
-            await self._drained.wait()
-
-    def protocol_error(self, err: ProtocolError) -> None:
-        if self.closed:
-            return
-        logger.warning("protocol error from RDMA peer, closing: %s", err)
-        self._metrics.protocol_errors.labels(TRANSPORT).inc()
-        self.pause_reading()
-        self.send(Error(0, ErrorCode.PROTOCOL, str(err)[:500]))
-        self.close_after_flush(MissReason.PEER_ERROR, str(err))
-
-    def close_after_flush(self, reason: MissReason, why: str, timeout_s: float = 1.0) -> None:
-        self.pause_reading()
-        if not self.write_pending:
-            self.close(reason, why)
-            return
-
-        async def wait_then_close() -> None:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._empty.wait()
-            except TimeoutError:
-                logger.debug("RDMA peer did not take the last frames within %.1f s", timeout_s)
-            finally:
-                self.close(reason, why)
-
-        task = self._loop.create_task(wait_then_close())
-        self._closers.add(task)
-        task.add_done_callback(self._closers.discard)
 
     def close(self, reason: MissReason, why: str) -> None:
         if self.closed:

@@ -259,7 +259,80 @@ class FrameLink(Protocol):
     def close(self, reason: MissReason, why: str) -> None: ...
 
 
-class TlsLink:
+class LinkBase:
+    """What every frame link shares: the protocol-error boundary, close-after-flush, and the
+    `_drained` / `_empty` events its send queue drives. Subclasses own the bytes (TLS socket,
+    RDMA queue pair) and implement `send`, `pause_reading`, `close`, `_queued_bytes`."""
+
+    transport: str
+    closed: bool
+
+    def _init_link(self, transport: str, metrics: TransportMetrics) -> None:
+        self._loop = asyncio.get_running_loop()
+        self.transport = transport  # the metrics label
+        self._metrics = metrics
+        self._drained = asyncio.Event()   # set while the queue is at or below WRITE_HIGH
+        self._drained.set()
+        self._empty = asyncio.Event()     # set while nothing is queued
+        self._empty.set()
+        self._closers: set[asyncio.Task[None]] = set()
+        self.closed = False
+        self.last_rx = self.last_tx = self._loop.time()
+
+    def send(self, frame: Frame) -> None:
+        raise NotImplementedError
+
+    def pause_reading(self) -> None:
+        raise NotImplementedError
+
+    def close(self, reason: MissReason, why: str) -> None:
+        raise NotImplementedError
+
+    def _queued_bytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def write_pending(self) -> bool:
+        return self._queued_bytes() > 0
+
+    async def drain(self) -> None:
+        """Wait until the send queue is below WRITE_HIGH (or the link closed)."""
+        while self._queued_bytes() > WRITE_HIGH and not self.closed:
+            self._drained.clear()
+            await self._drained.wait()
+
+    def protocol_error(self, err: ProtocolError) -> None:
+        """The boundary for a misbehaving peer: answer ERROR if we still can, then close."""
+        if self.closed:
+            return
+        logger.warning("protocol error from %s peer, closing the connection: %s", self.transport, err)
+        self._metrics.protocol_errors.labels(self.transport).inc()
+        self.pause_reading()
+        self.send(Error(0, ErrorCode.PROTOCOL, str(err)[:500]))
+        self.close_after_flush(MissReason.PEER_ERROR, str(err))
+
+    def close_after_flush(self, reason: MissReason, why: str, timeout_s: float = 1.0) -> None:
+        """Stop reading now; close once the send queue is empty (or after `timeout_s`)."""
+        self.pause_reading()
+        if not self.write_pending:
+            self.close(reason, why)
+            return
+
+        async def wait_then_close() -> None:
+            try:
+                async with asyncio.timeout(timeout_s):
+                    await self._empty.wait()
+            except TimeoutError:
+                logger.debug("%s peer did not take the last frames within %.1f s", self.transport, timeout_s)
+            finally:
+                self.close(reason, why)
+
+        task = self._loop.create_task(wait_then_close())
+        self._closers.add(task)
+        task.add_done_callback(self._closers.discard)
+
+
+class TlsLink(LinkBase):
     """Frames in and out of one non-blocking SSLSocket; knows nothing about pulls.
 
     `on_frames(frames)` may raise ProtocolError; `on_closed(reason)` is called exactly once."""
@@ -267,15 +340,13 @@ class TlsLink:
     def __init__(self, sock: ssl.SSLSocket, decoder: FrameDecoder, on_frames: Callable[[list[Frame]], None],
                  on_closed: Callable[[MissReason], None], frame_timeout_s: float, metrics: TransportMetrics,
                  transport: str, max_payload: int = DEFAULT_MAX_PAYLOAD, batch_frames: bool = False) -> None:
-        self._loop = asyncio.get_running_loop()
-        self.transport = transport  # the metrics label
+        self._init_link(transport, metrics)
         self.batch_frames = batch_frames  # hand over all frames of one read callback at once
         self._sock = sock
         self._fd = sock.fileno()
         self._decoder = decoder
         self._on_frames = on_frames
         self._on_closed = on_closed
-        self._metrics = metrics
         self.max_payload = max_payload
         self.frame_timeout_s = frame_timeout_s
         self._out: deque[memoryview] = deque()
@@ -284,13 +355,6 @@ class TlsLink:
         self._read_wants_write = False
         self._write_wants_read = False
         self._reading = False
-        self._drained = asyncio.Event()   # set while the queue is at or below WRITE_HIGH
-        self._drained.set()
-        self._empty = asyncio.Event()     # set while nothing is queued
-        self._empty.set()
-        self._closers: set[asyncio.Task[None]] = set()
-        self.closed = False
-        self.last_rx = self.last_tx = self._loop.time()
 
     # -- reading
     def start(self) -> None:
@@ -388,16 +452,6 @@ class TlsLink:
             logger.warning("peer refused our certificate: %s", err)
         self.close(MissReason.PEER_ERROR, f"TLS error: {err}")
 
-    def protocol_error(self, err: ProtocolError) -> None:
-        """The boundary for a misbehaving peer: answer ERROR if we still can, then close."""
-        if self.closed:
-            return
-        logger.warning("protocol error from peer, closing the connection: %s", err)
-        self._metrics.protocol_errors.labels(self.transport).inc()
-        self.pause_reading()
-        self.send(Error(0, ErrorCode.PROTOCOL, str(err)[:500]))
-        self.close_after_flush(MissReason.PEER_ERROR, str(err))
-
     # -- writing
     def send(self, frame: Frame) -> None:
         if self.closed:
@@ -419,15 +473,8 @@ class TlsLink:
         if not self._writer_on:
             self._flush()
 
-    async def drain(self) -> None:
-        """Wait until the send queue is below WRITE_HIGH (or the link closed)."""
-        while self._out_bytes > WRITE_HIGH and not self.closed:
-            self._drained.clear()
-            await self._drained.wait()
-
-    @property
-    def write_pending(self) -> bool:
-        return self._out_bytes > 0
+    def _queued_bytes(self) -> int:
+        return self._out_bytes
 
     def _flush(self) -> None:
         while self._out and not self.closed:
@@ -473,26 +520,6 @@ class TlsLink:
         self._writer_on = want
 
     # -- closing
-    def close_after_flush(self, reason: MissReason, why: str, timeout_s: float = 1.0) -> None:
-        """Stop reading now; close once the send queue is empty (or after `timeout_s`)."""
-        self.pause_reading()
-        if not self._out:
-            self.close(reason, why)
-            return
-
-        async def wait_then_close() -> None:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._empty.wait()
-            except TimeoutError:
-                logger.debug("peer did not take the last frames within %.1f s", timeout_s)
-            finally:
-                self.close(reason, why)
-
-        task = self._loop.create_task(wait_then_close())
-        self._closers.add(task)
-        task.add_done_callback(self._closers.discard)
-
     def close(self, reason: MissReason, why: str) -> None:
         if self.closed:
             return

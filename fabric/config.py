@@ -66,6 +66,8 @@ class TransportConfig:
     node_name: str = "node-0"
     max_payload_bytes: int = 64 * 1024 * 1024
     max_datagram_size: int = 8952
+    quic_max_data: int = 8 * 1024 * 1024         # QUIC connection flow-control window
+    quic_max_stream_data: int = 4 * 1024 * 1024  # QUIC per-stream flow-control window
     connect_timeout_s: float = 5.0
     idle_timeout_s: float = 30.0
     frame_timeout_s: float = 10.0
@@ -120,6 +122,8 @@ class Config:
                     "transport.max_payload_bytes": self.transport.max_payload_bytes,
                     "transport.max_datagram_size": self.transport.max_datagram_size,
                     "transport.max_inflight": self.transport.max_inflight,
+                    "transport.quic_max_data": self.transport.quic_max_data,
+                    "transport.quic_max_stream_data": self.transport.quic_max_stream_data,
                     "cluster.heartbeat_s": self.cluster.heartbeat_s, "cluster.lease_s": self.cluster.lease_s,
                     "cluster.num_nodes": self.cluster.num_nodes}
         for key, value in positive.items():

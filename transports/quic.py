@@ -95,6 +95,11 @@ class QuicTuning:
     socket_buffer: int = 8 * 1024 * 1024    # SO_SNDBUF / SO_RCVBUF, capped by net.core.[rw]mem_max
 
     @classmethod
+    def from_config(cls, config: TransportConfig) -> QuicTuning:
+        return cls(max_datagram_size=config.max_datagram_size, max_data=config.quic_max_data,
+                   max_stream_data=config.quic_max_stream_data)
+
+    @classmethod
     def aioquic_defaults(cls) -> QuicTuning:
         """Stock aioquic settings (1200-byte datagrams, 1 MiB windows): the benchmark baseline."""
         d = QuicConfiguration()
@@ -465,7 +470,7 @@ class QuicTransportServer:
     def from_config(cls, config: TransportConfig, credentials: NodeCredentials, source: BlockSource,
                     metrics: TransportMetrics | None = None) -> QuicTransportServer:
         return cls(credentials, source, host=config.host, port=config.quic_port,
-                   tuning=QuicTuning(max_datagram_size=config.max_datagram_size),
+                   tuning=QuicTuning.from_config(config),
                    max_payload=config.max_payload_bytes, frame_timeout_s=config.frame_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, metrics=metrics)
 
@@ -652,7 +657,7 @@ class QuicTransportClient:
     @classmethod
     def from_config(cls, config: TransportConfig, credentials: NodeCredentials,
                     metrics: TransportMetrics | None = None) -> QuicTransportClient:
-        return cls(credentials, tuning=QuicTuning(max_datagram_size=config.max_datagram_size),
+        return cls(credentials, tuning=QuicTuning.from_config(config),
                    max_payload=config.max_payload_bytes, connect_timeout_s=config.connect_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, frame_timeout_s=config.frame_timeout_s,
                    max_inflight=config.max_inflight, metrics=metrics)

@@ -23,7 +23,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
 
-from fabric.config import KVConfig
+from fabric.config import Config, KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store
 from transports.base import BlockSource, Hit, Peer, PullResult
@@ -474,5 +474,27 @@ def test_slow_consumer_bounds_what_the_client_buffers(cert_dir: Path, memory_sou
             assert [r.address for r in results] == source.addresses
             assert all(isinstance(r, Hit) for r in results)
             assert source.num_gets == len(source.addresses)
+
+    run(main())
+
+
+def test_config_sets_datagram_size_and_flow_control_windows(cert_dir: Path, memory_source: Any) -> None:
+    cfg = Config.from_dict({"transport": {"kind": "quic", "max_datagram_size": 1452, "quic_max_data": 2 << 20,
+                                          "quic_max_stream_data": 1 << 20}})
+    source = memory_source(num_blocks=4, num_layers=2, payload_size=300_000)
+
+    async def main() -> None:
+        server = QuicTransportServer.from_config(cfg.transport, creds(cert_dir, "node-a"), source)
+        client = QuicTransportClient.from_config(cfg.transport, creds(cert_dir, "client-1"))
+        for side in (server, client):
+            assert (side.tuning.max_datagram_size, side.tuning.max_data, side.tuning.max_stream_data) == (
+                1452, 2 << 20, 1 << 20)
+        host, port = await server.start()
+        try:  # 300 KB payloads through a 1 MiB stream window and Ethernet-sized datagrams
+            results = await pull_all(client, Peer("node-a", host, port), source.addresses)
+            assert all(isinstance(r, Hit) for r in results) and len(results) == 8
+        finally:
+            await client.close()
+            await server.close()
 
     run(main())

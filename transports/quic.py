@@ -66,6 +66,7 @@ from transports.codec import (
 from transports.metrics import TransportMetrics
 from transports.quic_tls import QuicTlsMaterial, auth_failure, install_client_auth, peer_node
 from transports.session import PullTracker, answer_pull
+from transports.udp import UdpEndpoint, udp_socket
 
 logger = logging.getLogger(__name__)
 
@@ -110,74 +111,6 @@ def _base_configuration(is_client: bool, tuning: QuicTuning, idle_timeout_s: flo
     return QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=idle_timeout_s,
                              max_datagram_size=tuning.max_datagram_size, max_data=tuning.max_data,
                              max_stream_data=tuning.max_stream_data)
-
-
-def _udp_socket(host: str, port: int, buffer_size: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_DGRAM)
-    try:
-        if buffer_size:  # bursts of jumbo datagrams overflow the default buffers: loss halves cwnd
-            for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-                sock.setsockopt(socket.SOL_SOCKET, opt, buffer_size)
-        sock.setblocking(False)
-        sock.bind((host, port))
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
-class _UdpEndpoint(asyncio.DatagramTransport):
-    """A UDP socket read in batches, feeding one aioquic datagram protocol.
-
-    asyncio's datagram transport reads one datagram per event-loop turn, so aioquic builds packets
-    and re-arms timers once per received datagram. Here up to READ_BATCH datagrams are read per
-    readiness event and the protocols transmit once afterwards (`_transmit_soon`), which removes
-    most of that per-packet work at high packet rates. A send that would block is dropped, as a
-    full buffer on the path would drop it; QUIC loss recovery sends it again.
-    """
-
-    READ_BATCH = 64
-
-    def __init__(self, sock: socket.socket, protocol: asyncio.DatagramProtocol) -> None:
-        super().__init__()
-        self._loop = asyncio.get_running_loop()
-        self._sock = sock
-        self._protocol = protocol
-        self._closed = False
-        self._loop.add_reader(sock.fileno(), self._read)
-        protocol.connection_made(self)
-
-    def _read(self) -> None:
-        for _ in range(self.READ_BATCH):
-            try:
-                data, addr = self._sock.recvfrom(65536)
-            except (BlockingIOError, InterruptedError):
-                return
-            except OSError as e:  # e.g. an ICMP error for an earlier send; nothing to do
-                logger.debug("UDP receive error: %s", e)
-                continue
-            self._protocol.datagram_received(data, addr)
-
-    def sendto(self, data: Any, addr: Any = None) -> None:
-        if self._closed:
-            return
-        try:
-            self._sock.sendto(data, addr)
-        except OSError as e:  # includes BlockingIOError: the datagram is lost, QUIC resends it
-            logger.debug("UDP send to %s failed: %s", addr, e)
-
-    def get_extra_info(self, name: str, default: Any = None) -> Any:
-        return self._sock if name == "socket" else default
-
-    def is_closing(self) -> bool:
-        return self._closed
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._loop.remove_reader(self._sock.fileno())
-            self._sock.close()
 
 
 def _send(quic: QuicConnection, stream_id: int, frame: Frame, max_payload: int,
@@ -241,7 +174,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self._process_events()
         if not self._terminated and self._quic._close_event is not None:
             self._on_terminated(self._quic._close_event)  # closing/draining: done serving it
-        self._transmit_soon()  # once per batch of datagrams (see _UdpEndpoint)
+        self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
 
     def transmit(self) -> None:
         self._pump()
@@ -489,8 +422,8 @@ class QuicTransportServer:
         # Each connection takes its TLS material from self.tls when its handshake starts.
         server = QuicServer(configuration=self.tls.current().configuration,
                             create_protocol=partial(_ServerConnection, server=self))
-        sock = _udp_socket(self.host, self.port, self.tuning.socket_buffer)
-        _UdpEndpoint(sock, server)
+        sock = udp_socket(self.host, self.port, self.tuning.socket_buffer)
+        UdpEndpoint(sock, server)
         self._server = server
         self.host, self.port = sock.getsockname()[:2]
         logger.info("QUIC server listening on %s:%d (ALPN %s)", self.host, self.port, ALPN)
@@ -550,7 +483,7 @@ class _ClientConnection(QuicConnectionProtocol):
             if self._connected_waiter is not None:
                 waiter, self._connected_waiter = self._connected_waiter, None
                 waiter.set_exception(ConnectionError(self._quic._close_event.reason_phrase))
-        self._transmit_soon()  # once per batch of datagrams (see _UdpEndpoint)
+        self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         if isinstance(event, events.StreamDataReceived):
@@ -646,7 +579,7 @@ class QuicTransportClient:
         self.frame_timeout_s = frame_timeout_s
         self.max_inflight = max_inflight
         self.metrics = metrics or TransportMetrics()
-        self._pool: dict[str, tuple[_ClientConnection, _UdpEndpoint]] = {}
+        self._pool: dict[str, tuple[_ClientConnection, UdpEndpoint]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tickets: dict[str, tls.SessionTicket] = {}
         self._num_connects: dict[str, int] = {}
@@ -756,12 +689,12 @@ class QuicTransportClient:
         try:
             infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_DGRAM)
             family, addr = infos[0][0], infos[0][4]
-            sock = _udp_socket("::" if family == socket.AF_INET6 else "0.0.0.0", 0, self.tuning.socket_buffer)
+            sock = udp_socket("::" if family == socket.AF_INET6 else "0.0.0.0", 0, self.tuning.socket_buffer)
         except OSError as e:
             logger.warning("cannot reach QUIC peer %s at %s:%d: %s", peer.node, peer.host, peer.port, e)
             return None
         conn = _ClientConnection(quic, client=self, peer=peer)
-        transport = _UdpEndpoint(sock, conn)
+        transport = UdpEndpoint(sock, conn)
         self._num_connects[peer.node] = self._num_connects.get(peer.node, 0) + 1
         self._pool[peer.node] = (conn, transport)
         conn.connect(addr)

@@ -172,6 +172,17 @@ class Server:
 Run = Callable[[int, int, float], tuple[int, float]]   # (block_size, total_bytes, time_limit_s)
 
 
+def timed_batches(batch: Callable[[int], int], step: int, total: int, time_limit_s: float) -> tuple[int, float]:
+    """Call `batch(first_index)` once to warm up, then until `total` bytes moved or time runs out;
+    each call moves `step` blocks starting at `first_index` and returns the bytes it moved."""
+    batch(0)
+    moved, n, start = 0, 0, time.perf_counter()
+    while moved < total and time.perf_counter() - start < time_limit_s:
+        moved += batch(n)
+        n += step
+    return moved, time.perf_counter() - start
+
+
 def socket_run(port: int, cert_dir: Path, use_tls: bool) -> Run:
     raw = socket.create_connection(("127.0.0.1", port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -274,12 +285,7 @@ class Redis:
                 pipe.get(keys[(first + i) % len(keys)])
             return sum(len(v) for v in pipe.execute())
 
-        batch(0)  # warm-up
-        moved, n, start = 0, 0, time.perf_counter()
-        while moved < total and time.perf_counter() - start < time_limit_s:
-            moved += batch(n)
-            n += REDIS_PIPELINE
-        return moved, time.perf_counter() - start
+        return timed_batches(batch, REDIS_PIPELINE, total, time_limit_s)
 
     def stop(self) -> None:
         self.client.close()
@@ -327,12 +333,7 @@ class RayObjects:
             refs = ray.get(self.producer.make.remote(block_size, first, step))
             return int(ray.get(self.consumer.take.remote(refs)))
 
-        move(0)  # warm-up
-        moved, n, start = 0, 0, time.perf_counter()
-        while moved < total and time.perf_counter() - start < time_limit_s:
-            moved += move(n)
-            n += step
-        return moved, time.perf_counter() - start
+        return timed_batches(move, step, total, time_limit_s)
 
     def stop(self) -> None:
         self.ray.shutdown()

@@ -106,9 +106,8 @@ class PagedEngine:
         if self.store is not None or pulled:
             store_blocks = self._load_from_store(seq, hashes, device_hit // self.block_size, pulled or {})
         reused = device_hit + store_blocks * self.block_size
-        if reused == len(tokens):  # keep one token to compute: the engine needs its logits
+        if reused == len(tokens):  # recompute the last block: the engine needs its logits
             reused -= self.block_size
-            store_blocks -= 1 if store_blocks else 0
             device_hit = min(device_hit, reused)
         past = None
         if reused:
@@ -121,7 +120,7 @@ class PagedEngine:
         stored = self._store_new_blocks(seq, hashes, reused // self.block_size)
         if self.store is not None:
             self.store.apply_events(self.blocks.take_events())
-        return PrefillResult(logits, len(tokens), device_hit, store_blocks * self.block_size, stored,
+        return PrefillResult(logits, len(tokens), device_hit, reused - device_hit, stored,
                              time.perf_counter() - start, seq)
 
     def _store_new_blocks(self, seq: SeqState, hashes: list[BlockHash], first_block: int) -> int:

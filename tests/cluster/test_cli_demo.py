@@ -15,5 +15,8 @@ def test_demo_runs_and_reuses_prefix(tmp_path: Path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "OK: every reused prefix gave the same logits" in out.stdout
-    assert "restarted" in out.stdout and "store" in out.stdout
+    # After the restart the first request's prefix can only have come from the store (SSD).
+    rows = [[c.strip() for c in line.split("│")[1:-1]] for line in out.stdout.splitlines() if "│" in line]
+    restarted_first = next(r for r in rows if r[:2] == ["restarted", "0"])
+    assert restarted_first[4] == "store" and int(restarted_first[3]) == 64
     assert any(tmp_path.joinpath("ssd").rglob("*.kvb"))  # the SSD tier really holds the blocks

@@ -97,3 +97,18 @@ def test_out_of_blocks_is_reported(model: TinyLlama) -> None:
     engine = PagedEngine(model, num_blocks=2, block_size=BS)
     with pytest.raises(OutOfBlocks, match="need 3 blocks"):
         engine.prefill(list(range(3 * BS)))
+
+
+def test_a_fully_cached_prompt_recomputes_its_last_block_for_the_logits(model: TinyLlama, tmp_path: Path) -> None:
+    prompt = list(range(100, 100 + 4 * BS))  # exactly four full blocks
+    with _store(tmp_path) as store:
+        PagedEngine(model, num_blocks=32, block_size=BS, store=store).prefill(prompt)
+    with _store(tmp_path) as store:
+        engine = PagedEngine(model, num_blocks=32, block_size=BS, store=store)
+        r = engine.prefill(prompt)  # every block is in the store: the last one is computed anyway
+        assert (r.num_device_hit_tokens, r.num_store_hit_tokens) == (0, 3 * BS)
+        _assert_same_as_full(model, prompt, r.logits, r.num_reused_tokens)
+        engine.finish(r.seq)
+        again = engine.prefill(prompt)  # now every block is in the pool too
+        assert (again.num_device_hit_tokens, again.num_store_hit_tokens) == (3 * BS, 0)
+        _assert_same_as_full(model, prompt, again.logits, again.num_reused_tokens)

@@ -11,7 +11,7 @@ import contextlib
 import os
 import resource
 import shutil
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +22,13 @@ from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
+from support import creds, pull_all, run, wait_until
 
 from fabric.config import Config, KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store
 from transports.base import BlockSource, Hit, Peer, PullResult
-from transports.certs import CredentialFiles, NodeCredentials, issue_node
+from transports.certs import issue_node
 from transports.codec import (
     MAGIC,
     PREAMBLE,
@@ -45,18 +46,6 @@ from transports.codec import (
 )
 from transports.metrics import TransportMetrics
 from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer
-
-TIMEOUT_S = 30.0
-
-
-def creds(cert_dir: Path, node: str) -> NodeCredentials:
-    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
-
-
-def run(coro: Awaitable[Any]) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, TIMEOUT_S)
-    return asyncio.run(bounded())
 
 
 @asynccontextmanager
@@ -77,16 +66,6 @@ async def client_of(cert_dir: Path, node: str = "client-1", **kwargs: Any) -> As
         yield client
     finally:
         await client.close()
-
-
-async def pull_all(client: QuicTransportClient, peer: Peer, addresses: Sequence[BlockAddress]) -> list[PullResult]:
-    return [r async for r in client.pull(peer, addresses)]
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def unknown(n: int) -> list[BlockAddress]:

@@ -21,20 +21,13 @@ import aioquic
 import pytest
 from aioquic.asyncio.client import connect
 from aioquic.quic.configuration import QuicConfiguration
+from support import run
 
 from transports import quic_tls
 from transports.base import Hit, Peer
 from transports.certs import CredentialFiles, NodeCredentials
 from transports.codec import FrameDecoder, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
-
-TIMEOUT_S = 30.0
-
-
-def run(coro: Any) -> Any:
-    async def bounded() -> Any:
-        return await asyncio.wait_for(coro, TIMEOUT_S)
-    return asyncio.run(bounded())
 
 
 def node_files(cert_dir: Path, node: str) -> CredentialFiles:

@@ -12,11 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from support import creds
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
-from transports.certs import CredentialFiles, NodeCredentials
 from transports.factory import TransportUnavailableError, create_client, create_server
 from transports.rdma import (
     CONTROL_MAX,
@@ -36,10 +36,6 @@ from transports.tls_link import accept_tls, open_tls, tls_send_all
 ROCE_GID = bytes.fromhex("fe80" + "00" * 6 + "0a0b0c0d0e0f1011")
 PARAMS = RdmaParams(node="node-a", qp_num=0x1234, psn=0xABCDE, lid=0, gid=ROCE_GID, port_num=1, mtu=4096,
                     recv_slots=32, slot_size=1 << 20, max_payload=64 << 20)
-
-
-def creds(cert_dir: Path, node: str) -> NodeCredentials:
-    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
 
 
 # --- pure: parameters and control framing ------------------------------------------------------------

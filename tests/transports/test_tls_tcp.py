@@ -16,13 +16,14 @@ from typing import Any
 import blake3
 import pytest
 from cryptography import x509
+from support import creds, pull_all, run, wait_until
 
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store
 from transports import tls_tcp
 from transports.base import Hit, Peer, PullResult
-from transports.certs import CredentialFiles, NodeCredentials, issue_node
+from transports.certs import issue_node
 from transports.codec import (
     MAGIC,
     PREAMBLE,
@@ -50,10 +51,6 @@ MemorySource = Any          # dict-backed BlockSource: .put, .get_block, .blocks
 MemorySourceFactory = Any   # memory_source(num_blocks, num_layers, payload_size) -> MemorySource
 ForeignCerts = Any          # openssl-made material: .ca, .client_cert/.client_key, .server_cert/.server_key
 EXPIRED_NODE = "expired-1"
-
-
-def creds(cert_dir: Path, node: str) -> NodeCredentials:
-    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
 
 
 def auth_failures(metrics: TransportMetrics, reason: str) -> float:
@@ -86,25 +83,11 @@ async def client_of(cert_dir: Path, node: str = "client-1", **kw: Any) -> AsyncI
         await client.close()
 
 
-async def pull_all(client: TlsTcpClient, peer: Peer, addresses: list[BlockAddress]) -> list[PullResult]:
-    return [r async for r in client.pull(peer, addresses)]
-
-
 def assert_hits(results: list[PullResult], source: MemorySource, addresses: list[BlockAddress]) -> None:
     assert [r.address for r in results] == addresses
     for r in results:
         assert isinstance(r, Hit), r
         assert bytes(r.payload) == source.blocks[r.address].payload
-
-
-async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
-
-
-def run(coro: Awaitable[None]) -> None:
-    asyncio.run(asyncio.wait_for(coro, 30))  # type: ignore[arg-type]
 
 
 # --- raw peers built from the codec ---------------------------------------------------------------

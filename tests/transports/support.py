@@ -1,0 +1,38 @@
+"""Helpers the transport test modules share (plain functions; fixtures live in conftest.py)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from fabric.keys import BlockAddress
+from transports.base import Peer, PullResult
+from transports.certs import CredentialFiles, NodeCredentials
+
+TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this
+
+
+class Puller(Protocol):
+    def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]: ...
+
+
+def creds(cert_dir: Path, node: str) -> NodeCredentials:
+    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
+
+
+def run(coro: Awaitable[Any]) -> Any:
+    async def bounded() -> Any:
+        return await asyncio.wait_for(coro, TIMEOUT_S)
+    return asyncio.run(bounded())
+
+
+async def pull_all(client: Puller, peer: Peer, addresses: Sequence[BlockAddress]) -> list[PullResult]:
+    return [r async for r in client.pull(peer, addresses)]
+
+
+async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)

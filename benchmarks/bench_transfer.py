@@ -15,9 +15,13 @@ distinct blocks, cycled), every server in its own process:
     ray_object    Ray object store between two actors: ray.put in one, ray.get in the other (one node:
                   shared memory, zero-copy get; not a network transfer)
 
-Methods are interleaved round by round (warm-up excluded); MB/s = total moved / total time, 1 MB = 10^6 B.
-The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k for 256 KiB, and
-ratios). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
+The socket, TLS-TCP and Redis methods are interleaved round by round; Ray and then QUIC run after them,
+each phase with only its own servers up (warm-up excluded); MB/s = total moved / total time, 1 MB = 10^6 B.
+Client and server share this machine's cores, so each method is also charged the CPU both ends spent
+per MiB pulled (1 MiB blocks; the client is this process, the server is read from /proc by PID), and
+BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
+The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k for 256 KiB,
+*_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, and ratios). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
 
 from __future__ import annotations
@@ -167,20 +171,57 @@ class Server:
             self.proc.wait()
 
 
-# -- clients: each returns (bytes moved, seconds) of one timed run ---------------------------------
+# -- clients: each moves bytes in a timed window and returns how many ---------------------------------
 
-Run = Callable[[int, int, float], tuple[int, float]]   # (block_size, total_bytes, time_limit_s)
+def process_cpu_s(pid: int) -> float | None:
+    """User + system CPU seconds of process `pid` so far (Linux /proc; None where unavailable)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def timed_batches(batch: Callable[[int], int], step: int, total: int, time_limit_s: float) -> tuple[int, float]:
+class Window:
+    """The timed part of one run: wall seconds, and the CPU seconds that this process (the client,
+    all its threads) and the server process spent meanwhile. Warm-up happens before `begin()`."""
+
+    def __init__(self, server_pid: int | None = None) -> None:
+        self.server_pid = server_pid
+        self.seconds = 0.0
+        self.client_cpu_s: float | None = None
+        self.server_cpu_s: float | None = None
+        self._start = (0.0, 0.0, None)  # type: tuple[float, float, float | None]
+
+    def begin(self) -> None:
+        server = process_cpu_s(self.server_pid) if self.server_pid else None
+        self._start = (time.perf_counter(), time.process_time(), server)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self._start[0]
+
+    def end(self) -> None:
+        wall, cpu, server = self._start
+        self.seconds = time.perf_counter() - wall
+        self.client_cpu_s = time.process_time() - cpu
+        now = process_cpu_s(self.server_pid) if self.server_pid else None
+        self.server_cpu_s = now - server if now is not None and server is not None else None
+
+
+Run = Callable[[int, int, float, Window], int]   # (block_size, total_bytes, time_limit_s, window) -> bytes
+
+
+def timed_batches(batch: Callable[[int], int], step: int, total: int, time_limit_s: float, window: Window) -> int:
     """Call `batch(first_index)` once to warm up, then until `total` bytes moved or time runs out;
     each call moves `step` blocks starting at `first_index` and returns the bytes it moved."""
     batch(0)
-    moved, n, start = 0, 0, time.perf_counter()
-    while moved < total and time.perf_counter() - start < time_limit_s:
+    moved, n = 0, 0
+    window.begin()
+    while moved < total and window.elapsed() < time_limit_s:
         moved += batch(n)
         n += step
-    return moved, time.perf_counter() - start
+    window.end()
+    return moved
 
 
 def socket_run(port: int, cert_dir: Path, use_tls: bool) -> Run:
@@ -199,14 +240,15 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool) -> Run:
             got += n
         return got
 
-    def run(block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+    def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         buf = memoryview(bytearray(block_size))
         receive(block_size, 4, buf)  # warm-up
-        moved, start = 0, time.perf_counter()
-        step = max(1, (16 << 20) // block_size)
-        while moved < total and time.perf_counter() - start < time_limit_s:
+        moved, step = 0, max(1, (16 << 20) // block_size)
+        window.begin()
+        while moved < total and window.elapsed() < time_limit_s:
             moved += receive(block_size, min(step, -(-(total - moved) // block_size)), buf)
-        return moved, time.perf_counter() - start
+        window.end()
+        return moved
 
     return run
 
@@ -214,7 +256,7 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool) -> Run:
 def kvfabric_run(port: int, cert_dir: Path) -> Run:
     peer = Peer(SERVER_NODE, "127.0.0.1", port)
 
-    async def pulls(block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+    async def pulls(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         client = TlsTcpClient(creds(cert_dir, CLIENT_NODE))
         counts = {"moved": 0, "misses": 0, "next": 0}
 
@@ -231,21 +273,21 @@ def kvfabric_run(port: int, cert_dir: Path) -> Run:
         try:
             await one_pull()  # warm-up: connect, handshake
             counts["moved"] = 0
-            start = time.perf_counter()
+            window.begin()
 
             async def worker() -> None:
-                while counts["moved"] < total and time.perf_counter() - start < time_limit_s:
+                while counts["moved"] < total and window.elapsed() < time_limit_s:
                     await one_pull()
 
             await asyncio.gather(*(worker() for _ in range(CONCURRENT_PULLS)))
-            elapsed = time.perf_counter() - start
+            window.end()
         finally:
             await client.close()
         if counts["misses"]:
             raise RuntimeError(f"{counts['misses']} kvfabric pulls missed; the benchmark counts only hits")
-        return counts["moved"], elapsed
+        return counts["moved"]
 
-    return lambda block_size, total, limit: asyncio.run(pulls(block_size, total, limit))
+    return lambda block_size, total, limit, window: asyncio.run(pulls(block_size, total, limit, window))
 
 
 class Redis:
@@ -276,7 +318,7 @@ class Redis:
                 pipe.set(f"b{size}:{i}", payload)
             pipe.execute()
 
-    def run(self, block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+    def run(self, block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         keys = [f"b{block_size}:{i}" for i in range(num_distinct(block_size))]
 
         def batch(first: int) -> int:
@@ -285,7 +327,7 @@ class Redis:
                 pipe.get(keys[(first + i) % len(keys)])
             return sum(len(v) for v in pipe.execute())
 
-        return timed_batches(batch, REDIS_PIPELINE, total, time_limit_s)
+        return timed_batches(batch, REDIS_PIPELINE, total, time_limit_s, window)
 
     def stop(self) -> None:
         self.client.close()
@@ -304,7 +346,7 @@ class RayObjects:
         import numpy as np
         import ray
 
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(workdir), logging_level="ERROR",
+        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(workdir), logging_level=logging.ERROR,
                  log_to_driver=False)
 
         @ray.remote
@@ -326,14 +368,14 @@ class RayObjects:
         self.producer = Producer.remote()  # type: ignore[attr-defined]
         self.consumer = Consumer.remote()  # type: ignore[attr-defined]
 
-    def run(self, block_size: int, total: int, time_limit_s: float) -> tuple[int, float]:
+    def run(self, block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         ray, step = self.ray, max(1, (16 << 20) // block_size)
 
         def move(first: int) -> int:
             refs = ray.get(self.producer.make.remote(block_size, first, step))
             return int(ray.get(self.consumer.take.remote(refs)))
 
-        return timed_batches(move, step, total, time_limit_s)
+        return timed_batches(move, step, total, time_limit_s, window)
 
     def stop(self) -> None:
         self.ray.shutdown()
@@ -349,9 +391,10 @@ def quic_runs(cert_dir: Path) -> dict[str, Run] | None:
     tq.ensure_certs(cert_dir)
 
     def timed(measure: Callable[[int, int, float], float]) -> Run:
-        def run(block_size: int, total: int, limit: float) -> tuple[int, float]:
+        def run(block_size: int, total: int, limit: float, window: Window) -> int:
             # transfer_quic reports MB/s of what moved before the limit: count it as one second's worth
-            return int(measure(block_size, total, limit) * MB), 1.0
+            window.seconds = 1.0
+            return int(measure(block_size, total, limit) * MB)
 
         return run
 
@@ -395,55 +438,113 @@ def main() -> None:
     report(result, args.quick, rounds, per_run)
 
 
+CPU_METHODS = ("tcp_socket", "tls_socket", "tls_tcp", "redis_get")   # both ends measurable (server by PID)
+
+
+class Totals:
+    """What one method moved over all its rounds, and the CPU both ends spent doing it."""
+
+    def __init__(self) -> None:
+        self.moved = 0
+        self.seconds = 0.0
+        self.client_cpu_s: float | None = 0.0
+        self.server_cpu_s: float | None = 0.0
+
+    def add(self, moved: int, window: Window) -> None:
+        self.moved += moved
+        self.seconds += window.seconds
+        self.client_cpu_s = _sum(self.client_cpu_s, window.client_cpu_s)
+        self.server_cpu_s = _sum(self.server_cpu_s, window.server_cpu_s)
+
+    def cpu_ms_per_mib(self, cpu_s: float | None) -> float | None:
+        return round(cpu_s * 1e3 / (self.moved / (1 << 20)), 3) if cpu_s is not None and self.moved else None
+
+
+def _sum(a: float | None, b: float | None) -> float | None:
+    return a + b if a is not None and b is not None else None
+
+
+def blake3_ms_per_mib() -> float:
+    """What the client's digest check costs on this machine: BLAKE3 of distinct 1 MiB payloads (median of 5)."""
+    payloads = random_blocks(1 << 20)[:32]
+    times = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for p in payloads:
+            blake3.blake3(p).digest()
+        times.append((time.perf_counter() - start) * 1e3 / len(payloads))
+    return round(sorted(times)[2], 3)
+
+
 def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
             quic_limit: float) -> dict[str, float | None]:
+    """Three phases, each with only its own servers running: the socket, kvfabric TLS-TCP and Redis
+    methods interleaved round by round; then Ray (its raylet, GCS and workers poll in the background,
+    which would tax whichever method runs beside them); then QUIC."""
     cert_dir = ensure_certs(workdir / "certs")
-    stoppers: list[Callable[[], None]] = []
-    runs: dict[str, Run] = {}
+    totals: dict[str, Totals] = {}
     notes: list[str] = []
-    try:
-        for kind in ("tcp", "tls", "kvfabric"):
-            server = Server(kind, cert_dir)
-            stoppers.append(server.stop)
-            runs[{"tcp": "tcp_socket", "tls": "tls_socket", "kvfabric": "tls_tcp"}[kind]] = (
-                kvfabric_run(server.port, cert_dir) if kind == "kvfabric"
-                else socket_run(server.port, cert_dir, use_tls=kind == "tls"))
-        if shutil.which("redis-server"):
-            redis_server = Redis(workdir)
-            stoppers.append(redis_server.stop)
-            runs["redis_get"] = redis_server.run
-        else:
-            notes.append("redis-server not found (apt-get install redis-server): redis_get left null")
+    progress = tqdm(desc="transfer", file=sys.stderr)
+
+    def timed(name: str, run: Run, suffix: str, size: int, run_limit: float, server_pid: int | None) -> None:
+        window = Window(server_pid)
+        moved = run(size, per_run, run_limit, window)
+        totals.setdefault(name + suffix, Totals()).add(moved, window)
+        progress.update()
+
+    with progress:
+        stoppers: list[Callable[[], None]] = []
+        runs: dict[str, tuple[Run, int]] = {}
+        try:
+            for kind in ("tcp", "tls", "kvfabric"):
+                server = Server(kind, cert_dir)
+                stoppers.append(server.stop)
+                runs[{"tcp": "tcp_socket", "tls": "tls_socket", "kvfabric": "tls_tcp"}[kind]] = (
+                    kvfabric_run(server.port, cert_dir) if kind == "kvfabric"
+                    else socket_run(server.port, cert_dir, use_tls=kind == "tls"), server.proc.pid)
+            if shutil.which("redis-server"):
+                redis_server = Redis(workdir)
+                stoppers.append(redis_server.stop)
+                runs["redis_get"] = (redis_server.run, redis_server.proc.pid)
+            else:
+                notes.append("redis-server not found (apt-get install redis-server): redis_get left null")
+            progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + (not quick)) + 3)
+            for suffix, size in BLOCK_SIZES.items():
+                for _ in range(rounds):
+                    for name, (run, pid) in runs.items():
+                        timed(name, run, suffix, size, limit, pid)
+        finally:
+            for stop in reversed(stoppers):
+                stop()
         if quick:
             notes.append("--quick: Ray skipped, ray_object left null")
         else:
             ray_objects = RayObjects(workdir / "ray")
-            stoppers.append(ray_objects.stop)
-            runs["ray_object"] = ray_objects.run
+            try:
+                for suffix, size in BLOCK_SIZES.items():
+                    for _ in range(rounds):
+                        timed("ray_object", ray_objects.run, suffix, size, limit, None)
+            finally:
+                ray_objects.stop()
         quic = quic_runs(cert_dir)
         if quic is None:
             notes.append("benchmarks/transfer_quic.py missing: QUIC figures left null")
-        totals: dict[str, list[float]] = {}
-        plan = [(suffix, size, name) for suffix, size in BLOCK_SIZES.items() for _ in range(rounds)
-                for name in runs]
-        plan += [(suffix, size, name) for suffix, size in BLOCK_SIZES.items() for name in (quic or {})]
-        for suffix, size, name in tqdm(plan, desc="transfer", file=sys.stderr):
-            run = runs[name] if name in runs else (quic or {})[name]
-            moved, seconds = run(size, per_run, quic_limit if name.startswith("quic") else limit)
-            acc = totals.setdefault(name + suffix, [0.0, 0.0])
-            acc[0] += moved
-            acc[1] += seconds
-    finally:
-        for stop in reversed(stoppers):
-            stop()
+        for suffix, size in BLOCK_SIZES.items():
+            for name, run in (quic or {}).items():
+                timed(name, run, suffix, size, quic_limit, None)
     for note in notes:
         logger.warning(note)
     names = ["tcp_socket", "tls_socket", "tls_tcp", "redis_get", "ray_object", "quic", "quic_1452", "quic_default"]
     out: dict[str, float | None] = {}
     for suffix in BLOCK_SIZES:
         for name in names:
-            moved_s = totals.get(name + suffix)
-            out[f"{name}_mb_s{suffix}"] = round(moved_s[0] / MB / moved_s[1], 1) if moved_s else None
+            t = totals.get(name + suffix)
+            out[f"{name}_mb_s{suffix}"] = round(t.moved / MB / t.seconds, 1) if t and t.seconds else None
+    for name in CPU_METHODS:  # 1 MiB blocks
+        t = totals.get(name)
+        out[f"{name}_client_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
+        out[f"{name}_server_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
+    out["blake3_ms_per_mib"] = blake3_ms_per_mib()
     return out
 
 
@@ -452,15 +553,18 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: int) -> None:
-    rows = []
     labels = {"tcp_socket": "plain TCP sockets (ceiling)", "tls_socket": "plain TLS 1.3 sockets",
               "tls_tcp": "kvfabric TLS-TCP (verified)", "redis_get": "Redis GET (redis-py, pipelined)",
               "ray_object": "Ray object store, actor to actor", "quic": "kvfabric QUIC, 8952-byte datagrams",
               "quic_1452": "kvfabric QUIC, 1452-byte datagrams", "quic_default": "aioquic default settings"}
+    rows = []
     for name, label in labels.items():
-        rows.append([label, *(result[f"{name}_mb_s{suffix}"] or "-" for suffix in BLOCK_SIZES)])
-    print_table(f"Pull throughput over 127.0.0.1, MB/s ({rounds} round(s) of {per_run >> 20} MiB per method)",
-                ["method", "1 MiB blocks", "256 KiB blocks"], rows)
+        cpu = [result.get(f"{name}_{end}_cpu_ms_per_mib") for end in ("client", "server")]
+        rows.append([label, *(result[f"{name}_mb_s{suffix}"] or "-" for suffix in BLOCK_SIZES),
+                     *(c if c is not None else "-" for c in cpu)])
+    print_table(f"Pull throughput over 127.0.0.1, MB/s ({rounds} round(s) of {per_run >> 20} MiB per method); "
+                f"CPU ms per MiB pulled (1 MiB blocks); BLAKE3 of 1 MiB: {result['blake3_ms_per_mib']} ms",
+                ["method", "1 MiB blocks", "256 KiB blocks", "client CPU", "server CPU"], rows)
     out: dict[str, object] = dict(result)
     for suffix in BLOCK_SIZES:
         tls_tcp = result[f"tls_tcp_mb_s{suffix}"]

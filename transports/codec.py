@@ -40,6 +40,7 @@ DIGEST_SIZE = 32
 # Reads smaller than this go through a staging buffer; larger payload remainders are received
 # straight into the payload's own buffer (see FrameDecoder.get_buffer).
 STAGING_SIZE = 256 * 1024
+DIRECT_MIN = 4 * 1024       # a payload rest at least this large is received straight into its buffer
 
 
 class ProtocolError(Exception):
@@ -266,7 +267,9 @@ class FrameDecoder:
     Two ways to drive it:
       * `feed(data) -> list[Frame]` for transports that hand over bytes (QUIC streams);
       * `get_buffer()` / `buffer_updated(n)` for `asyncio.BufferedProtocol` and `recv_into`:
-        a payload's remaining bytes are received directly into the payload's own buffer.
+        a payload's remaining bytes (once at least DIRECT_MIN) are received directly into the
+        payload's own buffer, so they are never copied; preambles, headers and short rests go
+        through a staging buffer, where one read can take several small frames.
 
     `payload_allocator(n)` makes each payload buffer (default `bytearray(n)`, zero-filled). A
     transport may pass one that skips the zero-filling: a BLOCK frame is only returned once every
@@ -308,9 +311,15 @@ class FrameDecoder:
             self._error = e
             raise
 
+    @property
+    def receiving_payload(self) -> bool:
+        """True when the last `get_buffer()` returned (the rest of) a payload's own buffer: bytes read
+        into it belong to that payload only."""
+        return self._into_payload
+
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """A writable buffer for the next received bytes (BufferedProtocol contract)."""
-        if self._state is _State.PAYLOAD and len(self._payload) - self._payload_filled >= STAGING_SIZE // 4:
+        if self._state is _State.PAYLOAD and len(self._payload) - self._payload_filled >= DIRECT_MIN:
             self._into_payload = True
             return self._payload_view[self._payload_filled:]
         self._into_payload = False

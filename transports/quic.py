@@ -353,10 +353,10 @@ class _ServerConnection(QuicConnectionProtocol):
     def _count(self, frame: Frame) -> None:
         metrics = self._server.metrics
         if isinstance(frame, Block):
-            metrics.served.labels(TRANSPORT, "hit").inc()
-            metrics.served_bytes.labels(TRANSPORT).inc(memoryview(frame.payload).nbytes)
+            metrics.child(metrics.served, TRANSPORT, "hit").inc()
+            metrics.child(metrics.served_bytes, TRANSPORT).inc(memoryview(frame.payload).nbytes)
         elif isinstance(frame, Miss):
-            metrics.served.labels(TRANSPORT, frame.reason.value).inc()
+            metrics.child(metrics.served, TRANSPORT, frame.reason.value).inc()
 
     # -- stalled streams -----------------------------------------------------------------------
 

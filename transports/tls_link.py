@@ -2,7 +2,7 @@
 
 `TlsLink` carries kvfabric frames over one non-blocking `ssl.SSLSocket`:
 
-    socket ──SSL_read──► FrameDecoder.get_buffer()  (a payload's own buffer once its rest is large)
+    socket ──SSL_read──► FrameDecoder.get_buffer()  (a payload's own buffer unless its rest is tiny)
                               │ buffer_updated(n) → frames → on_frames(frames)
     send(frame) ─► queue: [head + payload's first bytes, one TLS record][rest: a view] … ─SSL_write─► socket
 
@@ -45,7 +45,6 @@ from transports.base import Peer
 from transports.certs import CertificateError, NodeCredentials, node_name_of
 from transports.codec import (
     DEFAULT_MAX_PAYLOAD,
-    STAGING_SIZE,
     Error,
     ErrorCode,
     Frame,
@@ -388,7 +387,7 @@ class TlsLink(LinkBase):
                 n = read(size, buf)
                 # A payload view (not the staging buffer): fill it record after record (one TLS
                 # record per read) and tell the decoder once.
-                while 0 < n < size and size != STAGING_SIZE:
+                while 0 < n < size and self._decoder.receiving_payload:
                     got = read(size - n, buf[n:])
                     if got == 0:
                         break

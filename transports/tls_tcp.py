@@ -226,12 +226,12 @@ class _ServerConnection:
             if size > self.client_max_payload:
                 logger.warning("block %s of %d bytes exceeds the %d-byte limit; answered as a miss",
                                frame.address, size, self.client_max_payload)
-                metrics.served.labels(transport, "miss").inc()
+                metrics.child(metrics.served, transport, "miss").inc()
                 return Miss(frame.request_id, frame.address, MissReason.PEER_ERROR)
-            metrics.served.labels(transport, "hit").inc()
-            metrics.served_bytes.labels(transport).inc(size)
+            metrics.child(metrics.served, transport, "hit").inc()
+            metrics.child(metrics.served_bytes, transport).inc(size)
         elif isinstance(frame, Miss):
-            metrics.served.labels(transport, "miss").inc()
+            metrics.child(metrics.served, transport, "miss").inc()
         return frame
 
     def on_closed(self, reason: MissReason) -> None:

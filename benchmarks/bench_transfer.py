@@ -8,9 +8,11 @@ distinct blocks, cycled), every server in its own process:
     tls_tcp       kvfabric TLS-TCP: PULLs of 16 addresses, 2 in flight, every payload's BLAKE3 verified
     quic          kvfabric QUIC at 8952- and 1452-byte datagrams, and aioquic with its default settings
                   (benchmarks/transfer_quic.py; time-bounded: QUIC moves less than the others)
-    tls_socket    plain TLS 1.3 sockets, same certificates, server sendall / client recv_into (no framing,
-                  no verification): the ceiling for any TLS transport on this machine
-    tcp_socket    the same without TLS: the loopback ceiling
+    tcp_socket    plain TCP sockets, server sendall / client recv_into into one reused buffer (no framing,
+                  no verification): the loopback ceiling
+    tls_socket    the same over TLS 1.3 with the same certificates: the ceiling for any TLS transport here
+    tls_socket_blake3  the same, BLAKE3 of each block as it lands: the ceiling for a TLS transport that
+                  verifies every payload, as kvfabric must
     redis_get     redis-server (--save "" --appendonly no), redis-py + hiredis, GETs pipelined 16 at a time
     ray_object    Ray object store between two actors: ray.put in one, ray.get in the other (one node:
                   shared memory, zero-copy get; not a network transfer)
@@ -21,7 +23,8 @@ Client and server share this machine's cores, so each method is also charged the
 per MiB pulled (1 MiB blocks; the client is this process, the server is read from /proc by PID), and
 BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
 The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k for 256 KiB,
-*_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, and ratios). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
+*_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, and ratios). `--quick` moves
+~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
 
 from __future__ import annotations
@@ -224,7 +227,9 @@ def timed_batches(batch: Callable[[int], int], step: int, total: int, time_limit
     return moved
 
 
-def socket_run(port: int, cert_dir: Path, use_tls: bool) -> Run:
+def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = False) -> Run:
+    """Blocks received one after another into one reused buffer; `hash_blocks`: BLAKE3 each one as it
+    lands (what verifying costs a transport that has nothing else to do)."""
     raw = socket.create_connection(("127.0.0.1", port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn = creds(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(
@@ -232,13 +237,16 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool) -> Run:
 
     def receive(block_size: int, count: int, buf: memoryview) -> int:
         conn.sendall(REQUEST.pack(block_size, count))
-        want, got = block_size * count, 0
-        while got < want:
-            n = conn.recv_into(buf)
-            if not n:
-                raise ConnectionError("socket server closed the connection")
-            got += n
-        return got
+        for _ in range(count):
+            got = 0
+            while got < block_size:
+                n = conn.recv_into(buf[got:])
+                if not n:
+                    raise ConnectionError("socket server closed the connection")
+                got += n
+            if hash_blocks:
+                blake3.blake3(buf).digest()
+        return block_size * count
 
     def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         buf = memoryview(bytearray(block_size))
@@ -438,7 +446,8 @@ def main() -> None:
     report(result, args.quick, rounds, per_run)
 
 
-CPU_METHODS = ("tcp_socket", "tls_socket", "tls_tcp", "redis_get")   # both ends measurable (server by PID)
+# Methods whose both ends are measurable (the server by PID):
+CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "redis_get")
 
 
 class Totals:
@@ -496,12 +505,13 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         stoppers: list[Callable[[], None]] = []
         runs: dict[str, tuple[Run, int]] = {}
         try:
-            for kind in ("tcp", "tls", "kvfabric"):
-                server = Server(kind, cert_dir)
+            for name, kind in (("tcp_socket", "tcp"), ("tls_socket", "tls"), ("tls_socket_blake3", "tls"),
+                               ("tls_tcp", "kvfabric")):
+                server = Server(kind, cert_dir)  # one each: a socket server serves one connection at a time
                 stoppers.append(server.stop)
-                runs[{"tcp": "tcp_socket", "tls": "tls_socket", "kvfabric": "tls_tcp"}[kind]] = (
-                    kvfabric_run(server.port, cert_dir) if kind == "kvfabric"
-                    else socket_run(server.port, cert_dir, use_tls=kind == "tls"), server.proc.pid)
+                runs[name] = (kvfabric_run(server.port, cert_dir) if kind == "kvfabric"
+                              else socket_run(server.port, cert_dir, use_tls=kind == "tls",
+                                              hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
             if shutil.which("redis-server"):
                 redis_server = Redis(workdir)
                 stoppers.append(redis_server.stop)
@@ -534,7 +544,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                 timed(name, run, suffix, size, quic_limit, None)
     for note in notes:
         logger.warning(note)
-    names = ["tcp_socket", "tls_socket", "tls_tcp", "redis_get", "ray_object", "quic", "quic_1452", "quic_default"]
+    names = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "redis_get", "ray_object", "quic",
+             "quic_1452", "quic_default"]
     out: dict[str, float | None] = {}
     for suffix in BLOCK_SIZES:
         for name in names:
@@ -554,6 +565,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: int) -> None:
     labels = {"tcp_socket": "plain TCP sockets (ceiling)", "tls_socket": "plain TLS 1.3 sockets",
+              "tls_socket_blake3": "plain TLS 1.3 sockets + BLAKE3 per block",
               "tls_tcp": "kvfabric TLS-TCP (verified)", "redis_get": "Redis GET (redis-py, pipelined)",
               "ray_object": "Ray object store, actor to actor", "quic": "kvfabric QUIC, 8952-byte datagrams",
               "quic_1452": "kvfabric QUIC, 1452-byte datagrams", "quic_default": "aioquic default settings"}
@@ -570,6 +582,9 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         tls_tcp = result[f"tls_tcp_mb_s{suffix}"]
         out[f"tls_tcp_vs_tls_socket{suffix}"] = _ratio(tls_tcp, result[f"tls_socket_mb_s{suffix}"])
         out[f"tls_tcp_vs_redis{suffix}"] = _ratio(tls_tcp, result[f"redis_get_mb_s{suffix}"])
+        out[f"tls_tcp_vs_tls_socket_blake3{suffix}"] = _ratio(tls_tcp, result[f"tls_socket_blake3_mb_s{suffix}"])
+        out[f"tls_socket_blake3_vs_tls_socket{suffix}"] = _ratio(result[f"tls_socket_blake3_mb_s{suffix}"],
+                                                                 result[f"tls_socket_mb_s{suffix}"])
         out[f"quic_vs_default{suffix}"] = _ratio(result[f"quic_mb_s{suffix}"], result[f"quic_default_mb_s{suffix}"])
     out["quick"] = quick
     emit_json(out)

@@ -22,7 +22,7 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     lines = proc.stdout.strip().splitlines()
     assert any("kvfabric TLS-TCP" in line for line in lines[:-1]), "expected the table before the JSON line"
     result = json.loads(lines[-1])
-    measured = ["tcp_socket", "tls_socket", "tls_tcp"]
+    measured = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp"]
     if shutil.which("redis-server"):
         measured.append("redis_get")
     if (ROOT / "benchmarks" / "transfer_quic.py").exists():
@@ -30,11 +30,12 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     for name in measured:
         for key in (f"{name}_mb_s", f"{name}_mb_s_256k"):
             assert isinstance(result[key], float) and result[key] > 0, key
-    for name in ("tcp_socket", "tls_socket", "tls_tcp"):  # CPU of both ends, from this process and /proc
+    for name in ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp"):  # CPU of both ends (process, /proc)
         assert result[f"{name}_client_cpu_ms_per_mib"] > 0, name
         assert result[f"{name}_server_cpu_ms_per_mib"] >= 0, name  # /proc counts 10 ms ticks: a short run may read 0
     assert result["blake3_ms_per_mib"] > 0
     assert result["ray_object_mb_s"] is None  # --quick skips Ray
     assert isinstance(result["tls_tcp_vs_tls_socket"], float)
+    assert isinstance(result["tls_tcp_vs_tls_socket_blake3"], float)
     assert result["quick"] is True
     assert list(tmp_path.iterdir()) == []  # certificates and server files removed

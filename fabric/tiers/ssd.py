@@ -380,9 +380,17 @@ class SsdTier:
     def _read_all(self, fd: int, key: StorageKey, size: int) -> mmap.mmap | bytearray:
         buf: mmap.mmap | bytearray
         if self.o_direct:
-            # O_DIRECT wants an aligned buffer and length: anonymous mmap memory is page-aligned.
+            # O_DIRECT wants an aligned buffer, offset and length: anonymous mmap memory is page-aligned,
+            # and a read that stops short of the end stops on a block boundary, so it can go on from there
+            # (a short read is not corruption: the file is re-read until its end).
             buf = mmap.mmap(-1, -(-size // ALIGN) * ALIGN)
-            got = os.preadv(fd, [buf], 0)
+            view = memoryview(buf)
+            got = 0
+            while got < size and (n := os.preadv(fd, [view[got:]], got)) > 0:
+                got += n
+                if got % ALIGN:
+                    break  # an O_DIRECT read ends off a block boundary only at the end of the file
+            view.release()
         else:
             buf = bytearray(size)
             view = memoryview(buf)

@@ -57,6 +57,9 @@ class FrameType(enum.IntEnum):
     BYE = 7
 
 
+_FRAME_TYPES = {int(t): t for t in FrameType}
+
+
 class MissReason(enum.StrEnum):
     NOT_FOUND = "not_found"
     DIGEST_MISMATCH = "digest_mismatch"
@@ -368,29 +371,34 @@ class FrameDecoder:
                 if self._payload_filled == len(self._payload):
                     frames.append(self._finish_frame())
                 continue
-            need = (PREAMBLE_SIZE if self._state is _State.PREAMBLE else self._header_len) - len(self._buf)
-            take = min(need, end - pos)
-            self._buf += data[pos:pos + take]
-            pos += take
-            if take < need:
-                break
+            size = PREAMBLE_SIZE if self._state is _State.PREAMBLE else self._header_len
+            chunk: bytearray | memoryview
+            if self._buf or end - pos < size:  # only part of it here: gather it in _buf
+                take = min(size - len(self._buf), end - pos)
+                self._buf += data[pos:pos + take]
+                pos += take
+                if len(self._buf) < size:
+                    break
+                chunk, self._buf = self._buf, bytearray()
+            else:  # all of it here: parse it in place
+                chunk = data[pos:pos + size]
+                pos += size
             if self._state is _State.PREAMBLE:
-                self._parse_preamble()
-            elif self._parse_header():  # a frame without payload is complete here
+                self._parse_preamble(chunk)
+            elif self._parse_header(chunk):  # a frame without payload is complete here
                 frames.append(self._finish_frame())
         return frames
 
-    def _parse_preamble(self) -> None:
-        magic, version, ftype, flags, header_len, payload_len = PREAMBLE.unpack(self._buf)
-        self._buf = bytearray()
+    def _parse_preamble(self, chunk: bytearray | memoryview) -> None:
+        magic, version, ftype, flags, header_len, payload_len = PREAMBLE.unpack(chunk)
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r} (not a kvfabric peer?)")
         if version != VERSION:
             raise ProtocolError(f"unsupported codec version {version}; this side speaks {VERSION}")
-        try:
-            self._ftype = FrameType(ftype)
-        except ValueError:
-            raise ProtocolError(f"unknown frame type {ftype}") from None
+        frame_type = _FRAME_TYPES.get(ftype)
+        if frame_type is None:
+            raise ProtocolError(f"unknown frame type {ftype}")
+        self._ftype = frame_type
         if flags != 0:
             raise ProtocolError(f"reserved flags must be zero, got {flags:#x}")
         if header_len == 0 or header_len > self.max_header:
@@ -408,16 +416,15 @@ class FrameDecoder:
         self._payload_filled = 0
         self._state = _State.HEADER
 
-    def _parse_header(self) -> bool:
+    def _parse_header(self, chunk: bytearray | memoryview) -> bool:
         """Parse the header; True when the frame has no payload and is therefore complete."""
         try:
-            header = msgpack.unpackb(bytes(self._buf), raw=False, strict_map_key=True)
+            header = msgpack.unpackb(chunk, raw=False, strict_map_key=True)
         except Exception as e:  # msgpack raises several unrelated types for malformed input
             raise ProtocolError(f"{self._ftype.name} header is not valid msgpack: {e}") from None
         if not isinstance(header, dict):
             raise ProtocolError(f"{self._ftype.name} header must be a map, got {type(header).__name__}")
         self._header = header
-        self._buf = bytearray()
         self._state = _State.PAYLOAD
         return not self._payload
 

@@ -194,7 +194,7 @@ class Window:
         self.seconds = 0.0
         self.client_cpu_s: float | None = None
         self.server_cpu_s: float | None = None
-        self._start = (0.0, 0.0, None)  # type: tuple[float, float, float | None]
+        self._start: tuple[float, float, float | None] = (0.0, 0.0, None)
 
     def begin(self) -> None:
         server = process_cpu_s(self.server_pid) if self.server_pid else None

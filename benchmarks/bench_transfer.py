@@ -149,6 +149,17 @@ def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
                     conn.sendall(blocks[i % len(blocks)])
 
 
+def stop_process(proc: subprocess.Popen[Any]) -> None:
+    """Terminate `proc` by PID (if still running), killing it if it does not exit within 10 s."""
+    if proc.poll() is None:
+        proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class Server:
     """A benchmark server subprocess; stopped by closing its stdin (or killed by PID)."""
 
@@ -165,13 +176,7 @@ class Server:
     def stop(self) -> None:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
-        if self.proc.poll() is None:
-            self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 # -- clients: each moves bytes in a timed window and returns how many ---------------------------------
@@ -339,12 +344,7 @@ class Redis:
 
     def stop(self) -> None:
         self.client.close()
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
 
 class RayObjects:
@@ -475,7 +475,7 @@ def _sum(a: float | None, b: float | None) -> float | None:
 
 def blake3_ms_per_mib() -> float:
     """What the client's digest check costs on this machine: BLAKE3 of distinct 1 MiB payloads (median of 5)."""
-    payloads = random_blocks(1 << 20)[:32]
+    payloads = [os.urandom(1 << 20) for _ in range(32)]
     times = []
     for _ in range(5):
         start = time.perf_counter()

@@ -49,6 +49,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
@@ -92,6 +93,34 @@ INLINE_FETCH_S = 0.001          # a get_block slower than this on the loop count
 SLOW_STREAK = 3                 # … this many in a row send fetching to the thread pool …
 SLOW_SOURCE_HOLD_S = 1.0        # … for this long
 RESULTS_HIGH = 64 * 1024 * 1024
+
+
+class _Watched(Protocol):
+    def watchdog(self, now: float) -> None: ...
+
+
+class _Watchdog:
+    """Every `interval_s`, `conn.watchdog(now)` for each connection `connections()` lists (a copy:
+    a watchdog may close its connection, which then leaves the collection)."""
+
+    def __init__(self, interval_s: float, connections: Callable[[], list[_Watched]]) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._interval_s = interval_s
+        self._connections = connections
+        self._handle = self._loop.call_later(interval_s, self._tick)
+
+    def _tick(self) -> None:
+        now = self._loop.time()
+        for conn in self._connections():
+            conn.watchdog(now)
+        self._handle = self._loop.call_later(self._interval_s, self._tick)
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+def _watchdog_interval(frame_timeout_s: float, idle_timeout_s: float) -> float:
+    return max(0.02, min(frame_timeout_s, idle_timeout_s) / 4)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +312,7 @@ class TlsTcpServer:
         self.slow_streak = 0
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog: _Watchdog | None = None
         self._connections: set[_ServerConnection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
 
@@ -310,7 +339,8 @@ class TlsTcpServer:
         self._listener = lsock
         self.host, self.port = lsock.getsockname()[:2]
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(lsock))
-        self._arm_watchdog()
+        self._watchdog = _Watchdog(_watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
+                                   lambda: list(self._connections))
         logger.info("TLS-TCP server %s listening on %s:%d", self.node, self.host, self.port)
         return self.host, self.port
 
@@ -371,18 +401,6 @@ class TlsTcpServer:
         if conn in self._connections:
             self._connections.discard(conn)
             self.metrics.connections.labels(self.transport, "server").dec()
-
-    def _arm_watchdog(self) -> None:
-        loop = asyncio.get_running_loop()
-        interval = max(0.02, min(self.frame_timeout_s, self.idle_timeout_s) / 4)
-
-        def tick() -> None:
-            now = loop.time()
-            for conn in list(self._connections):
-                conn.watchdog(now)
-            self._watchdog = loop.call_later(interval, tick)
-
-        self._watchdog = loop.call_later(interval, tick)
 
     async def close(self) -> None:
         if self._watchdog is not None:
@@ -627,7 +645,7 @@ class TlsTcpClient:
         self.metrics = metrics or TransportMetrics()
         self._pool: dict[Peer, _ClientConnection] = {}
         self._dialing: dict[Peer, asyncio.Lock] = {}
-        self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog: _Watchdog | None = None
         self.num_connects = 0
         # One thread checks every payload's digest, in arrival order, overlapping the next decryption.
         self.verifier = _Verifier(threaded=verify_in_thread)
@@ -708,7 +726,8 @@ class TlsTcpClient:
             conn.link.start()
             conn.link.send(Hello(self.node, VERSION, self.max_payload))
             if self._watchdog is None:
-                self._arm_watchdog()
+                self._watchdog = _Watchdog(_watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
+                                           lambda: list(self._pool.values()))
             return conn, MissReason.PEER_GONE, False
 
     async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
@@ -721,18 +740,6 @@ class TlsTcpClient:
         if self._pool.get(conn.peer) is conn:
             del self._pool[conn.peer]
             self.metrics.connections.labels(self.transport, "client").dec()
-
-    def _arm_watchdog(self) -> None:
-        loop = asyncio.get_running_loop()
-        interval = max(0.02, min(self.frame_timeout_s, self.idle_timeout_s) / 4)
-
-        def tick() -> None:
-            now = loop.time()
-            for conn in list(self._pool.values()):
-                conn.watchdog(now)
-            self._watchdog = loop.call_later(interval, tick)
-
-        self._watchdog = loop.call_later(interval, tick)
 
     async def close(self) -> None:
         if self._watchdog is not None:

@@ -108,6 +108,21 @@ def uninitialised_bytearray(size: int) -> bytearray:
     return buf
 
 
+def openssl_calls(sock: ssl.SSLSocket) -> tuple[Callable[[int, memoryview], int], Callable[[memoryview], int]]:
+    """`read(len, buffer) -> count` and `write(data) -> count` of the OpenSSL connection under `sock`.
+
+    `SSLSocket.read` / `send` are Python wrappers around `sock._sslobj` (CPython's `_ssl._SSLSocket`,
+    there since 3.7): a closed-socket check, and `read` turns an EOF without close_notify into 0.
+    A pull makes one read per 16 KiB TLS record, so those wrapper frames are paid 64 times per MiB;
+    calling `_sslobj` directly cut the client's CPU per MiB by 1-8% in interleaved 1 MiB runs.
+    Callers handle `ssl.SSLEOFError` as end of stream. Falls back to the wrappers if a Python lacks
+    `_sslobj`."""
+    raw = getattr(sock, "_sslobj", None)
+    if raw is None or not callable(getattr(raw, "read", None)) or not callable(getattr(raw, "write", None)):
+        return cast(Callable[[int, memoryview], int], sock.read), sock.send
+    return raw.read, raw.write
+
+
 async def _wait_fd(sock: socket.socket, writable: bool) -> None:
     loop = asyncio.get_running_loop()
     fut: asyncio.Future[None] = loop.create_future()
@@ -342,6 +357,7 @@ class TlsLink(LinkBase):
         self._init_link(transport, metrics)
         self.batch_frames = batch_frames  # hand over all frames of one read callback at once
         self._sock = sock
+        self._read, self._write = openssl_calls(sock)
         self._fd = sock.fileno()
         self._decoder = decoder
         self._on_frames = on_frames
@@ -377,27 +393,30 @@ class TlsLink(LinkBase):
     def _on_readable(self) -> None:
         budget = READ_BUDGET
         frames: list[Frame] = []
-        # SSLSocket.read(len, buffer) returns a count: recv_into minus two wrapper calls per record.
-        read = cast(Callable[[int, memoryview], int], self._sock.read)
+        decoder = self._decoder
+        read = self._read
         while self._reading and not self.closed and budget > 0:
-            buf = self._decoder.get_buffer()
+            buf = decoder.get_buffer()
             size = len(buf)
-            n, more = 0, True
+            n, more, eof = 0, True, False
             try:
                 n = read(size, buf)
                 # A payload view (not the staging buffer): fill it record after record (one TLS
                 # record per read) and tell the decoder once.
-                while 0 < n < size and self._decoder.receiving_payload:
-                    got = read(size - n, buf[n:])
-                    if got == 0:
-                        break
-                    n += got
+                if 0 < n < size and decoder.receiving_payload:
+                    while n < size:
+                        got = read(size - n, buf[n:])
+                        if not got:
+                            break
+                        n += got
             except ssl.SSLWantReadError:
                 more = False
             except ssl.SSLWantWriteError:  # TLS wants to send first (e.g. a key update reply)
                 more = False
                 self._read_wants_write = True
                 self._update_writer()
+            except ssl.SSLEOFError:  # TCP closed without a TLS close_notify: end of stream, as SSLSocket has it
+                eof = True
             except ssl.SSLError as e:
                 self._deliver(frames)
                 self._tls_failed(e)
@@ -409,14 +428,14 @@ class TlsLink(LinkBase):
             try:
                 if n:
                     self.last_rx = self._loop.time()
-                    frames += self._decoder.buffer_updated(n)
+                    frames += decoder.buffer_updated(n)
                     budget -= n
                     if not self.batch_frames and frames:
                         self._deliver(frames)
                         frames = []
-                elif more:  # a read of 0 bytes: end of stream
+                if eof or (not n and more):  # a read of 0 bytes: end of stream
                     self._deliver(frames)
-                    self._decoder.close()
+                    decoder.close()
                     self.close(MissReason.PEER_GONE, "peer closed the connection")
                     return
             except ProtocolError as e:
@@ -480,7 +499,7 @@ class TlsLink(LinkBase):
             chunk = self._out[0]
             try:
                 # After WANT_WRITE, OpenSSL needs the very same chunk again: it stays at the head.
-                n = self._sock.send(chunk)
+                n = self._write(chunk)
             except ssl.SSLWantWriteError:
                 break
             except ssl.SSLWantReadError:  # TLS must read first; the next readable event retries

@@ -194,6 +194,19 @@ def encode_many(frames: Iterable[Frame]) -> bytes:
 # Decoding
 
 
+def unpack_map(data: bytes | bytearray | memoryview, what: str,
+               error: type[ProtocolError] = ProtocolError) -> dict[Any, Any]:
+    """The msgpack map in `data`; anything else (malformed msgpack, another type) raises `error`,
+    whose message names `what`."""
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several unrelated types for malformed input
+        raise error(f"{what} is not valid msgpack: {e}") from None
+    if not isinstance(value, dict):
+        raise error(f"{what} must be a map, got {type(value).__name__}")
+    return value
+
+
 def _field(header: dict[Any, Any], name: str, kind: type | tuple[type, ...], ftype: FrameType) -> Any:
     if name not in header:
         raise ProtocolError(f"{ftype.name} header lacks field {name!r}")
@@ -418,13 +431,7 @@ class FrameDecoder:
 
     def _parse_header(self, chunk: bytearray | memoryview) -> bool:
         """Parse the header; True when the frame has no payload and is therefore complete."""
-        try:
-            header = msgpack.unpackb(chunk, raw=False, strict_map_key=True)
-        except Exception as e:  # msgpack raises several unrelated types for malformed input
-            raise ProtocolError(f"{self._ftype.name} header is not valid msgpack: {e}") from None
-        if not isinstance(header, dict):
-            raise ProtocolError(f"{self._ftype.name} header must be a map, got {type(header).__name__}")
-        self._header = header
+        self._header = unpack_map(chunk, f"{self._ftype.name} header")
         self._state = _State.PAYLOAD
         return not self._payload
 

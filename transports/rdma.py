@@ -55,6 +55,7 @@ from transports.codec import (
     MissReason,
     ProtocolError,
     encode_parts,
+    unpack_map,
 )
 from transports.metrics import TransportMetrics
 from transports.slabs import Extent, SlabAllocator
@@ -177,13 +178,7 @@ class ControlDecoder:
                 break
             body = bytes(self._buf[CONTROL_LEN.size:CONTROL_LEN.size + size])
             del self._buf[:CONTROL_LEN.size + size]
-            try:
-                msg = msgpack.unpackb(body, raw=False, strict_map_key=True)
-            except Exception as e:  # msgpack raises several unrelated types for malformed input
-                raise ControlError(f"control message is not valid msgpack: {e}") from None
-            if not isinstance(msg, dict):
-                raise ControlError(f"control message must be a map, got {type(msg).__name__}")
-            out.append(msg)
+            out.append(unpack_map(body, "control message", ControlError))
         return out
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from fabric.keys import BlockAddress
 from transports.base import Peer, PullResult
@@ -16,6 +17,38 @@ TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this
 
 class Puller(Protocol):
     def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]: ...
+
+
+class Server(Protocol):
+    async def start(self) -> tuple[str, int]: ...
+    async def close(self) -> None: ...
+
+
+class Closable(Protocol):
+    async def close(self) -> None: ...
+
+
+S = TypeVar("S", bound=Server)
+C = TypeVar("C", bound=Closable)
+
+
+@asynccontextmanager
+async def started(server: S, node: str) -> AsyncIterator[tuple[S, Peer]]:
+    """`server` (of node `node`) listening, and the peer that dials it; closed on the way out."""
+    host, port = await server.start()
+    try:
+        yield server, Peer(node, host, port)
+    finally:
+        await server.close()
+
+
+@asynccontextmanager
+async def closing(client: C) -> AsyncIterator[C]:
+    """`client`, closed on the way out (its pooled connections with it)."""
+    try:
+        yield client
+    finally:
+        await client.close()
 
 
 def creds(cert_dir: Path, node: str) -> NodeCredentials:

@@ -12,7 +12,7 @@ import os
 import resource
 import shutil
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +22,7 @@ from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
-from support import creds, pull_all, run, wait_until
+from support import closing, creds, pull_all, run, started, wait_until
 
 from fabric.config import Config, KVConfig
 from fabric.keys import BlockAddress, BlockHash
@@ -48,24 +48,14 @@ from transports.metrics import TransportMetrics
 from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer
 
 
-@asynccontextmanager
-async def serving(cert_dir: Path, source: BlockSource, node: str = "node-a",
-                  **kwargs: Any) -> AsyncIterator[tuple[QuicTransportServer, Peer]]:
-    server = QuicTransportServer(creds(cert_dir, node), source, **kwargs)
-    host, port = await server.start()
-    try:
-        yield server, Peer(node, host, port)
-    finally:
-        await server.close()
+def serving(cert_dir: Path, source: BlockSource, node: str = "node-a",
+            **kwargs: Any) -> AbstractAsyncContextManager[tuple[QuicTransportServer, Peer]]:
+    return started(QuicTransportServer(creds(cert_dir, node), source, **kwargs), node)
 
 
-@asynccontextmanager
-async def client_of(cert_dir: Path, node: str = "client-1", **kwargs: Any) -> AsyncIterator[QuicTransportClient]:
-    client = QuicTransportClient(creds(cert_dir, node), **kwargs)
-    try:
-        yield client
-    finally:
-        await client.close()
+def client_of(cert_dir: Path, node: str = "client-1",
+              **kwargs: Any) -> AbstractAsyncContextManager[QuicTransportClient]:
+    return closing(QuicTransportClient(creds(cert_dir, node), **kwargs))
 
 
 def unknown(n: int) -> list[BlockAddress]:

@@ -10,14 +10,14 @@ import ssl
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import blake3
 import pytest
 from cryptography import x509
-from support import creds, pull_all, run, wait_until
+from support import closing, creds, pull_all, run, started, wait_until
 
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
@@ -64,24 +64,13 @@ def protocol_errors(metrics: TransportMetrics) -> float:
     return metrics.registry.get_sample_value("kvfabric_protocol_errors_total", {"transport": TRANSPORT}) or 0.0
 
 
-@asynccontextmanager
-async def serving(cert_dir: Path, source: Any, node: str = "node-a", port: int = 0,
-                  **kw: Any) -> AsyncIterator[tuple[TlsTcpServer, Peer]]:
-    server = TlsTcpServer(creds(cert_dir, node), source, "127.0.0.1", port, **kw)
-    host, bound = await server.start()
-    try:
-        yield server, Peer(node, host, bound)
-    finally:
-        await server.close()
+def serving(cert_dir: Path, source: Any, node: str = "node-a", port: int = 0,
+            **kw: Any) -> AbstractAsyncContextManager[tuple[TlsTcpServer, Peer]]:
+    return started(TlsTcpServer(creds(cert_dir, node), source, "127.0.0.1", port, **kw), node)
 
 
-@asynccontextmanager
-async def client_of(cert_dir: Path, node: str = "client-1", **kw: Any) -> AsyncIterator[TlsTcpClient]:
-    client = TlsTcpClient(creds(cert_dir, node), **kw)
-    try:
-        yield client
-    finally:
-        await client.close()
+def client_of(cert_dir: Path, node: str = "client-1", **kw: Any) -> AbstractAsyncContextManager[TlsTcpClient]:
+    return closing(TlsTcpClient(creds(cert_dir, node), **kw))
 
 
 def assert_hits(results: list[PullResult], source: MemorySource, addresses: list[BlockAddress]) -> None:

@@ -21,7 +21,7 @@ lint: install
 	$(VENV)/bin/ruff check fabric transports cluster tests benchmarks examples
 
 typecheck: install
-	$(VENV)/bin/mypy fabric transports
+	$(VENV)/bin/mypy fabric transports cluster examples benchmarks
 
 unit: install
 	$(VENV)/bin/pytest -q

@@ -29,7 +29,7 @@ from rich.table import Table
 
 from cluster.engines.paged import PagedEngine
 from cluster.engines.tiny_llama import TinyLlama, TinyLlamaConfig
-from fabric.config import KVConfig, TransportConfig
+from fabric.config import KVConfig, TransportConfig, TransportKind
 from fabric.keys import BlockAddress, addresses, block_hashes
 from fabric.store import Store
 from fabric.tiers.base import Payload
@@ -45,11 +45,11 @@ def open_store(root: Path, node: str) -> Store:
                                ram_gib=0.25, write_through=True))
 
 
-async def pull_prefix(kind: str, root: Path, store_a: Store, store_b: Store,
+async def pull_prefix(kind: TransportKind, root: Path, store_a: Store, store_b: Store,
                       wanted: list[BlockAddress]) -> tuple[dict[BlockAddress, Payload], float, int]:
     """Serve Store A, pull `wanted` into node B; mirror what verifies. Returns (pulled, seconds, misses)."""
     cert_dir = str(root / "certs")
-    server = create_server(TransportConfig(kind=kind, cert_dir=cert_dir, node_name="node-a"), store_a)  # type: ignore[arg-type]
+    server = create_server(TransportConfig(kind=kind, cert_dir=cert_dir, node_name="node-a"), store_a)
     host, port = await server.start()
     client = create_client(TransportConfig(kind=kind, cert_dir=cert_dir, node_name="node-b"))
     pulled: dict[BlockAddress, Payload] = {}
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
             tmp.cleanup()
 
 
-def run(kind: str, root: Path, system_tokens: int) -> int:
+def run(kind: TransportKind, root: Path, system_tokens: int) -> int:
     init_ca(root / "certs", overwrite=True)
     for node in ("node-a", "node-b"):
         issue_node(root / "certs", node)

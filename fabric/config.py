@@ -27,6 +27,9 @@ def _default_root() -> Path:
     return Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
 
 
+TransportKind = Literal["quic", "tls-tcp", "rdma"]
+
+
 @dataclass(slots=True)
 class KVConfig:
     ram_gib: float = 1.0
@@ -58,7 +61,7 @@ class KVConfig:
 
 @dataclass(slots=True)
 class TransportConfig:
-    kind: Literal["quic", "tls-tcp", "rdma"] = "tls-tcp"
+    kind: TransportKind = "tls-tcp"
     host: str = "127.0.0.1"
     quic_port: int = 0
     tcp_port: int = 0

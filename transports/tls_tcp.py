@@ -10,12 +10,13 @@
 
 Frames move over `tls_link.TlsLink` (decryption straight into payload buffers, payloads sent
 without copies). The client keeps one pooled connection per peer, reconnects when it is gone,
-and matches frames to requests by request id; a single verifier thread per client checks every
-payload's BLAKE3 digest (in arrival order, so per request order holds) while the loop decrypts
-the next one. The server answers from `BlockSource.get_block` on the event loop while blocks come
-fast (RAM: a thread hop would cost more than the fetch); after a fetch slower than INLINE_FETCH_S
-(disk; SLOW_STREAK in a row) it fetches in a bounded thread pool, a batch of up to BATCH_BYTES per
-hop, for a while. It never re-hashes: the source gives the digest. The event loop is thus blocked
+and matches frames to requests by request id; every payload's BLAKE3 digest is checked on the
+event loop, once per read callback's batch of frames, in arrival order (so per request order
+holds); a verifier thread that hashes while the loop decrypts is an option (`verify_in_thread`).
+The server answers from `BlockSource.get_block` on the event loop while blocks come fast (RAM: a
+thread hop would cost more than the fetch); after a fetch slower than INLINE_FETCH_S (disk;
+SLOW_STREAK in a row) it fetches in a bounded thread pool, a batch of up to BATCH_BYTES per hop,
+for a while. It never re-hashes: the source gives the digest. The event loop is thus blocked
 by at most SLOW_STREAK slow reads per SLOW_SOURCE_HOLD_S.
 
 Limits per connection:
@@ -424,9 +425,9 @@ class TlsTcpServer:
 
 
 class _Verifier:
-    """Runs jobs in submission order on one daemon thread (or inline when `threaded` is False).
-
-    BLAKE3 releases the GIL, so a payload is hashed here while the loop decrypts the next one."""
+    """Runs jobs in submission order: inline on the event loop, or on one daemon thread when
+    `threaded` (BLAKE3 releases the GIL, so a payload is hashed there while the loop decrypts the
+    next one). Jobs hand their results back with `call_on_loop`."""
 
     def __init__(self, threaded: bool) -> None:
         self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
@@ -441,6 +442,14 @@ class _Verifier:
         else:
             self._jobs.put(job)
 
+    def call_on_loop(self, loop: asyncio.AbstractEventLoop, callback: Callable[..., None], *args: object) -> None:
+        """Run `callback(*args)` on `loop` after the current callback (from the thread: through the
+        loop's self-pipe, a system call; inline: a plain call_soon)."""
+        if self._thread is None:
+            loop.call_soon(callback, *args)
+        else:
+            loop.call_soon_threadsafe(callback, *args)
+
     def _run(self) -> None:
         while (job := self._jobs.get()) is not None:
             job()
@@ -454,7 +463,7 @@ class _Verifier:
 
 
 class _Request:
-    """One PULL: its tracker (touched only by the verifier thread) and results awaiting the caller."""
+    """One PULL: its tracker (touched only by verifier jobs) and results awaiting the caller."""
 
     def __init__(self, request_id: int, addresses: Sequence[BlockAddress]) -> None:
         self.tracker = PullTracker(request_id, addresses)
@@ -466,9 +475,10 @@ class _Request:
 
 
 class _ClientConnection:
-    """Client side of one connection. Frames are matched to requests on the loop, then checked by
-    the client's verifier thread (BLAKE3 of each payload, in arrival order) while the loop goes on
-    decrypting; verified results come back to the loop through call_soon_threadsafe."""
+    """Client side of one connection. Frames are matched to requests on the loop, then checked as
+    one verifier job per batch (BLAKE3 of each payload, in arrival order: on the loop, or on the
+    client's verifier thread while the loop goes on decrypting); verified results reach their
+    callers in a later loop callback."""
 
     link: FrameLink
 
@@ -566,7 +576,7 @@ class _ClientConnection:
             self.client.verifier.submit(functools.partial(self._verify_in_thread, batch))
 
     def _verify_in_thread(self, batch: list[tuple[_Request, Frame]]) -> None:
-        """Runs on the verifier thread: the only place trackers of submitted requests are touched."""
+        """Runs as a verifier job: the only place trackers of submitted requests are touched."""
         arrived = sum(memoryview(f.payload).nbytes for _, f in batch if isinstance(f, Block))
         out: list[tuple[_Request, list[PullResult], bool]] = []
         error: ProtocolError | None = None
@@ -578,7 +588,7 @@ class _ClientConnection:
             except ProtocolError as e:
                 error = e
                 break
-        self._loop.call_soon_threadsafe(self._deliver, out, error, arrived)
+        self.client.verifier.call_on_loop(self._loop, self._deliver, out, error, arrived)
 
     def _deliver(self, out: list[tuple[_Request, list[PullResult], bool]], error: ProtocolError | None,
                  arrived: int) -> None:
@@ -600,9 +610,9 @@ class _ClientConnection:
         self.requests.clear()
         self.client._forget(self)
 
-        def fail_all() -> None:  # on the verifier thread, after every frame already queued to it
+        def fail_all() -> None:  # a verifier job, after every frame already submitted
             out = [(req, req.tracker.fail(reason), True) for req in requests if not req.tracker.done]
-            self._loop.call_soon_threadsafe(self._deliver, out, None, 0)
+            self.client.verifier.call_on_loop(self._loop, self._deliver, out, None, 0)
 
         if requests:
             self.client.verifier.submit(fail_all)
@@ -629,11 +639,13 @@ class TlsTcpClient:
     def __init__(self, credentials: NodeCredentials, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  connect_timeout_s: float = 5.0, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
                  metrics: TransportMetrics | None = None, tune_malloc: bool = True,
-                 verify_in_thread: bool = True) -> None:
+                 verify_in_thread: bool = False) -> None:
         """`tune_malloc`: call `tls_link.tune_allocator()` (process-wide glibc thresholds) so that
         received payload buffers are recycled by malloc rather than page-faulted in anew.
         `verify_in_thread`: hash payloads on a thread of their own (overlapping decryption)
-        instead of on the event loop."""
+        instead of on the event loop. Off by default: in paired runs on 2 cores the thread's GIL
+        hand-offs cost more than the overlap gains (inline moved 1.17x as much at 64 KiB blocks,
+        1.03-1.05x at 256 KiB and 1 MiB); a host with idle cores may gain from it."""
         if tune_malloc:
             tune_allocator()
         self.credentials = credentials
@@ -647,7 +659,6 @@ class TlsTcpClient:
         self._dialing: dict[Peer, asyncio.Lock] = {}
         self._watchdog: _Watchdog | None = None
         self.num_connects = 0
-        # One thread checks every payload's digest, in arrival order, overlapping the next decryption.
         self.verifier = _Verifier(threaded=verify_in_thread)
 
     @classmethod

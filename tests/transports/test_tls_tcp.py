@@ -134,13 +134,16 @@ async def read_pull(reader: asyncio.StreamReader) -> Pull:
 # --- pulls ------------------------------------------------------------------------------------------
 
 
-def test_pulls_many_blocks_verified_in_order(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+@pytest.mark.parametrize("verify_in_thread", [False, True], ids=["verify_on_loop", "verify_in_thread"])
+def test_pulls_many_blocks_verified_in_order(cert_dir: Path, memory_source: MemorySourceFactory,
+                                             verify_in_thread: bool) -> None:
     source = memory_source(num_blocks=24, num_layers=4, payload_size=48 * 1024)
     for _ in range(3):  # a few 1 MiB payloads take the receive-into-payload path
         source.put(BlockAddress(BlockHash(os.urandom(32)), 0), os.urandom(1 << 20))
 
     async def main() -> None:
-        async with serving(cert_dir, source) as (server, peer), client_of(cert_dir) as client:
+        async with serving(cert_dir, source) as (server, peer), \
+                client_of(cert_dir, verify_in_thread=verify_in_thread) as client:
             results = await pull_all(client, peer, source.addresses)
             assert_hits(results, source, source.addresses)
             pulled = client.metrics.registry.get_sample_value(
@@ -267,7 +270,8 @@ def test_serves_from_the_real_store(cert_dir: Path, tmp_path: Path) -> None:
 # --- misbehaving servers ---------------------------------------------------------------------------
 
 
-def test_lying_server_payload_is_a_counted_miss(cert_dir: Path) -> None:
+@pytest.mark.parametrize("verify_in_thread", [False, True], ids=["verify_on_loop", "verify_in_thread"])
+def test_lying_server_payload_is_a_counted_miss(cert_dir: Path, verify_in_thread: bool) -> None:
     good, bad = os.urandom(70_000), os.urandom(70_000)
     a_good, a_bad = (BlockAddress(BlockHash(os.urandom(32)), 0) for _ in range(2))
 
@@ -282,7 +286,7 @@ def test_lying_server_payload_is_a_counted_miss(cert_dir: Path) -> None:
 
     async def main() -> None:
         async with fake_server(creds(cert_dir, "node-a").ssl_context(True), liar) as port, \
-                client_of(cert_dir) as client:
+                client_of(cert_dir, verify_in_thread=verify_in_thread) as client:
             results = await pull_all(client, Peer("node-a", "127.0.0.1", port), [a_bad, a_good])
             assert isinstance(results[0], Miss) and results[0].reason is MissReason.DIGEST_MISMATCH
             assert isinstance(results[1], Hit) and bytes(results[1].payload) == good

@@ -2,10 +2,10 @@
 
     .venv/bin/python benchmarks/bench_transfer.py [--quick] [--total-mb 1024] [--rounds 2]
 
-Each method moves about `--total-mb` of random payloads as 1 MiB and as 256 KiB blocks (64 MiB of
+Each method moves about `--total-mb` of random payloads as 1 MiB, 256 KiB and 64 KiB blocks (64 MiB of
 distinct blocks, cycled), every server in its own process:
 
-    tls_tcp       kvfabric TLS-TCP: PULLs of 16 addresses, 2 in flight, every payload's BLAKE3 verified
+    tls_tcp       kvfabric TLS-TCP: PULLs of 16 MiB of blocks, 2 in flight, every payload's BLAKE3 verified
     quic          kvfabric QUIC at 8952- and 1452-byte datagrams, and aioquic with its default settings
                   (benchmarks/transfer_quic.py; time-bounded: QUIC moves less than the others)
     tcp_socket    plain TCP sockets, server sendall / client recv_into into one reused buffer (no framing,
@@ -13,7 +13,7 @@ distinct blocks, cycled), every server in its own process:
     tls_socket    the same over TLS 1.3 with the same certificates: the ceiling for any TLS transport here
     tls_socket_blake3  the same, BLAKE3 of each block as it lands: the ceiling for a TLS transport that
                   verifies every payload, as kvfabric must
-    redis_get     redis-server (--save "" --appendonly no), redis-py + hiredis, GETs pipelined 16 at a time
+    redis_get     redis-server (--save "" --appendonly no), redis-py + hiredis, GETs pipelined 16 MiB at a time
     ray_object    Ray object store between two actors: ray.put in one, ray.get in the other (one node:
                   shared memory, zero-copy get; not a network transfer)
 
@@ -22,7 +22,7 @@ each phase with only its own servers up (warm-up excluded); MB/s = total moved /
 Client and server share this machine's cores, so each method is also charged the CPU both ends spent
 per MiB pulled (1 MiB blocks; the client is this process, the server is read from /proc by PID), and
 BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
-The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k for 256 KiB,
+The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k / *_mb_s_64k for 256 / 64 KiB,
 *_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, and ratios). `--quick` moves
 ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
@@ -59,10 +59,10 @@ logger = logging.getLogger("bench_transfer")
 
 MB = 1_000_000
 DISTINCT_BYTES = 64 << 20        # distinct payload bytes each server holds per block size
-BLOCK_SIZES = {"": 1 << 20, "_256k": 256 << 10}
-PULL_SIZE = 16
+BLOCK_SIZES = {"": 1 << 20, "_256k": 256 << 10, "_64k": 64 << 10}
+SIZE_LABELS = {"": "1 MiB blocks", "_256k": "256 KiB blocks", "_64k": "64 KiB blocks"}
+BATCH_BYTES = 16 << 20   # blocks per kvfabric PULL, Redis pipeline, socket request, Ray batch: 16 of 1 MiB
 CONCURRENT_PULLS = 2
-REDIS_PIPELINE = 16
 SERVER_NODE, CLIENT_NODE = "bench-server", "bench-client"
 REQUEST = struct.Struct("<QQ")   # socket servers: (block_size, count)
 
@@ -86,6 +86,10 @@ def address(block_size: int, i: int) -> BlockAddress:
 
 def num_distinct(block_size: int) -> int:
     return DISTINCT_BYTES // block_size
+
+
+def batch_blocks(block_size: int) -> int:
+    return max(1, BATCH_BYTES // block_size)
 
 
 def random_blocks(block_size: int) -> list[bytes]:
@@ -256,7 +260,7 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
     def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         buf = memoryview(bytearray(block_size))
         receive(block_size, 4, buf)  # warm-up
-        moved, step = 0, max(1, (16 << 20) // block_size)
+        moved, step = 0, batch_blocks(block_size)
         window.begin()
         while moved < total and window.elapsed() < time_limit_s:
             moved += receive(block_size, min(step, -(-(total - moved) // block_size)), buf)
@@ -275,8 +279,9 @@ def kvfabric_run(port: int, cert_dir: Path) -> Run:
 
         async def one_pull() -> None:
             first = counts["next"]
-            counts["next"] += PULL_SIZE
-            batch = [address(block_size, (first + i) % num_distinct(block_size)) for i in range(PULL_SIZE)]
+            counts["next"] += batch_blocks(block_size)
+            batch = [address(block_size, (first + i) % num_distinct(block_size))
+                     for i in range(batch_blocks(block_size))]
             async for result in client.pull(peer, batch):
                 if isinstance(result, Hit):
                     counts["moved"] += len(result.payload)
@@ -336,11 +341,11 @@ class Redis:
 
         def batch(first: int) -> int:
             pipe = self.client.pipeline(transaction=False)
-            for i in range(REDIS_PIPELINE):
+            for i in range(batch_blocks(block_size)):
                 pipe.get(keys[(first + i) % len(keys)])
             return sum(len(v) for v in pipe.execute())
 
-        return timed_batches(batch, REDIS_PIPELINE, total, time_limit_s, window)
+        return timed_batches(batch, batch_blocks(block_size), total, time_limit_s, window)
 
     def stop(self) -> None:
         self.client.close()
@@ -377,7 +382,7 @@ class RayObjects:
         self.consumer = Consumer.remote()  # type: ignore[attr-defined]
 
     def run(self, block_size: int, total: int, time_limit_s: float, window: Window) -> int:
-        ray, step = self.ray, max(1, (16 << 20) // block_size)
+        ray, step = self.ray, batch_blocks(block_size)
 
         def move(first: int) -> int:
             refs = ray.get(self.producer.make.remote(block_size, first, step))
@@ -576,7 +581,7 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
                      *(c if c is not None else "-" for c in cpu)])
     print_table(f"Pull throughput over 127.0.0.1, MB/s ({rounds} round(s) of {per_run >> 20} MiB per method); "
                 f"CPU ms per MiB pulled (1 MiB blocks); BLAKE3 of 1 MiB: {result['blake3_ms_per_mib']} ms",
-                ["method", "1 MiB blocks", "256 KiB blocks", "client CPU", "server CPU"], rows)
+                ["method", *(SIZE_LABELS[suffix] for suffix in BLOCK_SIZES), "client CPU", "server CPU"], rows)
     out: dict[str, object] = dict(result)
     for suffix in BLOCK_SIZES:
         tls_tcp = result[f"tls_tcp_mb_s{suffix}"]

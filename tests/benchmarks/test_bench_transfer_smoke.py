@@ -28,7 +28,7 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     if (ROOT / "benchmarks" / "transfer_quic.py").exists():
         measured += ["quic", "quic_1452", "quic_default"]
     for name in measured:
-        for key in (f"{name}_mb_s", f"{name}_mb_s_256k"):
+        for key in (f"{name}_mb_s", f"{name}_mb_s_256k", f"{name}_mb_s_64k"):
             assert isinstance(result[key], float) and result[key] > 0, key
     for name in ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp"):  # CPU of both ends (process, /proc)
         assert result[f"{name}_client_cpu_ms_per_mib"] > 0, name
@@ -37,5 +37,6 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     assert result["ray_object_mb_s"] is None  # --quick skips Ray
     assert isinstance(result["tls_tcp_vs_tls_socket"], float)
     assert isinstance(result["tls_tcp_vs_tls_socket_blake3"], float)
+    assert isinstance(result["tls_tcp_vs_tls_socket_64k"], float)
     assert result["quick"] is True
     assert list(tmp_path.iterdir()) == []  # certificates and server files removed

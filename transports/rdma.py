@@ -45,7 +45,6 @@ from typing import Any, ClassVar
 
 import msgpack
 
-from fabric.config import TransportConfig
 from transports.base import BlockSource, Peer
 from transports.certs import NodeCredentials
 from transports.codec import (
@@ -615,14 +614,6 @@ class RdmaServer(TlsTcpServer):
         super().__init__(credentials, source, host, port, **kw)
         self.options = options or RdmaOptions()
 
-    @classmethod
-    def from_config(cls, config: TransportConfig, credentials: NodeCredentials, source: BlockSource,
-                    metrics: TransportMetrics | None = None) -> RdmaServer:
-        return cls(credentials, source, config.host, config.tcp_port, max_payload=config.max_payload_bytes,
-                   max_inflight=config.max_inflight, frame_timeout_s=config.frame_timeout_s,
-                   idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
-                   metrics=metrics)
-
     async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock, FrameDecoder(max_payload=0),
@@ -645,12 +636,6 @@ class RdmaClient(TlsTcpClient):
     def __init__(self, credentials: NodeCredentials, *, options: RdmaOptions | None = None, **kw: Any) -> None:
         super().__init__(credentials, **kw)
         self.options = options or RdmaOptions()
-
-    @classmethod
-    def from_config(cls, config: TransportConfig, credentials: NodeCredentials,
-                    metrics: TransportMetrics | None = None) -> RdmaClient:
-        return cls(credentials, max_payload=config.max_payload_bytes, connect_timeout_s=config.connect_timeout_s,
-                   frame_timeout_s=config.frame_timeout_s, idle_timeout_s=config.idle_timeout_s, metrics=metrics)
 
     async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
         o = self.options

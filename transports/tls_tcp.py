@@ -50,7 +50,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol
+from typing import Protocol, Self
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
@@ -319,7 +319,7 @@ class TlsTcpServer:
 
     @classmethod
     def from_config(cls, config: TransportConfig, credentials: NodeCredentials, source: BlockSource,
-                    metrics: TransportMetrics | None = None) -> TlsTcpServer:
+                    metrics: TransportMetrics | None = None) -> Self:
         return cls(credentials, source, config.host, config.tcp_port, max_payload=config.max_payload_bytes,
                    max_inflight=config.max_inflight, frame_timeout_s=config.frame_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
@@ -573,9 +573,9 @@ class _ClientConnection:
 
     def _verify(self, batch: list[tuple[_Request, Frame]]) -> None:
         if batch:
-            self.client.verifier.submit(functools.partial(self._verify_in_thread, batch))
+            self.client.verifier.submit(functools.partial(self._verify_batch, batch))
 
-    def _verify_in_thread(self, batch: list[tuple[_Request, Frame]]) -> None:
+    def _verify_batch(self, batch: list[tuple[_Request, Frame]]) -> None:
         """Runs as a verifier job: the only place trackers of submitted requests are touched."""
         arrived = sum(memoryview(f.payload).nbytes for _, f in batch if isinstance(f, Block))
         out: list[tuple[_Request, list[PullResult], bool]] = []
@@ -663,7 +663,7 @@ class TlsTcpClient:
 
     @classmethod
     def from_config(cls, config: TransportConfig, credentials: NodeCredentials,
-                    metrics: TransportMetrics | None = None) -> TlsTcpClient:
+                    metrics: TransportMetrics | None = None) -> Self:
         return cls(credentials, max_payload=config.max_payload_bytes, connect_timeout_s=config.connect_timeout_s,
                    frame_timeout_s=config.frame_timeout_s, idle_timeout_s=config.idle_timeout_s, metrics=metrics)
 

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from contextlib import asynccontextmanager
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
-from fabric.keys import BlockAddress
+from fabric.config import KVConfig
+from fabric.keys import BlockAddress, BlockHash
+from fabric.store import Store
 from transports.base import Peer, PullResult
 from transports.certs import CredentialFiles, NodeCredentials
 
@@ -69,3 +72,18 @@ async def wait_until(predicate: Callable[[], bool], timeout_s: float = 10.0) -> 
     async with asyncio.timeout(timeout_s):
         while not predicate():
             await asyncio.sleep(0.01)
+
+
+@contextmanager
+def filled_store(root: Path, num_layers: int = 6,
+                 size: int = 100_000) -> Iterator[tuple[Store, dict[BlockAddress, bytes]]]:
+    """A real Store under `root` (RAM and SSD tiers, persistent index) holding `num_layers` random
+    payloads of one block, and those payloads by address (in layer order)."""
+    kv = KVConfig(ram_gib=0.05, ssd_dir=str(root / "ssd"), index_dir=str(root / "index"),
+                  ssd_gib=0.1, write_through=True, durable=False, o_direct=False)
+    block = BlockHash(os.urandom(32))
+    payloads = {BlockAddress(block, layer): os.urandom(size) for layer in range(num_layers)}
+    with Store.open(kv, background=False) as store:
+        for address, payload in payloads.items():
+            assert store.put(address, payload).ok
+        yield store, payloads

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import resource
 import shutil
 from collections.abc import AsyncIterator
@@ -22,11 +21,10 @@ from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
-from support import closing, creds, pull_all, run, started, wait_until
+from support import closing, creds, filled_store, pull_all, run, started, wait_until
 
-from fabric.config import Config, KVConfig
+from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
-from fabric.store import Store
 from transports.base import BlockSource, Hit, Peer, PullResult
 from transports.certs import issue_node
 from transports.codec import (
@@ -152,19 +150,13 @@ def test_abandoned_pull_frees_the_server_stream_and_keeps_the_connection(
 
 
 def test_serves_from_the_real_store(cert_dir: Path, tmp_path: Path) -> None:
-    kv = KVConfig(ram_gib=0.05, ssd_dir=str(tmp_path / "ssd"), index_dir=str(tmp_path / "index"),
-                  ssd_gib=0.1, write_through=True, durable=False, o_direct=False)
-    addresses = [BlockAddress(BlockHash(os.urandom(32)), layer) for layer in range(6)]
-    payloads = {a: os.urandom(100_000) for a in addresses}
-
-    async def main() -> list[PullResult]:
-        with Store.open(kv, background=False) as store:
-            for a, p in payloads.items():
-                assert store.put(a, p).ok
+    async def main() -> tuple[list[PullResult], dict[BlockAddress, bytes]]:
+        with filled_store(tmp_path) as (store, payloads):
             async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
-                return await pull_all(client, peer, addresses + unknown(1))
+                return await pull_all(client, peer, [*payloads, *unknown(1)]), payloads
 
-    results = run(main())
+    results, payloads = run(main())
+    addresses = list(payloads)
     assert [r.address for r in results] == addresses + unknown(1)
     assert all(isinstance(r, Hit) and bytes(r.payload) == payloads[r.address] for r in results[:-1])
     assert isinstance(results[-1], Miss) and results[-1].reason is MissReason.NOT_FOUND

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import creds
+from support import creds, run
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress, BlockHash
@@ -179,6 +179,20 @@ def test_exchange_times_out_on_a_silent_peer(cert_dir: Path) -> None:
 # --- device ------------------------------------------------------------------------------------------
 
 UNAVAILABLE = rdma_unavailable_reason()
+
+
+def test_from_config_builds_rdma_endpoints_with_the_config_settings(cert_dir: Path) -> None:
+    # No device needed: the NIC is opened per connection, not at construction.
+    config = TransportConfig(kind="rdma", cert_dir=str(cert_dir), node_name="node-a", max_inflight=3,
+                             frame_timeout_s=7.0, max_payload_bytes=1 << 20)
+    server = RdmaServer.from_config(config, creds(cert_dir, "node-a"), source=None)  # type: ignore[arg-type]
+    client = RdmaClient.from_config(config, creds(cert_dir, "client-1"))
+    assert isinstance(server, RdmaServer) and isinstance(client, RdmaClient)
+    assert (server.transport, client.transport) == ("rdma", "rdma")
+    assert (server.max_inflight, server.frame_timeout_s, server.max_payload) == (3, 7.0, 1 << 20)
+    assert (client.frame_timeout_s, client.max_payload) == (7.0, 1 << 20)
+    run(server.close())
+    run(client.close())
 
 
 @pytest.mark.skipif(UNAVAILABLE is None, reason="an RDMA device is present: the refusal path does not apply")

@@ -17,11 +17,9 @@ from typing import Any
 import blake3
 import pytest
 from cryptography import x509
-from support import closing, creds, pull_all, run, started, wait_until
+from support import closing, creds, filled_store, pull_all, run, started, wait_until
 
-from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
-from fabric.store import Store
 from transports import tls_tcp
 from transports.base import Hit, Peer, PullResult
 from transports.certs import issue_node
@@ -250,18 +248,11 @@ def test_server_limits_requests_in_flight(cert_dir: Path, memory_source: MemoryS
 
 
 def test_serves_from_the_real_store(cert_dir: Path, tmp_path: Path) -> None:
-    kv = KVConfig(ram_gib=0.05, ssd_dir=str(tmp_path / "ssd"), index_dir=str(tmp_path / "index"),
-                  ssd_gib=0.1, write_through=True, durable=False, o_direct=False)
-    addresses = [BlockAddress(BlockHash(os.urandom(32)), layer) for layer in range(6)]
-    payloads = {a: os.urandom(100_000) for a in addresses}
-
     async def main() -> None:
-        with Store.open(kv, background=False) as store:
-            for a, p in payloads.items():
-                assert store.put(a, p).ok
+        with filled_store(tmp_path) as (store, payloads):
             async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
-                results = await pull_all(client, peer, addresses)
-        assert [r.address for r in results] == addresses
+                results = await pull_all(client, peer, list(payloads))
+        assert [r.address for r in results] == list(payloads)
         assert all(isinstance(r, Hit) and bytes(r.payload) == payloads[r.address] for r in results)
 
     run(main())

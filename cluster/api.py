@@ -1,0 +1,150 @@
+"""What an engine sees of the fabric: `lookup / load / load_layers / store` over token prefixes.
+
+Payloads cross this boundary as one uint8 array per request, never as Python bytes objects:
+
+    payloads[block, layer, :]   uint8, shape (num_blocks, layout.num_layers, bytes_per_block_layer)
+
+`bytes_per_block_layer = ns.layout.bytes_per_block_layer(ns.block_size)`; how an engine lays out
+K and V inside those bytes is its own business (both ends of a reuse run the same engine, and the
+namespace names the layout). Only full blocks are cached: a prompt of `n` tokens has
+`n // block_size` addressable blocks, and a hit is always a leading run of them.
+
+`Fabric` is the protocol; `FabricClient` (cluster/client.py) implements it over the node's Ray
+actor, `LocalFabric` (cluster/local.py) over one in-process `Store` with no Ray at all.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from fabric.keys import Namespace
+
+Tokens = Sequence[int] | np.ndarray
+
+
+class Where(enum.StrEnum):
+    """Where a leading block of a lookup is."""
+
+    DEVICE = "device"
+    RAM = "ram"
+    SSD = "ssd"
+    PEER = "peer"      # not on this node; the directory names a live owner
+
+
+@dataclass(frozen=True, slots=True)
+class BlockLocation:
+    where: Where
+    node_id: str       # the owner: this node for DEVICE/RAM/SSD, a peer for PEER
+
+
+@dataclass(frozen=True, slots=True)
+class LookupReply:
+    """The longest cached leading run of a prompt's blocks, local or on a live peer."""
+
+    block_size: int
+    locations: tuple[BlockLocation, ...]   # one per leading cached block
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.locations)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.locations) * self.block_size
+
+    @property
+    def num_local_blocks(self) -> int:
+        """Leading blocks held by this node (before the first one that needs a pull)."""
+        n = 0
+        for loc in self.locations:
+            if loc.where is Where.PEER:
+                break
+            n += 1
+        return n
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReply:
+    """KV of the longest prefix that was loaded and verified; every byte matched its digest."""
+
+    block_size: int
+    payloads: np.ndarray          # uint8 (num_blocks, num_layers, bytes_per_block_layer), read-only
+    sources: tuple[str, ...]      # per block: "device" / "ram" / "ssd" / "peer:<node id>"
+    pulled_bytes: int             # bytes that came over a transport for this request
+
+    @property
+    def num_blocks(self) -> int:
+        return int(self.payloads.shape[0])
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def num_pulled_blocks(self) -> int:
+        return sum(1 for s in self.sources if s.startswith("peer:"))
+
+
+@dataclass(frozen=True, slots=True)
+class StoreReply:
+    num_stored: int      # blocks whose every layer was acknowledged (or already held)
+    num_refused: int     # blocks with at least one layer refused (tier full, no space, ...)
+
+
+class LayerStream(Protocol):
+    """A load delivered layer by layer, layer 0 first, so compute can start before the rest arrives.
+
+    `num_blocks` is known before the first layer (the plan is made first). Iterating yields
+    `(layer, array)` with `array` uint8 `(num_blocks, bytes_per_block_layer)`. If a block fails
+    verification after layers were delivered, the stream stays consistent by never shrinking:
+    a layer that cannot be completed for all `num_blocks` raises `IncompleteLoadError`, and the
+    caller recomputes (it has not run any token on wrong KV, only started on right KV).
+    """
+
+    num_blocks: int
+    sources: tuple[str, ...]
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]: ...
+
+
+class IncompleteLoadError(Exception):
+    """A layer-wise load could not deliver a layer for every planned block (peer died, corrupt)."""
+
+
+class Fabric(Protocol):
+    """The engine-facing API. Every method is safe to call concurrently."""
+
+    def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply: ...
+
+    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply: ...
+
+    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LayerStream: ...
+
+    def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
+        """Store `payloads` for blocks `first_block .. first_block + len(payloads)` of `tokens`."""
+        ...
+
+
+def payload_shape(ns: Namespace, num_blocks: int) -> tuple[int, int, int]:
+    return (num_blocks, ns.layout.num_layers, ns.layout.bytes_per_block_layer(ns.block_size))
+
+
+def check_payloads(ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int) -> int:
+    """Validate a store request; returns the number of blocks. Raises ValueError with what is wrong."""
+    if payloads.dtype != np.uint8 or payloads.ndim != 3:
+        raise ValueError(f"payloads must be a 3-d uint8 array (blocks, layers, bytes), got {payloads.dtype} "
+                         f"with shape {payloads.shape}")
+    num_blocks = int(payloads.shape[0])
+    want = payload_shape(ns, num_blocks)
+    if tuple(payloads.shape) != want:
+        raise ValueError(f"payloads have shape {tuple(payloads.shape)}, the namespace's layout wants {want}")
+    full = len(tokens) // ns.block_size
+    if first_block < 0 or first_block + num_blocks > full:
+        raise ValueError(f"blocks {first_block}..{first_block + num_blocks} lie outside the prompt's "
+                         f"{full} full blocks")
+    return num_blocks

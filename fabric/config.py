@@ -79,11 +79,19 @@ class TransportConfig:
 
 @dataclass(slots=True)
 class ClusterConfig:
-    directory_name: str = "kvfabric-directory"
-    namespace: str = "kvfabric"
+    directory_name: str = "kvfabric-directory"   # shard k's actor is named f"{directory_name}-{k}"
+    namespace: str = "kvfabric"                  # Ray namespace of every fabric actor
     heartbeat_s: float = 2.0
-    lease_s: float = 10.0
-    num_nodes: int = 2
+    lease_s: float = 10.0                        # a node silent this long is never returned as an owner
+    num_nodes: int = 2                           # `kvfabric up` default
+    directory_shards: int = 1                    # the directory is split by block hash over this many actors
+    metrics_port: int = 9108                     # each NodeActor serves /metrics here (0: any free port)
+    flush_ms: float = 5.0                        # register/unregister batches leave after this long ...
+    flush_blocks: int = 512                      # ... or this many block hashes, whichever first
+    queue_max: int = 65536                       # pending directory updates; past it: resync, never drop
+    resync_batch: int = 4096                     # hashes per resync call
+    resync_jitter_s: float = 0.5                 # nodes spread their resyncs after a directory restart
+    pull_timeout_s: float = 10.0                 # a pull from one owner is abandoned after this
 
 
 @dataclass(slots=True)
@@ -128,7 +136,11 @@ class Config:
                     "transport.quic_max_data": self.transport.quic_max_data,
                     "transport.quic_max_stream_data": self.transport.quic_max_stream_data,
                     "cluster.heartbeat_s": self.cluster.heartbeat_s, "cluster.lease_s": self.cluster.lease_s,
-                    "cluster.num_nodes": self.cluster.num_nodes}
+                    "cluster.num_nodes": self.cluster.num_nodes,
+                    "cluster.directory_shards": self.cluster.directory_shards,
+                    "cluster.flush_ms": self.cluster.flush_ms, "cluster.flush_blocks": self.cluster.flush_blocks,
+                    "cluster.queue_max": self.cluster.queue_max, "cluster.resync_batch": self.cluster.resync_batch,
+                    "cluster.pull_timeout_s": self.cluster.pull_timeout_s}
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{source}: {key} must be > 0, got {value}")
@@ -141,6 +153,10 @@ class Config:
         if not 1200 <= self.transport.max_datagram_size <= 65527:
             raise ConfigError(f"{source}: transport.max_datagram_size must be in [1200, 65527], "
                               f"got {self.transport.max_datagram_size}")
+        if not 0 <= self.cluster.metrics_port <= 65535:
+            raise ConfigError(f"{source}: cluster.metrics_port must be in [0, 65535], got {self.cluster.metrics_port}")
+        if self.cluster.resync_jitter_s < 0:
+            raise ConfigError(f"{source}: cluster.resync_jitter_s must be >= 0, got {self.cluster.resync_jitter_s}")
         for key in ("quic_port", "tcp_port"):
             port = getattr(self.transport, key)
             if not 0 <= port <= 65535:

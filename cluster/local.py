@@ -1,0 +1,129 @@
+"""The `Fabric` protocol over one in-process `Store`: what a node holds itself, no Ray, no peers.
+
+The NodeActor builds its answers on this (local blocks first, then pulls for the rest), and a
+single-process engine or a test can use it directly.
+
+A block counts as held only when every layer of it is: `lookup` asks the store for all
+(block, layer) addresses of the prompt, block-major, and a block's tier is its coldest layer's.
+`load` reads the same addresses and stops at the first block with a layer that is missing or
+fails its digest (the store re-hashes anything it reads from a file), so the reply is always a
+verified leading run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import numpy as np
+
+from cluster.api import (
+    BlockLocation,
+    LoadReply,
+    LookupReply,
+    StoreReply,
+    Tokens,
+    Where,
+    check_payloads,
+    payload_shape,
+)
+from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
+from fabric.store import Store
+from fabric.tiers.base import Tier
+
+_WHERE = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
+_COLDNESS = {Tier.DEVICE: 0, Tier.RAM: 1, Tier.SSD: 2}
+
+
+def block_addresses(hashes: Sequence[BlockHash], num_layers: int) -> list[BlockAddress]:
+    """Every (block, layer) address of `hashes`, block-major."""
+    return [BlockAddress(h, layer) for h in hashes for layer in range(num_layers)]
+
+
+class LocalFabric:
+    """Lookup / load / store against one node's Store. Thread-safe (the Store is)."""
+
+    def __init__(self, store: Store, node_id: str = "local") -> None:
+        self.local_store = store
+        self.node_id = node_id
+
+    # ---- building blocks the NodeActor reuses ------------------------------------------------------
+
+    def local_tiers(self, hashes: Sequence[BlockHash], num_layers: int) -> list[Tier]:
+        """The tier of each leading block held in full (its coldest layer), up to the first gap."""
+        if not hashes:
+            return []
+        result = self.local_store.lookup(block_addresses(hashes, num_layers))
+        num_full = result.num_leading // num_layers
+        tiers: list[Tier] = []
+        for b in range(num_full):
+            layer_tiers = result.tiers[b * num_layers:(b + 1) * num_layers]
+            tiers.append(max((t for t in layer_tiers if t is not None), key=_COLDNESS.__getitem__))
+        return tiers
+
+    def read_block(self, block_hash: BlockHash, out: np.ndarray) -> Tier | None:
+        """Copy every layer of one block into `out` (uint8, [layers, bytes]); None if any layer is
+        missing, the wrong size, or fails its digest. Returns the coldest tier read."""
+        coldest = Tier.DEVICE
+        for layer in range(out.shape[0]):
+            block = self.local_store.get_block(BlockAddress(block_hash, layer))
+            if block is None or len(block.payload) != out.shape[1]:
+                return None
+            out[layer] = np.frombuffer(block.payload, dtype=np.uint8)
+            if _COLDNESS[block.tier] > _COLDNESS[coldest]:
+                coldest = block.tier
+        return coldest
+
+    def write_blocks(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
+                     *, digests: Sequence[Sequence[bytes]] | None = None, mirror: bool = False) -> StoreReply:
+        """Put `payloads[i]` (all layers) under `hashes[i]`; a block counts once all its layers are held."""
+        num_layers = payloads.shape[1]
+        items = [(BlockAddress(h, layer), memoryview(payloads[i, layer]))
+                 for i, h in enumerate(hashes) for layer in range(num_layers)]
+        flat_digests = None if digests is None else [d for per_block in digests for d in per_block]
+        results = self.local_store.put_many(items, model=ns.model_id, digests=flat_digests)
+        num_refused = sum(1 for b in range(len(hashes))
+                          if not all(r.ok for r in results[b * num_layers:(b + 1) * num_layers]))
+        return StoreReply(num_stored=len(hashes) - num_refused, num_refused=num_refused)
+
+    # ---- the Fabric protocol -----------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
+        hashes = block_hashes(ns, tokens)
+        tiers = self.local_tiers(hashes, ns.layout.num_layers)
+        return LookupReply(ns.block_size, tuple(BlockLocation(_WHERE[t], self.node_id) for t in tiers))
+
+    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply:
+        hashes = block_hashes(ns, tokens)[:max_blocks]
+        tiers = self.local_tiers(hashes, ns.layout.num_layers)
+        out = np.empty(payload_shape(ns, len(tiers)), dtype=np.uint8)
+        sources: list[str] = []
+        for i, h in enumerate(hashes[:len(tiers)]):
+            tier = self.read_block(h, out[i])
+            if tier is None:
+                break
+            sources.append(tier.value)
+        payloads = out[:len(sources)]
+        payloads.flags.writeable = False
+        return LoadReply(ns.block_size, payloads, tuple(sources), pulled_bytes=0)
+
+    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LocalLayerStream:
+        # Local reads are memory copies: read everything, then hand the layers out in order.
+        return LocalLayerStream(self.load(ns, tokens, max_blocks=max_blocks))
+
+    def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
+        num_blocks = check_payloads(ns, tokens, payloads, first_block)
+        hashes = block_hashes(ns, tokens)[first_block:first_block + num_blocks]
+        return self.write_blocks(ns, hashes, payloads)
+
+
+class LocalLayerStream:
+    """A `LayerStream` over a finished `LoadReply`."""
+
+    def __init__(self, reply: LoadReply) -> None:
+        self.reply = reply
+        self.num_blocks = reply.num_blocks
+        self.sources = reply.sources
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        for layer in range(self.reply.payloads.shape[1]):
+            yield layer, self.reply.payloads[:, layer]

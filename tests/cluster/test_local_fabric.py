@@ -1,0 +1,74 @@
+"""LocalFabric: the Fabric protocol over one real Store (real files under tmp_path)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cluster.api import Where, payload_shape
+from cluster.local import LocalFabric
+from fabric.config import KVConfig
+from fabric.keys import Namespace
+from fabric.layout import KVLayout
+from fabric.store import Store
+
+NS = Namespace("test-model", KVLayout.mha(3, 2, 4, "f16"), block_size=4)
+
+
+def open_store(tmp_path: Path, **overrides: object) -> Store:
+    kv = KVConfig(ram_gib=0.01, ssd_dir=str(tmp_path / "ssd"), ssd_gib=0.05, index_dir=str(tmp_path / "index"),
+                  o_direct=False, **overrides)  # type: ignore[arg-type]
+    return Store.open(kv, background=False)
+
+
+def random_payloads(num_blocks: int, seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, payload_shape(NS, num_blocks), dtype=np.uint8)
+
+
+def test_store_then_load_returns_identical_bytes_for_the_full_blocks(tmp_path: Path) -> None:
+    tokens = list(range(18))            # 4 full blocks of 4, and a partial tail that is never cached
+    data = random_payloads(4)
+    with open_store(tmp_path) as store:
+        fabric = LocalFabric(store, "n1")
+        assert fabric.lookup(NS, tokens).num_blocks == 0
+        reply = fabric.store(NS, tokens, data)
+        assert (reply.num_stored, reply.num_refused) == (4, 0)
+        found = fabric.lookup(NS, tokens)
+        assert found.num_tokens == 16
+        assert {loc.where for loc in found.locations} == {Where.RAM}
+        loaded = fabric.load(NS, tokens)
+        assert np.array_equal(loaded.payloads, data)
+        assert loaded.sources == ("ram",) * 4
+        layers = [(layer, arr.copy()) for layer, arr in fabric.load_layers(NS, tokens)]
+        assert [layer for layer, _ in layers] == [0, 1, 2]
+        assert all(np.array_equal(arr, data[:, layer]) for layer, arr in layers)
+
+
+def test_a_shared_prefix_hits_only_up_to_where_the_prompts_differ(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        fabric = LocalFabric(store)
+        fabric.store(NS, list(range(16)), random_payloads(4))
+        other = [*range(9), 999, *range(10, 16)]     # differs inside block 2
+        assert fabric.load(NS, other).num_blocks == 2
+
+
+def test_a_block_with_a_missing_layer_ends_the_hit(tmp_path: Path) -> None:
+    from fabric.keys import BlockAddress, block_hashes
+    tokens = list(range(16))
+    with open_store(tmp_path) as store:
+        fabric = LocalFabric(store)
+        fabric.store(NS, tokens, random_payloads(4))
+        store.delete(BlockAddress(block_hashes(NS, tokens)[1], 2))
+        assert fabric.lookup(NS, tokens).num_blocks == 1
+        assert fabric.load(NS, tokens).num_blocks == 1
+
+
+def test_store_rejects_payloads_of_the_wrong_shape(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        fabric = LocalFabric(store)
+        with pytest.raises(ValueError, match="layout wants"):
+            fabric.store(NS, list(range(16)), np.zeros((4, 3, 7), dtype=np.uint8))
+        with pytest.raises(ValueError, match="outside the prompt"):
+            fabric.store(NS, list(range(8)), random_payloads(3))

@@ -50,6 +50,7 @@ class KVConfig:
     prefetch_threshold: float = 0.7
     ssd_low_water: float = 0.9           # SSD eviction trims down to ssd_gib * this
     frequency_half_life_s: float = 60.0  # decay of the access frequency behind prefetch
+    event_queue_max: int = 100_000       # store events not yet taken; past it: cleared, overflowed=True
 
     def namespace(self, model_id: str, layout: KVLayout, *, weights_fingerprint: str = "", shard: int = 0,
                   num_shards: int = 1, tenant_salt: bytes = b"") -> Namespace:
@@ -130,6 +131,7 @@ class Config:
         positive = {"kv.ram_gib": kv.ram_gib, "kv.ssd_gib": kv.ssd_gib, "kv.ssd_ttl_s": kv.ssd_ttl_s,
                     "kv.block_size": kv.block_size, "kv.eviction_interval_s": kv.eviction_interval_s,
                     "kv.io_threads": kv.io_threads, "kv.frequency_half_life_s": kv.frequency_half_life_s,
+                    "kv.event_queue_max": kv.event_queue_max,
                     "transport.max_payload_bytes": self.transport.max_payload_bytes,
                     "transport.max_datagram_size": self.transport.max_datagram_size,
                     "transport.max_inflight": self.transport.max_inflight,

@@ -1,7 +1,10 @@
 """Persistent block index: RocksDB (rocksdict), column family `kv`, storage key -> msgpack meta.
 
     key   : the 32-byte storage key of a (block, layer)
-    value : msgpack map {model, layer, bytes, digest, created_unix, last_seen_unix, tier}
+    value : msgpack map {model, layer, bytes, digest, created_unix, last_seen_unix, tier, hash}
+
+`hash` is the block hash of the (block, layer) (what the cluster directory is keyed by); a row
+written before it existed decodes with `block_hash == b""` and is kept, but not advertised.
 
 A row exists only for a block whose SSD file was committed first (see fabric/store.py for the
 write order and the crash argument), so the files are what is stored and the rows say what is
@@ -57,12 +60,13 @@ class BlockMeta:
     created_unix: float
     last_seen_unix: float
     tier: Tier
+    block_hash: bytes = b""     # b"" only in rows written before the hash was persisted
 
     def encode(self) -> bytes:
         return msgpack.packb({"model": self.model, "layer": self.layer, "bytes": self.num_bytes,
                               "digest": self.digest, "created_unix": self.created_unix,
-                              "last_seen_unix": self.last_seen_unix, "tier": self.tier.value},
-                             use_bin_type=True)
+                              "last_seen_unix": self.last_seen_unix, "tier": self.tier.value,
+                              "hash": self.block_hash}, use_bin_type=True)
 
     @classmethod
     def decode(cls, raw: bytes) -> BlockMeta:
@@ -70,11 +74,14 @@ class BlockMeta:
             d: Any = msgpack.unpackb(raw, raw=False)
             meta = cls(model=str(d["model"]), layer=int(d["layer"]), num_bytes=int(d["bytes"]),
                        digest=bytes(d["digest"]), created_unix=float(d["created_unix"]),
-                       last_seen_unix=float(d["last_seen_unix"]), tier=Tier(d["tier"]))
+                       last_seen_unix=float(d["last_seen_unix"]), tier=Tier(d["tier"]),
+                       block_hash=bytes(d.get("hash", b"")))
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise BadRowError(f"undecodable index row: {e}") from None
         if len(meta.digest) != DIGEST_SIZE or meta.num_bytes < 0 or meta.layer < 0:
             raise BadRowError("index row with a bad digest length, size or layer")
+        if len(meta.block_hash) not in (0, HASH_SIZE):
+            raise BadRowError(f"index row with a {len(meta.block_hash)}-byte block hash")
         return meta
 
 

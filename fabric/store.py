@@ -59,6 +59,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry
 
 from fabric.config import Config, KVConfig
+from fabric.events import EventKind, StoreEventLog, StoreEvents
 from fabric.eviction import DecayedFrequency, TierPolicy
 from fabric.index import BlockMeta, Index, IndexUnavailableError, reconcile
 from fabric.keys import BlockAddress, BlockHash, StorageKey
@@ -115,6 +116,7 @@ class _Pending:
     digest: bytes
     payload: memoryview
     created_unix: float
+    block_hash: BlockHash
 
 
 class Store:
@@ -153,7 +155,11 @@ class Store:
             self.metrics.reconciled.labels(action).inc(count)
         self.reconciled = dict(report.counts)
         self._ssd.load((key, SsdEntry(m.layer, m.num_bytes, m.digest, m.model, m.created_unix,
-                                      m.last_seen_unix)) for key, m in report.kept)
+                                      m.last_seen_unix, m.block_hash)) for key, m in report.kept)
+        # Every held (block, layer) whose hash is known, for held_addresses() and REMOVED events.
+        self._held: dict[StorageKey, BlockAddress] = {
+            key: BlockAddress(BlockHash(m.block_hash), m.layer) for key, m in report.kept if m.block_hash}
+        self._events = StoreEventLog(kv.event_queue_max)
         self.metrics.bind_tier(Tier.RAM, lambda: self._ram.num_blocks, lambda: self._ram.used_bytes)
         self.metrics.bind_tier(Tier.SSD, lambda: self._ssd.num_blocks, lambda: self._ssd.used_bytes)
         self.metrics.bind_tier(Tier.DEVICE, lambda: len(self._device), lambda: 0)
@@ -211,7 +217,7 @@ class Store:
             if digests is not None and digests[i] != actual:
                 results[i] = self._reject(PutResult.DIGEST_MISMATCH)
                 continue
-            todo[address.storage_key] = (i, _Pending(address.layer, model, actual, owned, now))
+            todo[address.storage_key] = (i, _Pending(address.layer, model, actual, owned, now, address.hash))
         with self._lock:
             for key in [k for k, (_, p) in todo.items() if self._holds(k, p.digest)]:
                 results[todo.pop(key)[0]] = PutResult.OK
@@ -337,6 +343,26 @@ class Store:
         return await loop.run_in_executor(self._async_pool,
                                           lambda: self.put(address, payload, model=model, digest=digest))
 
+    # ---- events for the cluster layer ----------------------------------------------------------------
+
+    def held_addresses(self) -> list[BlockAddress]:
+        """A snapshot of every (block hash, layer) held in any tier (RAM, pending write-behind, SSD).
+
+        After a reopen, the SSD blocks come back from the index (rows written before block hashes
+        were persisted are held but not listed).
+        """
+        with self._lock:
+            return list(self._held.values())
+
+    def take_events(self, max_events: int | None = None) -> StoreEvents:
+        """Drain up to `max_events` STORED / REMOVED events in the order they happened.
+
+        `overflowed=True` (reported once) means the queue passed [kv].event_queue_max and was
+        cleared: resync from `held_addresses()`. Reconciliation at open emits nothing.
+        """
+        with self._lock:
+            return self._events.take(max_events)
+
     # ---- device tier and thresholds ----------------------------------------------------------------
 
     def apply_events(self, events: Iterable[object]) -> int:
@@ -442,6 +468,7 @@ class Store:
                     continue
                 self._dirty.pop(key, None)
                 self._dirty[key] = p
+                self._hold(key, p)
                 results[i] = PutResult.OK
         if todo:
             self._wake.set()
@@ -466,6 +493,7 @@ class Store:
                 for key, p in accepted.items():
                     results[todo[key][0]] = outcome[key]
                     if outcome[key].ok:
+                        self._hold(key, p)
                         self._ram.put(key, p.payload, p.digest, limit_bytes=self._ram.capacity_bytes)
         for result in outcome.values():
             if not result.ok:
@@ -498,7 +526,8 @@ class Store:
             self._ssd_reserved -= sum(p.payload.nbytes + HEADER_SIZE for p in batch.values())
             for k in committed:
                 p = batch[k]
-                self._ssd.add(k, SsdEntry(p.layer, p.payload.nbytes, p.digest, p.model, p.created_unix, now))
+                self._ssd.add(k, SsdEntry(p.layer, p.payload.nbytes, p.digest, p.model, p.created_unix, now,
+                                          p.block_hash))
         return outcome
 
     def _flush_batch(self) -> bool:
@@ -637,7 +666,8 @@ class Store:
         with self._stripes_of(live):
             with self._lock:
                 rows = [(k, BlockMeta(e.model, e.layer, e.num_bytes, e.digest, e.created_unix,
-                                      e.last_seen_unix, Tier.RAM if self._ram.contains(k) else Tier.SSD))
+                                      e.last_seen_unix, Tier.RAM if self._ram.contains(k) else Tier.SSD,
+                                      e.block_hash))
                         for k, e in live.items() if self._ssd.entry(k) is e]
             self._index.put_many(rows, sync=False)
         return len(rows)
@@ -677,9 +707,20 @@ class Store:
             self._touched_rows.add(key)
 
     def _forget(self, key: StorageKey) -> None:
+        """The key left its last tier (callers hold the lock): drop its bookkeeping, queue REMOVED."""
         self._freq.forget(key)
         self._touched_ssd.discard(key)
         self._touched_rows.discard(key)
+        address = self._held.pop(key, None)
+        if address is not None:
+            self._events.append(EventKind.REMOVED, address)
+
+    def _hold(self, key: StorageKey, p: _Pending) -> None:
+        """An acknowledged put (callers hold the lock): queue STORED unless the key was held already."""
+        if key not in self._held:
+            address = BlockAddress(p.block_hash, p.layer)
+            self._held[key] = address
+            self._events.append(EventKind.STORED, address)
 
     def _ssd_entry(self, key: StorageKey) -> SsdEntry:
         entry = self._ssd.entry(key)
@@ -708,7 +749,7 @@ def _classify(err: OSError) -> PutResult:
 
 
 def _meta(p: _Pending, tier: Tier, last_seen: float) -> BlockMeta:
-    return BlockMeta(p.model, p.layer, p.payload.nbytes, p.digest, p.created_unix, last_seen, tier)
+    return BlockMeta(p.model, p.layer, p.payload.nbytes, p.digest, p.created_unix, last_seen, tier, p.block_hash)
 
 
 def _footprint(payload: memoryview) -> int:

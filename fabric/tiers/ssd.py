@@ -83,6 +83,7 @@ class SsdEntry:
     model: str
     created_unix: float
     last_seen_unix: float
+    block_hash: bytes = b""     # b"" for a block loaded from a row older than the hash field
 
     @property
     def file_bytes(self) -> int:

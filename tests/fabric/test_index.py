@@ -10,7 +10,7 @@ import msgpack
 import pytest
 from rocksdict import AccessType, Options, Rdict
 
-from fabric.index import BlockMeta, Index, IndexUnavailableError, reconcile
+from fabric.index import BadRowError, BlockMeta, Index, IndexUnavailableError, reconcile
 from fabric.keys import StorageKey
 from fabric.tiers.base import Tier, digest_of
 from fabric.tiers.ssd import SsdTier, WriteItem
@@ -48,7 +48,19 @@ def test_row_format_is_msgpack_in_column_family_kv(tmp_path: Path) -> None:
     db.close()
     del cf, db
     assert row == {"model": "m", "layer": 7, "bytes": 4096, "digest": b"\x07" * 32,
-                   "created_unix": 1000.0, "last_seen_unix": 2000.0, "tier": "ssd"}
+                   "created_unix": 1000.0, "last_seen_unix": 2000.0, "tier": "ssd", "hash": b""}
+
+
+def test_row_keeps_the_block_hash_and_an_old_row_without_it_loads(tmp_path: Path) -> None:
+    with Index(tmp_path / "idx") as idx:
+        idx.put(key(1), BlockMeta("m", 1, 10, b"\x07" * 32, 1.0, 2.0, Tier.SSD, b"\x05" * 32))
+        got = idx.get(key(1))
+        assert got is not None and got.block_hash == b"\x05" * 32
+    old = {"model": "m", "layer": 1, "bytes": 10, "digest": b"\x07" * 32, "created_unix": 1.0,
+           "last_seen_unix": 2.0, "tier": "ssd"}
+    assert BlockMeta.decode(msgpack.packb(old)).block_hash == b""
+    with pytest.raises(BadRowError):
+        BlockMeta.decode(msgpack.packb({**old, "hash": b"short"}))
 
 
 def test_a_second_writer_is_refused_while_one_is_open(tmp_path: Path) -> None:

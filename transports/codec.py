@@ -43,10 +43,6 @@ STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 4 * 1024       # a payload rest at least this large is received straight into its buffer
 
 
-class ProtocolError(Exception):
-    """A peer sent bytes that are not a valid kvfabric frame stream."""
-
-
 class FrameType(enum.IntEnum):
     HELLO = 1
     PULL = 2
@@ -66,6 +62,8 @@ class MissReason(enum.StrEnum):
     PEER_ERROR = "peer_error"
     PEER_GONE = "peer_gone"
     TIMEOUT = "timeout"
+    TOO_LARGE = "too_large"         # the block exceeds the payload limit the client announced
+    SOURCE_ERROR = "source_error"   # the server could not read the block (disk error, bug)
 
 
 class ErrorCode(enum.StrEnum):
@@ -74,6 +72,23 @@ class ErrorCode(enum.StrEnum):
     OVERLOADED = "overloaded"
     INTERNAL = "internal"
     TIMEOUT = "timeout"
+
+
+class ProtocolError(Exception):
+    """The peer broke the protocol (h11's RemoteProtocolError): bytes that are not a valid frame
+    stream, or valid frames that break the session rules. `code` is what the ERROR frame that
+    answers it carries."""
+
+    def __init__(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+RemoteProtocolError = ProtocolError
+
+
+class LocalProtocolError(RuntimeError):
+    """We broke the protocol: a transport called a session out of turn (a bug of ours)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,14 +13,13 @@ aioquic or pyverbs. Every kind uses the same certificates (`config.cert_dir`, no
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import get_args
 
-from fabric.config import TransportConfig
+from fabric.config import TransportConfig, TransportKind
 from transports.base import BlockSource, TransportClient, TransportServer
 from transports.certs import CredentialFiles, NodeCredentials
 from transports.metrics import TransportMetrics
 
-TransportKind = Literal["quic", "tls-tcp", "rdma"]
 KINDS: tuple[str, ...] = get_args(TransportKind)
 
 

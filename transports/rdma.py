@@ -58,7 +58,7 @@ from transports.codec import (
 )
 from transports.metrics import TransportMetrics
 from transports.slabs import Extent, SlabAllocator
-from transports.tls_link import WRITE_HIGH, FrameLink, LinkBase, tls_recv, tls_send_all
+from transports.tls_link import FrameLink, LinkBase, tls_recv, tls_send_all
 from transports.tls_tcp import TlsTcpClient, TlsTcpServer, _ClientConnection, _ServerConnection
 
 logger = logging.getLogger(__name__)
@@ -515,7 +515,7 @@ class RdmaLink(LinkBase):
                         send_flags=e.IBV_SEND_SIGNALED)
             self.qp.post_send(wr, None)
             self._sends[wr_id] = extent
-        if self._backlog_bytes <= WRITE_HIGH:
+        if self._backlog_bytes <= self.write_high:
             self._drained.set()
         if not self.write_pending:
             self._empty.set()
@@ -536,6 +536,7 @@ class RdmaLink(LinkBase):
         if self.closed:
             return
         frames: list[Frame] = []
+        received = False
         now = self._loop.time()
         for wr_id, status, nbytes in done:
             if status != self._e.IBV_WC_SUCCESS:
@@ -544,6 +545,7 @@ class RdmaLink(LinkBase):
                 return
             if wr_id < self._num_slots:
                 self.last_rx = now
+                received = True
                 if self._reading:
                     frames += self._consume(wr_id, nbytes)
                     if not self.batch_frames:
@@ -556,7 +558,7 @@ class RdmaLink(LinkBase):
                 self._send.free(self._sends.pop(wr_id))
             if self.closed:
                 return
-        self._deliver(frames)
+        self._deliver(frames, received)
         self._pump()
 
     def _consume(self, slot: int, nbytes: int) -> list[Frame]:
@@ -569,8 +571,10 @@ class RdmaLink(LinkBase):
             self._post_recv(slot)
         return frames
 
-    def _deliver(self, frames: list[Frame]) -> None:
-        if not frames or self.closed:
+    def _deliver(self, frames: list[Frame], received: bool = False) -> None:
+        """Frames of a batch of completions; none but `received` still tells the session that
+        bytes arrived (its total frame deadline)."""
+        if (not frames and not received) or self.closed:
             return
         try:
             self._on_frames(frames)
@@ -616,7 +620,7 @@ class RdmaServer(TlsTcpServer):
 
     async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
         o = self.options
-        link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock, FrameDecoder(max_payload=0),
+        link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock, conn.session.decoder,
                         conn.on_frames, conn.on_closed, self.frame_timeout_s, self.metrics,
                         max_payload=self.max_payload, recv_slots=o.recv_slots, slot_size=o.slot_size)
         try:
@@ -640,7 +644,7 @@ class RdmaClient(TlsTcpClient):
     async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock,
-                        FrameDecoder(max_payload=self.max_payload), conn.on_frames, conn.on_closed,
+                        conn.session.decoder, conn.on_frames, conn.on_closed,
                         self.frame_timeout_s, self.metrics, max_payload=self.max_payload,
                         recv_slots=o.recv_slots, slot_size=o.slot_size, batch_frames=True)
         try:

@@ -1,102 +1,463 @@
-"""Pull logic shared by all transports, without sockets.
+"""Connection sessions, sans-I/O: the kvfabric pull protocol, decided once for every transport.
 
-Server side, `answer_pull(source, pull)` turns one PULL into its BLOCK / MISS frames and a
-final END, lazily, so a transport can stream large answers with bounded memory.
+    ClientSession                                          ServerSession
+    ─────────────                                          ─────────────
+    hello() ─► HELLO(node, max_payload)  ───────────────►  receive(): HELLO first, its node must be
+                                                           the certificate's; answered by HELLO
+    submit(addresses, now) ─► PULL(rid)  ───────────────►  take_pulls(): ≤ max_inflight at once; more
+                                                           wait (`reading` False: stop reading)
+    receive(): BLOCK digest checked,     ◄───────────────  answer(rid, addresses, blocks): BLOCK, or
+      Hit / Miss per address, in order                     MISS(not_found | too_large | source_error)
+    done on END / ERROR                  ◄───────────────  finish(rid) ─► END
 
-Client side, `PullTracker` follows one request: it accepts the frames of that request id,
-checks every payload against its announced BLAKE3 digest and turns a mismatch into a
-`Miss(DIGEST_MISMATCH)`, and on END, ERROR, a timeout or a lost peer reports every address
-not yet answered as a miss. Results come out in arrival order; a server answers in request
-order, so the layers of a block stay in order.
+Neither side touches a socket, a thread or a clock: bytes (or decoded frames) and `now` go in;
+frames to send, pull results, `closing` and the next timer deadline come out. A transport adapter
+moves the bytes, fetches blocks from its store, calls `handle_timer(now)` at `next_deadline()`
+and closes the connection once `closing` is set (after sending what the call returned). QUIC runs
+one session per stream (`hello=False`, one PULL each).
+
+Timers (both sides): a frame must arrive *whole* within `frame_timeout_s` of its first byte (a
+total deadline: a peer dribbling one byte a second cannot hold a frame open); the server closes a
+connection idle for `idle_timeout_s`, the client at half of that, so a new PULL rarely races the
+server's BYE; a server whose output has been blocked for `frame_timeout_s` closes (a peer that
+does not read); a client waiting for answers hears nothing for `frame_timeout_s`: TIMEOUT misses.
+
+Errors (h11's strategy): a peer breaking the rules raises `ProtocolError` (code PROTOCOL,
+UNAUTHORIZED, …) inside the session, which answers it once: an ERROR frame and `closing`; the
+error is kept in `error` for the adapter's metrics. A call out of turn by the adapter raises
+`LocalProtocolError`. Every address asked for ends as exactly one Hit or Miss.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-
-import blake3
+import enum
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
 from fabric.keys import BlockAddress
-from transports.base import BlockSource, Hit, PullResult
-from transports.codec import Block, End, Error, Frame, Miss, MissReason, ProtocolError, Pull
+from transports.base import PullResult, SourceBlock
+from transports.codec import (
+    DEFAULT_MAX_PAYLOAD,
+    VERSION,
+    Block,
+    Bye,
+    End,
+    Error,
+    ErrorCode,
+    Frame,
+    FrameDecoder,
+    Hello,
+    LocalProtocolError,
+    Miss,
+    MissReason,
+    ProtocolError,
+    Pull,
+)
+from transports.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull, verify
 
-# One PULL header holds ~40 bytes per address; 1024 keeps it (~41 KiB) under the codec's 64 KiB
-# header limit. Transports split longer requests into several PULLs.
-MAX_ADDRESSES_PER_PULL = 1024
+__all__ = ["MAX_ADDRESSES_PER_PULL", "ClientSession", "Fetched", "PullTracker", "ServedStats", "ServerSession",
+           "State", "answer_pull", "verify"]
+
+Fetched = SourceBlock | None | Exception   # what a store read gave: a block, nothing, or a failure
 
 
-def answer_pull(source: BlockSource, pull: Pull) -> Iterator[Frame]:
-    """BLOCK or MISS for each address of `pull`, in order, then END."""
-    if len(pull.addresses) > MAX_ADDRESSES_PER_PULL:
-        raise ProtocolError(f"PULL of {len(pull.addresses)} addresses exceeds {MAX_ADDRESSES_PER_PULL}")
-    for address in pull.addresses:
-        block = source.get_block(address)
-        if block is None:
-            yield Miss(pull.request_id, address, MissReason.NOT_FOUND)
-        else:
-            yield Block(pull.request_id, address, block.digest, block.payload)
-    yield End(pull.request_id)
+class State(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"   # the adapter sends what the last call returned, then closes
 
 
-def verify(frame: Block) -> bool:
-    return blake3.blake3(frame.payload).digest() == frame.digest
+@dataclass(slots=True)
+class ServedStats:
+    """Answers made since the adapter last took them (metrics are flushed per batch, not per frame)."""
+
+    num_hits: int = 0
+    num_bytes: int = 0
+    misses: dict[MissReason, int] = field(default_factory=dict)
 
 
-class PullTracker:
-    """Client-side state of one PULL request."""
+class _Session:
+    """What both sides share: the decoder, the total frame deadline and the close state."""
 
-    def __init__(self, request_id: int, addresses: Sequence[BlockAddress]) -> None:
-        self.request_id = request_id
-        self._pending: dict[BlockAddress, int] = {}
-        for a in addresses:  # the same address may be asked twice; answer each ask
-            self._pending[a] = self._pending.get(a, 0) + 1
-        self.num_digest_mismatches = 0
-        self.num_bytes = 0
-        self.done = not addresses
+    frame_timeout_s: float
+    idle_timeout_s: float
+
+    def _init_session(self, decoder: FrameDecoder, now: float) -> None:
+        self.decoder = decoder
+        self.state = State.OPEN
+        self.close_reason = MissReason.PEER_GONE
+        self.error: ProtocolError | None = None   # what the peer did wrong, when it did
+        self.frame_started: float | None = None    # first byte of the partly received frame
+        self.idle_since = now
 
     @property
-    def num_pending(self) -> int:
-        return sum(self._pending.values())
+    def closing(self) -> bool:
+        return self.state is State.CLOSING
 
-    def _take(self, address: BlockAddress) -> bool:
-        left = self._pending.get(address, 0)
-        if left == 0:
-            return False
-        if left == 1:
-            del self._pending[address]
-        else:
-            self._pending[address] = left - 1
-        return True
+    def _close(self, reason: MissReason) -> None:
+        if self.state is State.OPEN:
+            self.state = State.CLOSING
+            self.close_reason = reason
 
-    def on_frame(self, frame: Frame) -> list[PullResult]:
-        """Results produced by one frame of this request; raises ProtocolError on a frame that
-        does not belong to it (an address never asked for, a frame after END)."""
-        if self.done:
-            raise ProtocolError(f"frame {frame.TYPE.name} for request {self.request_id} after it ended")
-        match frame:
-            case Block(request_id=rid, address=address) if rid == self.request_id:
-                if not self._take(address):
-                    raise ProtocolError(f"BLOCK for {address} which request {rid} did not ask for")
-                if not verify(frame):
-                    self.num_digest_mismatches += 1
-                    return [Miss(rid, address, MissReason.DIGEST_MISMATCH)]
-                self.num_bytes += memoryview(frame.payload).nbytes
-                return [Hit(address, frame.payload, frame.digest)]
-            case Miss(request_id=rid, address=address) if rid == self.request_id:
-                if not self._take(address):
-                    raise ProtocolError(f"MISS for {address} which request {rid} did not ask for")
-                return [frame]
-            case End(request_id=rid) if rid == self.request_id:
-                return self.fail(MissReason.PEER_ERROR)
-            case Error(request_id=rid) if rid in (self.request_id, 0):
-                return self.fail(MissReason.PEER_ERROR)
-        raise ProtocolError(f"unexpected {frame.TYPE.name} frame for request {self.request_id}")
+    def _track_frame(self, num_frames: int, now: float) -> None:
+        """Keep `frame_started`: a frame that is still partial after frames completed in this call
+        began in this call."""
+        if not self.decoder.mid_frame:
+            self.frame_started = None
+        elif num_frames or self.frame_started is None:
+            self.frame_started = now
 
-    def fail(self, reason: MissReason) -> list[PullResult]:
-        """End the request: every address still pending becomes a miss for `reason`."""
-        out: list[PullResult] = []
-        for address, count in self._pending.items():
-            out.extend(Miss(self.request_id, address, reason) for _ in range(count))
-        self._pending.clear()
-        self.done = True
+    def _frame_deadline(self) -> float | None:
+        return None if self.frame_started is None else self.frame_started + self.frame_timeout_s
+
+
+# =============================================================================================
+# Server
+
+
+class ServerSession(_Session):
+    """The server's side of one connection (or one QUIC stream, `hello=False, one_pull=True`).
+
+    `peer_node` is the node name the peer's verified certificate carries."""
+
+    def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 max_inflight: int = 32, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 hello: bool = True, one_pull: bool = False) -> None:
+        self.node = node
+        self.peer_node = peer_node
+        self.max_payload = max_payload
+        self.max_inflight = max_inflight
+        self.frame_timeout_s = frame_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.one_pull = one_pull
+        self.hello_done = not hello
+        self.peer_max_payload = max_payload   # lowered by the client's HELLO
+        self.active: dict[int, Pull] = {}     # being answered
+        self.queued: dict[int, Pull] = {}     # waiting for a slot (insertion ordered)
+        self._to_start: list[Pull] = []
+        self.num_pulls = 0
+        self.stats = ServedStats()
+        self._init_session(FrameDecoder(max_payload=0), now)   # clients never send payloads
+
+    @property
+    def reading(self) -> bool:
+        """False while PULLs wait for a slot: the adapter stops reading (back-pressure)."""
+        return not self.queued and self.state is State.OPEN
+
+    # -- input
+    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[Frame]:
+        """Bytes from the peer; frames to send back (HELLO, ERROR, …)."""
+        return self._guarded(lambda: self.decoder.feed(data), now)
+
+    def receive_frames(self, frames: list[Frame], now: float) -> list[Frame]:
+        """Frames that an adapter decoded with `self.decoder` (e.g. straight from the socket into
+        payload buffers), after every read, even one that completed no frame."""
+        return self._guarded(lambda: frames, now)
+
+    def end_of_stream(self, now: float) -> list[Frame]:
+        """The peer finished sending (QUIC FIN, TCP EOF)."""
+        def finish() -> list[Frame]:
+            self.decoder.close()
+            if self.one_pull and not self.num_pulls:
+                raise ProtocolError("stream ended without a PULL")
+            return []
+        out = self._guarded(finish, now)
+        if not self.one_pull:
+            self._close(MissReason.PEER_GONE)
         return out
+
+    def _guarded(self, decode: Callable[[], list[Frame]], now: float) -> list[Frame]:
+        if self.state is not State.OPEN:
+            return []
+        out: list[Frame] = []
+        try:
+            frames = decode()
+            self._track_frame(len(frames), now)
+            for frame in frames:
+                self._on_frame(frame, out)
+                if self.state is not State.OPEN:
+                    break
+        except ProtocolError as e:
+            self.error = e
+            out.append(Error(self._stream_rid(), e.code, str(e)[:500]))
+            self._close(MissReason.PEER_ERROR)
+        return out
+
+    def _stream_rid(self) -> int:
+        return next(iter(self.active), 0) if self.one_pull else 0
+
+    def _on_frame(self, frame: Frame, out: list[Frame]) -> None:
+        if not self.hello_done:
+            if not isinstance(frame, Hello):
+                raise ProtocolError(f"first frame must be HELLO, got {frame.TYPE.name}")
+            if frame.version != VERSION:
+                raise ProtocolError(f"client speaks codec version {frame.version}, this server {VERSION}")
+            if frame.node != self.peer_node:
+                raise ProtocolError(f"HELLO names {frame.node!r} but the certificate names {self.peer_node!r}",
+                                    ErrorCode.UNAUTHORIZED)
+            self.hello_done = True
+            self.peer_max_payload = min(frame.max_payload, self.max_payload)
+            out.append(Hello(self.node, VERSION, self.max_payload))
+        elif type(frame) is Pull:
+            rid = frame.request_id
+            if rid in self.active or rid in self.queued:
+                raise ProtocolError(f"PULL reuses request id {rid} while it is in flight")
+            if self.one_pull and self.num_pulls:
+                raise ProtocolError("a stream carries exactly one PULL")
+            if len(frame.addresses) > MAX_ADDRESSES_PER_PULL:
+                raise ProtocolError(f"PULL of {len(frame.addresses)} addresses exceeds {MAX_ADDRESSES_PER_PULL}")
+            self.num_pulls += 1
+            if len(self.active) < self.max_inflight:
+                self.active[rid] = frame
+                self._to_start.append(frame)
+            else:
+                self.queued[rid] = frame
+        elif isinstance(frame, Bye | Error):
+            self._close(MissReason.PEER_GONE)   # nobody waits for the answers any more
+        else:
+            raise ProtocolError(f"a client may not send {frame.TYPE.name} frames")
+
+    # -- answering
+    def take_pulls(self) -> list[Pull]:
+        """PULLs to start answering now (each is then answered with `answer` and `finish`)."""
+        out, self._to_start = self._to_start, []
+        return out
+
+    def answer(self, request_id: int, addresses: Sequence[BlockAddress], fetched: Sequence[Fetched]) -> list[Frame]:
+        """The BLOCK / MISS frames for `addresses` of an active pull, from what the store gave:
+        a block over the client's payload limit is MISS(too_large), a failed read MISS(source_error)."""
+        if request_id not in self.active:
+            raise LocalProtocolError(f"answer for request {request_id}, which is not being answered")
+        limit, stats = self.peer_max_payload, self.stats
+        out: list[Frame] = []
+        for address, got in zip(addresses, fetched, strict=True):
+            reason = MissReason.NOT_FOUND
+            if got is not None and not isinstance(got, Exception):
+                payload = got.payload
+                size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
+                if size <= limit:
+                    out.append(Block(request_id, address, got.digest, payload))
+                    stats.num_hits += 1
+                    stats.num_bytes += size
+                    continue
+                reason = MissReason.TOO_LARGE
+            elif got is not None:
+                reason = MissReason.SOURCE_ERROR
+            out.append(Miss(request_id, address, reason))
+            stats.misses[reason] = stats.misses.get(reason, 0) + 1
+        return out
+
+    def finish(self, request_id: int, now: float) -> list[Frame]:
+        """END of an active pull; starts the next queued one (see `take_pulls`, `reading`)."""
+        if self.active.pop(request_id, None) is None:
+            raise LocalProtocolError(f"finish of request {request_id}, which is not being answered")
+        self._next(now)
+        return [End(request_id)]
+
+    def abandon(self, request_id: int, now: float) -> None:
+        """Stop answering a pull without END (the peer stopped the QUIC stream)."""
+        if self.active.pop(request_id, None) is not None:
+            self._next(now)
+
+    def _next(self, now: float) -> None:
+        if self.queued and self.state is State.OPEN:
+            rid = next(iter(self.queued))
+            pull = self.queued.pop(rid)
+            self.active[rid] = pull
+            self._to_start.append(pull)
+        if not self.active:
+            self.idle_since = now
+
+    def take_stats(self) -> ServedStats:
+        stats, self.stats = self.stats, ServedStats()
+        return stats
+
+    # -- timers
+    def next_deadline(self, blocked_since: float | None = None) -> float | None:
+        """When `handle_timer` has something to do; `blocked_since`: since when output has been
+        waiting for the peer to read, or None."""
+        if self.state is not State.OPEN:
+            return None
+        deadlines = [d for d in (self._frame_deadline(),
+                                 None if blocked_since is None else blocked_since + self.frame_timeout_s)
+                     if d is not None]
+        if not self.active and not self.queued and self.frame_started is None and not self.one_pull:
+            deadlines.append(self.idle_since + self.idle_timeout_s)
+        return min(deadlines, default=None)
+
+    def handle_timer(self, now: float, blocked_since: float | None = None) -> list[Frame]:
+        if self.state is not State.OPEN:
+            return []
+        deadline = self._frame_deadline()
+        if deadline is not None and now >= deadline:
+            self.error = ProtocolError(f"a frame took over {self.frame_timeout_s:.1f} s to arrive",
+                                       ErrorCode.TIMEOUT)
+        elif blocked_since is not None and now >= blocked_since + self.frame_timeout_s:
+            self.error = ProtocolError(f"peer read nothing for {self.frame_timeout_s:.1f} s", ErrorCode.TIMEOUT)
+        elif not self.active and not self.queued and not self.one_pull and \
+                now >= self.idle_since + self.idle_timeout_s:
+            self._close(MissReason.PEER_GONE)
+            return [Bye("idle")]
+        else:
+            return []
+        self._close(MissReason.TIMEOUT)
+        return [Error(self._stream_rid(), ErrorCode.TIMEOUT, str(self.error))]
+
+
+# =============================================================================================
+# Client
+
+
+class ClientSession(_Session):
+    """The client's side of one connection (or one QUIC stream, `hello=False`) to `peer_node`."""
+
+    def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0, hello: bool = True,
+                 decoder: FrameDecoder | None = None) -> None:
+        self.node = node
+        self.peer_node = peer_node
+        self.max_payload = max_payload
+        self.frame_timeout_s = frame_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.hello_done = not hello
+        self.requests: dict[int, PullTracker] = {}
+        self.next_id = 1
+        self.last_rx = now
+        self.paused_since: float | None = None
+        self.num_digest_mismatches = 0
+        self._init_session(decoder or FrameDecoder(max_payload=max_payload), now)
+
+    def hello(self) -> list[Frame]:
+        return [Hello(self.node, VERSION, self.max_payload)]
+
+    def submit(self, addresses: Sequence[BlockAddress], now: float) -> tuple[int, list[Frame]]:
+        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL): its id and PULL frame."""
+        if self.state is not State.OPEN:
+            raise LocalProtocolError("submit on a session that is closing")
+        if len(addresses) > MAX_ADDRESSES_PER_PULL:
+            raise LocalProtocolError(f"a PULL holds at most {MAX_ADDRESSES_PER_PULL} addresses")
+        rid = self.next_id
+        self.next_id += 1
+        if not self.requests:
+            self.last_rx = now   # the answer timer starts now
+        self.requests[rid] = PullTracker(rid, addresses)
+        return rid, [Pull(rid, tuple(addresses))]
+
+    def cancel(self, request_id: int) -> None:
+        """The caller gave up on a request; its late frames are dropped."""
+        self.requests.pop(request_id, None)
+
+    # -- input
+    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[tuple[int, list[PullResult], bool]]:
+        """Bytes from the server: (request id, results, request done) per request touched."""
+        return self._guarded(lambda: self.decoder.feed(data), now)
+
+    def receive_frames(self, frames: list[Frame], now: float) -> list[tuple[int, list[PullResult], bool]]:
+        """Frames an adapter decoded with `self.decoder`, after every read (see ServerSession)."""
+        return self._guarded(lambda: frames, now)
+
+    def end_of_stream(self, now: float) -> list[tuple[int, list[PullResult], bool]]:
+        out = self._guarded(self._close_decoder, now)
+        return out + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
+
+    def _close_decoder(self) -> list[Frame]:
+        self.decoder.close()
+        return []
+
+    def _guarded(self, decode: Callable[[], list[Frame]],
+                 now: float) -> list[tuple[int, list[PullResult], bool]]:
+        if self.state is not State.OPEN:
+            return []
+        self.last_rx = now
+        out: list[tuple[int, list[PullResult], bool]] = []
+        try:
+            frames = decode()
+            self._track_frame(len(frames), now)
+            self._on_frames(frames, out, now)
+        except ProtocolError as e:
+            self.error = e
+            self._close(MissReason.PEER_ERROR)
+        if self.state is not State.OPEN:
+            out += self.connection_lost(self.close_reason)
+        return out
+
+    def _on_frames(self, frames: list[Frame], out: list[tuple[int, list[PullResult], bool]], now: float) -> None:
+        requests = self.requests
+        for frame in frames:
+            if isinstance(frame, Block):   # the data path: one dict lookup, one hash
+                tracker = requests.get(frame.request_id)
+                if tracker is not None and self.hello_done:
+                    out.append((frame.request_id, [tracker.on_block(frame)], False))
+                elif frame.request_id >= self.next_id or not self.hello_done:
+                    raise ProtocolError(f"BLOCK for request {frame.request_id}, which was never sent")
+                continue   # a request we cancelled
+            if not self.hello_done:
+                if not isinstance(frame, Hello):
+                    raise ProtocolError(f"server's first frame must be HELLO, got {frame.TYPE.name}")
+                if frame.node != self.peer_node:
+                    raise ProtocolError(f"server HELLO names {frame.node!r}, expected {self.peer_node!r}")
+                self.hello_done = True
+            elif isinstance(frame, Miss | End | Error):
+                rid = frame.request_id
+                tracker = requests.get(rid)
+                if tracker is not None:
+                    results = tracker.on_frame(frame)
+                    if tracker.done:
+                        del requests[rid]
+                        if not requests:
+                            self.idle_since = now
+                    out.append((rid, results, tracker.done))
+                elif isinstance(frame, Error) and rid == 0:
+                    self._close(MissReason.PEER_ERROR)
+                    return
+                elif rid >= self.next_id:
+                    raise ProtocolError(f"{frame.TYPE.name} for request {rid}, which was never sent")
+                # else: a request we cancelled
+            elif isinstance(frame, Bye):
+                self._close(MissReason.PEER_GONE)
+                return
+            else:
+                raise ProtocolError(f"a server may not send {frame.TYPE.name} frames")
+
+    def connection_lost(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
+        """The connection is gone: every pending address becomes a miss for `reason`."""
+        self._close(reason)
+        out = [(rid, tracker.fail(reason), True) for rid, tracker in self.requests.items()]
+        self.requests.clear()
+        return out
+
+    # -- flow control and timers
+    def pause(self, now: float) -> None:
+        """The adapter stopped reading (results wait for the caller): no stall timers meanwhile."""
+        if self.paused_since is None:
+            self.paused_since = now
+
+    def resume(self, now: float) -> None:
+        if self.paused_since is not None:
+            shift = now - self.paused_since
+            self.paused_since = None
+            self.last_rx += shift
+            if self.frame_started is not None:
+                self.frame_started += shift
+
+    def next_deadline(self) -> float | None:
+        if self.state is not State.OPEN or self.paused_since is not None:
+            return None
+        deadlines = [d for d in (self._frame_deadline(),
+                                 self.last_rx + self.frame_timeout_s if self.requests else None,
+                                 None if self.requests else self.idle_since + self.idle_timeout_s / 2)
+                     if d is not None]
+        return min(deadlines, default=None)
+
+    def handle_timer(self, now: float) -> tuple[list[Frame], list[tuple[int, list[PullResult], bool]]]:
+        """(frames to send, results): a stalled server ends its requests in TIMEOUT misses; an idle
+        connection says BYE."""
+        if self.state is not State.OPEN or self.paused_since is not None:
+            return [], []
+        deadline = self._frame_deadline()
+        if (deadline is not None and now >= deadline) or (self.requests and now >= self.last_rx + self.frame_timeout_s):
+            self.error = ProtocolError(f"server stalled for {self.frame_timeout_s:.1f} s", ErrorCode.TIMEOUT)
+            return [], self.connection_lost(MissReason.TIMEOUT)
+        if not self.requests and now >= self.idle_since + self.idle_timeout_s / 2:
+            self._close(MissReason.PEER_GONE)
+            return [Bye("idle")], []
+        return [], []

@@ -195,6 +195,8 @@ def auth_failure_reason(err: ssl.SSLError) -> str:
     for needles, reason in ((("NO_CERTIFICATE", "DID_NOT_RETURN_A_CERTIFICATE", "CERTIFICATE_REQUIRED"),
                              "no_certificate"),
                             (("CERTIFICATE_EXPIRED",), "expired"),
+                            # a certificate whose key is not the one that signed the handshake
+                            (("KEY_VALUES_MISMATCH", "BAD_SIGNATURE", "DECRYPT_ERROR"), "key_mismatch"),
                             (("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_UNKNOWN", "UNSUPPORTED_CERTIFICATE"),
                              "untrusted")):
         if any(n in text for n in needles):
@@ -281,11 +283,12 @@ class LinkBase:
     transport: str
     closed: bool
 
-    def _init_link(self, transport: str, metrics: TransportMetrics) -> None:
+    def _init_link(self, transport: str, metrics: TransportMetrics, write_high: int = WRITE_HIGH) -> None:
         self._loop = asyncio.get_running_loop()
+        self.write_high = write_high
         self.transport = transport  # the metrics label
         self._metrics = metrics
-        self._drained = asyncio.Event()   # set while the queue is at or below WRITE_HIGH
+        self._drained = asyncio.Event()   # set while the queue is at or below write_high
         self._drained.set()
         self._empty = asyncio.Event()     # set while nothing is queued
         self._empty.set()
@@ -310,8 +313,8 @@ class LinkBase:
         return self._queued_bytes() > 0
 
     async def drain(self) -> None:
-        """Wait until the send queue is below WRITE_HIGH (or the link closed)."""
-        while self._queued_bytes() > WRITE_HIGH and not self.closed:
+        """Wait until the send queue is at most `write_high` (or the link closed)."""
+        while self._queued_bytes() > self.write_high and not self.closed:
             self._drained.clear()
             await self._drained.wait()
 
@@ -353,8 +356,9 @@ class TlsLink(LinkBase):
 
     def __init__(self, sock: ssl.SSLSocket, decoder: FrameDecoder, on_frames: Callable[[list[Frame]], None],
                  on_closed: Callable[[MissReason], None], frame_timeout_s: float, metrics: TransportMetrics,
-                 transport: str, max_payload: int = DEFAULT_MAX_PAYLOAD, batch_frames: bool = False) -> None:
-        self._init_link(transport, metrics)
+                 transport: str, max_payload: int = DEFAULT_MAX_PAYLOAD, batch_frames: bool = False,
+                 write_high: int = WRITE_HIGH) -> None:
+        self._init_link(transport, metrics, write_high)
         self.batch_frames = batch_frames  # hand over all frames of one read callback at once
         self._sock = sock
         self._read, self._write = openssl_calls(sock)
@@ -370,6 +374,7 @@ class TlsLink(LinkBase):
         self._read_wants_write = False
         self._write_wants_read = False
         self._reading = False
+        self._got_bytes = False
 
     # -- reading
     def start(self) -> None:
@@ -393,6 +398,7 @@ class TlsLink(LinkBase):
     def _on_readable(self) -> None:
         budget = READ_BUDGET
         frames: list[Frame] = []
+        self._got_bytes = False
         decoder = self._decoder
         read = self._read
         while self._reading and not self.closed and budget > 0:
@@ -428,6 +434,7 @@ class TlsLink(LinkBase):
             try:
                 if n:
                     self.last_rx = self._loop.time()
+                    self._got_bytes = True
                     frames += decoder.buffer_updated(n)
                     budget -= n
                     if not self.batch_frames and frames:
@@ -453,8 +460,11 @@ class TlsLink(LinkBase):
             self._flush()
 
     def _deliver(self, frames: list[Frame]) -> None:
-        if not frames or self.closed:
+        """Hand over the frames of a read (none, when it only carried part of a frame: the owner
+        still learns that bytes arrived, for its total frame deadline)."""
+        if (not frames and not self._got_bytes) or self.closed:
             return
+        self._got_bytes = False
         try:
             self._on_frames(frames)
         except ProtocolError as e:
@@ -517,7 +527,7 @@ class TlsLink(LinkBase):
                 self._out.popleft()
             else:
                 self._out[0] = chunk[n:]
-        if self._out_bytes <= WRITE_HIGH:
+        if self._out_bytes <= self.write_high:
             self._drained.set()
         if not self._out:
             self._empty.set()

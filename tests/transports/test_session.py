@@ -1,109 +1,226 @@
-"""Pull logic without sockets: server answers and client verification, wired in memory."""
+"""The connection protocol without sockets: a ClientSession and a ServerSession wired in memory.
+
+As in aioquic's tests, a loop is the network: bytes one session returns are fed to the other,
+with a fake clock passed as `now`. Every rule the transports share is asserted here once."""
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import blake3
 import pytest
 
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit
-from transports.codec import Block, End, Error, ErrorCode, FrameDecoder, Miss, MissReason, ProtocolError, Pull, encode
-from transports.session import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull
+from transports.base import Hit, PullResult
+from transports.codec import (
+    Block,
+    Bye,
+    Error,
+    ErrorCode,
+    Frame,
+    Hello,
+    LocalProtocolError,
+    Miss,
+    MissReason,
+    Pull,
+    encode,
+)
+from transports.session import ClientSession, Fetched, ServerSession
+
+TIMEOUT_S = 10.0
 
 
-@dataclass(frozen=True)
 class Stored:
-    payload: bytes
-    digest: bytes
+    def __init__(self, payload: bytes) -> None:
+        self.payload = payload
+        self.digest = blake3.blake3(payload).digest()
 
 
-class DictSource:
-    def __init__(self) -> None:
-        self.blocks: dict[BlockAddress, Stored] = {}
-
-    def add(self, address: BlockAddress, payload: bytes) -> None:
-        self.blocks[address] = Stored(payload, blake3.blake3(payload).digest())
-
-    def get_block(self, address: BlockAddress) -> Stored | None:
-        return self.blocks.get(address)
-
-
-def _addr(i: int, layer: int = 0) -> BlockAddress:
+def addr(i: int, layer: int = 0) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(i.to_bytes(4, "little")).digest()), layer)
 
 
-def _wire_pull(source: DictSource, request: list[BlockAddress]) -> tuple[list[object], PullTracker]:
-    """Server and client joined by a byte string, as a network would join them."""
-    wire = b"".join(encode(f) for f in answer_pull(source, Pull(42, tuple(request))))
-    tracker = PullTracker(42, request)
-    results: list[object] = []
-    for frame in FrameDecoder().feed(wire):
-        results += tracker.on_frame(frame)
-    return results, tracker
+def wire(frames: list[Frame]) -> bytes:
+    return b"".join(encode(f) for f in frames)
 
 
-def test_hits_and_misses_in_request_order() -> None:
-    source = DictSource()
-    request = [_addr(b, layer) for b in range(3) for layer in range(4)]
-    for a in request[:8]:
-        source.add(a, os.urandom(100))
-    results, tracker = _wire_pull(source, request)
-    assert tracker.done and tracker.num_pending == 0
-    assert [r.address for r in results] == request  # type: ignore[attr-defined]
-    assert all(isinstance(r, Hit) for r in results[:8])
-    assert all(isinstance(r, Miss) and r.reason is MissReason.NOT_FOUND for r in results[8:])
-    assert [bytes(r.payload) for r in results[:8]] == [source.blocks[a].payload for a in request[:8]]  # type: ignore
+class Pair:
+    """A client and a server session joined by in-memory byte strings; `store` answers pulls."""
+
+    def __init__(self, store: dict[BlockAddress, Fetched], *, client_max_payload: int = 1 << 26,
+                 max_inflight: int = 4, hello_node: str = "client-1") -> None:
+        self.now = 0.0
+        self.store = store
+        self.server = ServerSession("server-1", "client-1", self.now, max_inflight=max_inflight,
+                                    frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0)
+        self.client = ClientSession(hello_node, "server-1", self.now, max_payload=client_max_payload,
+                                    frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0)
+        self.to_server = wire(self.client.hello())
+        self.results: dict[int, list[PullResult]] = {}
+        self.done: set[int] = set()
+
+    def pull(self, addresses: list[BlockAddress]) -> int:
+        rid, frames = self.client.submit(addresses, self.now)
+        self.to_server += wire(frames)
+        return rid
+
+    def run(self) -> None:
+        """Move bytes both ways until nothing is left to move; the server answers every pull it starts."""
+        while self.to_server:
+            data, self.to_server = self.to_server, b""
+            back = self.server.receive(data, self.now)
+            for pull in self.server.take_pulls():
+                fetched = [self.store.get(a) for a in pull.addresses]
+                back += self.server.answer(pull.request_id, pull.addresses, fetched)
+                back += self.server.finish(pull.request_id, self.now)
+            for rid, results, done in self.client.receive(wire(back), self.now):
+                self.results.setdefault(rid, []).extend(results)
+                if done:
+                    self.done.add(rid)
 
 
-def test_corrupt_payload_becomes_a_digest_miss() -> None:
-    source = DictSource()
-    a, b = _addr(1), _addr(2)
-    source.add(a, b"good" * 10)
-    source.blocks[b] = Stored(b"evil" * 10, blake3.blake3(b"good" * 10).digest())  # lies about its digest
-    results, tracker = _wire_pull(source, [a, b])
-    assert isinstance(results[0], Hit)
-    assert isinstance(results[1], Miss) and results[1].reason is MissReason.DIGEST_MISMATCH
-    assert tracker.num_digest_mismatches == 1
+def test_pull_returns_verified_hits_and_misses_in_the_order_asked() -> None:
+    blocks = {addr(i): Stored(os.urandom(1000 + i)) for i in range(5)}
+    pair = Pair(dict(blocks))
+    asked = [addr(0), addr(99), addr(3), addr(3), addr(4)]
+    rid = pair.pull(asked)
+    pair.run()
+    got = pair.results[rid]
+    assert rid in pair.done
+    assert [r.address for r in got] == asked
+    assert isinstance(got[1], Miss) and got[1].reason is MissReason.NOT_FOUND
+    for r in (got[0], got[2], got[3], got[4]):
+        assert isinstance(r, Hit) and bytes(r.payload) == blocks[r.address].payload
 
 
-def test_end_or_error_fails_what_is_pending() -> None:
-    t = PullTracker(5, [_addr(1), _addr(2)])
-    assert t.on_frame(End(5)) == [Miss(5, _addr(1), MissReason.PEER_ERROR), Miss(5, _addr(2), MissReason.PEER_ERROR)]
-    t2 = PullTracker(6, [_addr(1)])
-    out = t2.on_frame(Error(0, ErrorCode.OVERLOADED, "busy"))
-    assert out == [Miss(6, _addr(1), MissReason.PEER_ERROR)] and t2.done
-    t3 = PullTracker(7, [_addr(1)])
-    assert t3.fail(MissReason.TIMEOUT) == [Miss(7, _addr(1), MissReason.TIMEOUT)]
+def test_oversize_and_failed_blocks_are_misses_with_a_reason_and_the_rest_is_served() -> None:
+    small, big, broken = addr(1), addr(2), addr(3)
+    pair = Pair({small: Stored(b"x" * 100), big: Stored(b"y" * 5000), broken: OSError("disk gone")},
+                client_max_payload=4096)
+    rid = pair.pull([small, big, broken])
+    pair.run()
+    reasons = [r.reason if isinstance(r, Miss) else "hit" for r in pair.results[rid]]
+    assert reasons == ["hit", MissReason.TOO_LARGE, MissReason.SOURCE_ERROR]
+    stats = pair.server.take_stats()
+    assert (stats.num_hits, stats.num_bytes) == (1, 100)
+    assert stats.misses == {MissReason.TOO_LARGE: 1, MissReason.SOURCE_ERROR: 1}
 
 
-def test_frames_that_do_not_belong_are_protocol_errors() -> None:
-    t = PullTracker(5, [_addr(1)])
-    payload = b"x"
-    with pytest.raises(ProtocolError, match="did not ask for"):
-        t.on_frame(Block(5, _addr(9), blake3.blake3(payload).digest(), payload))
-    with pytest.raises(ProtocolError, match="unexpected"):
-        t.on_frame(End(6))
-    t.on_frame(End(5))
-    with pytest.raises(ProtocolError, match="after it ended"):
-        t.on_frame(End(5))
+def test_hello_must_come_first_and_name_the_certificates_node() -> None:
+    pair = Pair({}, hello_node="someone-else")
+    pair.pull([addr(1)])
+    pair.run()
+    assert pair.server.closing and pair.server.error is not None
+    assert pair.server.error.code is ErrorCode.UNAUTHORIZED
+    server = ServerSession("server-1", "client-1", 0.0)
+    out = server.receive(encode(Pull(1, (addr(1),))), 0.0)
+    assert isinstance(out[0], Error) and out[0].code is ErrorCode.PROTOCOL and server.closing
 
 
-def test_duplicate_addresses_are_each_answered() -> None:
-    source = DictSource()
-    source.add(_addr(1), b"p")
-    results, tracker = _wire_pull(source, [_addr(1), _addr(1)])
-    assert len(results) == 2 and all(isinstance(r, Hit) for r in results) and tracker.done
+def test_in_flight_window_queues_pulls_and_stops_reading() -> None:
+    server = ServerSession("server-1", "client-1", 0.0, max_inflight=2)
+    frames: list[Frame] = [Hello("client-1"), *(Pull(rid, (addr(rid),)) for rid in (1, 2, 3, 4))]
+    assert isinstance(server.receive(wire(frames), 0.0)[0], Hello)
+    assert [p.request_id for p in server.take_pulls()] == [1, 2]
+    assert not server.reading
+    server.finish(1, 0.0)
+    assert [p.request_id for p in server.take_pulls()] == [3]
+    server.finish(2, 0.0)
+    server.finish(3, 0.0)
+    assert [p.request_id for p in server.take_pulls()] == [4] and server.reading
+    with pytest.raises(LocalProtocolError):
+        server.finish(3, 0.0)
 
 
-def test_the_largest_pull_fits_the_header_limit() -> None:
-    worst = tuple(BlockAddress(BlockHash(b"\xff" * 32), 2**32 - 1) for _ in range(MAX_ADDRESSES_PER_PULL))
-    (frame,) = FrameDecoder().feed(encode(Pull(2**64 - 1, worst)))
-    assert isinstance(frame, Pull) and len(frame.addresses) == MAX_ADDRESSES_PER_PULL
+def test_a_request_id_in_flight_cannot_be_reused() -> None:
+    server = ServerSession("server-1", "client-1", 0.0)
+    out = server.receive(wire([Hello("client-1"), Pull(7, (addr(1),)), Pull(7, (addr(2),))]), 0.0)
+    assert isinstance(out[-1], Error) and "reuses request id 7" in out[-1].message and server.closing
 
 
-def test_oversized_pull_is_refused() -> None:
-    with pytest.raises(ProtocolError, match="exceeds"):
-        list(answer_pull(DictSource(), Pull(1, tuple(_addr(0) for _ in range(MAX_ADDRESSES_PER_PULL + 1)))))
+def test_slowloris_is_cut_by_the_total_frame_deadline_not_reset_by_each_byte() -> None:
+    """Finding 3: a peer sending one byte a second kept a frame open forever (the stall timer
+    counted from the last byte). Now a frame must arrive whole within frame_timeout_s."""
+    server = ServerSession("server-1", "client-1", 0.0, frame_timeout_s=TIMEOUT_S)
+    data = wire([Hello("client-1")])
+    now = 0.0
+    for i in range(len(data) - 1):
+        assert not server.receive(data[i:i + 1], now)
+        deadline = server.next_deadline()
+        assert deadline is not None and deadline == pytest.approx(TIMEOUT_S)
+        now += 1.0
+        if now >= deadline:
+            out = server.handle_timer(now)
+            assert isinstance(out[0], Error) and out[0].code is ErrorCode.TIMEOUT
+            assert server.closing and server.close_reason is MissReason.TIMEOUT
+            return
+    pytest.fail("the dribbled HELLO was never cut")
+
+
+def test_a_peer_that_does_not_read_is_cut_after_frame_timeout() -> None:
+    server = ServerSession("server-1", "client-1", 0.0, frame_timeout_s=TIMEOUT_S)
+    server.receive(wire([Hello("client-1")]), 0.0)
+    assert server.next_deadline(blocked_since=1.0) == pytest.approx(1.0 + TIMEOUT_S)
+    assert not server.handle_timer(5.0, blocked_since=1.0)
+    assert isinstance(server.handle_timer(11.5, blocked_since=1.0)[0], Error) and server.closing
+
+
+def test_idle_connections_close_client_first() -> None:
+    pair = Pair({})
+    pair.pull([addr(1)])
+    pair.run()
+    assert pair.client.next_deadline() == pytest.approx(15.0)   # half the server's idle timeout
+    frames, results = pair.client.handle_timer(15.0)
+    assert frames == [Bye("idle")] and not results and pair.client.closing
+    assert pair.server.next_deadline() == pytest.approx(30.0)
+    assert pair.server.handle_timer(30.0) == [Bye("idle")] and pair.server.closing
+
+
+def test_a_stalled_server_ends_pending_requests_in_timeout_misses() -> None:
+    client = ClientSession("client-1", "server-1", 0.0, frame_timeout_s=TIMEOUT_S)
+    rid, _ = client.submit([addr(1), addr(2)], 0.0)
+    client.receive(encode(Hello("server-1")), 1.0)
+    assert client.next_deadline() == pytest.approx(1.0 + TIMEOUT_S)
+    client.pause(2.0)   # the caller is slow to take results: no stall meanwhile
+    assert client.next_deadline() is None
+    client.resume(7.0)
+    assert client.next_deadline() == pytest.approx(6.0 + TIMEOUT_S)
+    _, results = client.handle_timer(16.0)
+    assert [(r, [m.reason for m in res if isinstance(m, Miss)], d) for r, res, d in results] == \
+        [(rid, [MissReason.TIMEOUT] * 2, True)]
+
+
+def test_lying_server_payload_is_a_digest_mismatch_miss_and_strangers_are_protocol_errors() -> None:
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1)], 0.0)
+    lie = Block(rid, addr(1), blake3.blake3(b"truth").digest(), b"lie!!")
+    out = client.receive(wire([Hello("server-1"), lie]), 0.0)
+    assert [(r, [m.reason for m in res if isinstance(m, Miss)]) for r, res, _ in out] == \
+        [(rid, [MissReason.DIGEST_MISMATCH])]
+    rid2, _ = client.submit([addr(2)], 0.0)
+    stranger = Block(rid2, addr(3), blake3.blake3(b"x").digest(), b"x")   # never asked for
+    out = client.receive(encode(stranger), 0.0)
+    assert client.closing and client.error is not None
+    assert [(r, [m.reason for m in res if isinstance(m, Miss)]) for r, res, _ in out if res] == \
+        [(rid2, [MissReason.PEER_ERROR])]
+
+
+def test_server_error_or_lost_connection_fails_only_what_is_pending() -> None:
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1), addr(2)], 0.0)
+    hit = Stored(b"payload")
+    out = client.receive(wire([Hello("server-1"), Block(rid, addr(1), hit.digest, hit.payload),
+                               Error(0, ErrorCode.INTERNAL, "going away")]), 0.0)
+    flat = [r for _, res, _ in out for r in res]
+    assert isinstance(flat[0], Hit)
+    assert isinstance(flat[1], Miss) and flat[1].reason is MissReason.PEER_ERROR and len(flat) == 2
+
+
+def test_quic_style_stream_sessions_carry_one_pull_and_need_no_hello() -> None:
+    server = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    server.receive(encode(Pull(5, (addr(1),))), 0.0)
+    assert [p.request_id for p in server.take_pulls()] == [5]
+    out = server.receive(encode(Pull(6, (addr(1),))), 0.0)
+    assert isinstance(out[0], Error) and out[0].request_id == 5 and server.closing
+    empty = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    assert isinstance(empty.end_of_stream(0.0)[0], Error)

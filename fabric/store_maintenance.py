@@ -1,0 +1,101 @@
+"""Carrying out a `MaintenancePlan` (fabric/eviction.py) on a store's state: SSD expiry and
+capacity eviction, RAM offload, prefetch, last-seen rows, and the full re-read of `verify`.
+
+The decisions are the planner's; these functions only take the lock, pick the victims the plan
+names (TTL first, then least recently seen) and do the file and index work outside the lock.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from fabric.eviction import MaintenancePlan, TierSnapshot
+from fabric.index import BlockMeta
+from fabric.keys import StorageKey
+from fabric.store_core import StoreCore
+from fabric.store_types import VerifyReport
+from fabric.tiers.base import CorruptBlockError, Tier
+
+
+def snapshot(core: StoreCore) -> TierSnapshot:
+    """The planner's input; clears the set of SSD blocks touched since the last pass."""
+    with core.lock:
+        candidates = tuple((k, core.freq.relative(k), core.ssd_entry_locked(k).file_bytes)
+                           for k in core.touched_ssd if core.ssd.contains(k) and not core.ram.contains(k))
+        core.touched_ssd.clear()
+        return TierSnapshot(core.ram.used_bytes, core.ssd.used_bytes, core.ssd_wanted, len(core.dirty),
+                            candidates)
+
+
+def evict_ssd(core: StoreCore, plan: MaintenancePlan) -> int:
+    with core.lock:
+        expired = core.ssd.expired(plan.ssd_expiry_cutoff)
+        expired_bytes = sum(core.ssd_entry_locked(k).file_bytes for k in expired)
+        extra = max(0, core.ssd.used_bytes - expired_bytes - plan.ssd_target_bytes)
+        core.ssd_wanted = 0
+        lru = core.ssd.least_recent(extra, skip=frozenset(expired)) if extra else []
+        victims = [(k, core.ssd_entry_locked(k)) for k in expired + lru]
+    evicted = sum(core.drop_file(key, entry) for key, entry in victims)
+    with core.lock:
+        core.count_evictions_locked(Tier.SSD, evicted)
+    return evicted
+
+
+def evict_ram(core: StoreCore, plan: MaintenancePlan) -> int:
+    with core.lock:
+        victims = core.ram.evict(max(0, core.ram.used_bytes - plan.ram_target_bytes))
+        for v in victims:
+            if not core.ssd.contains(v.key):
+                core.forget_locked(v.key)
+        core.count_evictions_locked(Tier.RAM, len(victims))
+    return len(victims)
+
+
+def prefetch(core: StoreCore, plan: MaintenancePlan) -> int:
+    done = 0
+    for key in plan.prefetch:
+        with core.lock:
+            entry = core.ssd.entry(StorageKey(key))
+            if entry is None or core.ram.contains(StorageKey(key)):
+                continue
+        if core.read_ssd(StorageKey(key), entry, True, time.perf_counter()) is not None:
+            done += 1
+    return done
+
+
+def persist_last_seen(core: StoreCore) -> int:
+    """Write the last-seen time and tier of blocks touched since the last tick (no sync: advisory)."""
+    with core.lock:
+        live = {k: e for k in core.touched_rows if (e := core.ssd.entry(k)) is not None}
+        core.touched_rows.clear()
+    if not live:
+        return 0
+    # Under the stripes, so a row is never written back after its block was deleted.
+    with core.stripes_of(live):
+        with core.lock:
+            rows = [(k, BlockMeta(e.model, e.layer, e.num_bytes, e.digest, e.created_unix, e.last_seen_unix,
+                                  Tier.RAM if core.ram.contains(k) else Tier.SSD, e.block_hash))
+                    for k, e in live.items() if core.ssd.entry(k) is e]
+        core.index.put_many(rows, sync=False)
+    return len(rows)
+
+
+def verify(core: StoreCore, progress: Callable[[int], object] | None) -> VerifyReport:
+    """Re-read every SSD block; corrupt ones are counted and removed."""
+    with core.lock:
+        entries = core.ssd.items()
+    corrupt: list[tuple[StorageKey, str]] = []
+    for key, entry in entries:
+        try:
+            core.ssd.read_file(key, entry.layer, entry.digest)
+        except CorruptBlockError as e:
+            corrupt.append((key, e.reason))
+            if core.drop_file(key, entry, "corrupt"):
+                core.metrics.corrupt.labels(Tier.SSD.value).inc()
+        except FileNotFoundError:
+            corrupt.append((key, "file missing"))
+            core.drop_file(key, entry, "row_without_file")
+        if progress is not None:
+            progress(1)
+    return VerifyReport(len(entries), tuple(corrupt))

@@ -1,0 +1,345 @@
+"""QUIC client (aioquic): pooled connections, one bidirectional stream per PULL, each stream a
+`ClientSession(hello=False)` that checks every digest and turns what the server left unanswered into
+misses.
+
+    pull(): PULL + FIN ──► server          (at most MAX_ADDRESSES_PER_STREAM addresses per stream)
+            ◄── BLOCK | MISS … END + FIN   session.receive() → Hit / Miss per address, in order
+
+Mutual TLS: aioquic checks the server's certificate against the cluster CA with the dialled node
+as server name; session tickets are kept per peer node and offered on reconnect. A pull with no
+progress for `frame_timeout_s` ends in TIMEOUT misses; a pooled connection found dead before it
+answered anything is replaced once (PULL is idempotent).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import itertools
+import logging
+import socket
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
+
+from aioquic import tls
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic import events
+from aioquic.quic.configuration import QuicConfiguration
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicErrorCode
+
+from fabric.config import TransportConfig
+from fabric.keys import BlockAddress
+from transports.base import Peer, PullResult
+from transports.certs import NodeCredentials
+from transports.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
+from transports.metrics import TransportMetrics
+from transports.quic_base import (
+    MAX_ADDRESSES_PER_STREAM,
+    STREAM_CANCELLED,
+    STREAM_PROTOCOL_ERROR,
+    TRANSPORT,
+    QuicTuning,
+    base_configuration,
+    stop_reading,
+)
+from transports.quic_tls import QuicTlsMaterial
+from transports.session import ClientSession
+from transports.udp import UdpEndpoint, udp_socket
+
+logger = logging.getLogger("transports.quic")
+
+
+@dataclass(slots=True)
+class _PullStream:
+    session: ClientSession
+    request_id: int
+    last_progress: float
+    done: bool = False
+    results: deque[PullResult] = field(default_factory=deque)
+    wakeup: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class _ClientConnection(QuicConnectionProtocol):
+    """One pooled connection to a peer; routes stream data to the pulls waiting on it."""
+
+    def __init__(self, quic: QuicConnection, *, client: QuicTransportClient, peer: Peer) -> None:
+        super().__init__(quic)
+        self.client = client
+        self.peer = peer
+        self.pulls: dict[int, _PullStream] = {}
+        self.slots = asyncio.Semaphore(client.max_inflight)
+        self.closed = False
+        self.session_resumed = False
+        self.last_received = self._loop.time()
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self.last_received = self._loop.time()
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self.last_received)
+        self._process_events()
+        if not self.closed and self._quic._close_event is not None:
+            # Closing or draining: aioquic reports the termination only after 3 PTOs; fail the
+            # pulls and stop handing out this connection now.
+            self._on_terminated(self._quic._close_event)
+            if self._connected_waiter is not None:
+                waiter, self._connected_waiter = self._connected_waiter, None
+                waiter.set_exception(ConnectionError(self._quic._close_event.reason_phrase))
+        self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.StreamDataReceived):
+            self._on_data(event.stream_id, event.data, event.end_stream)
+        elif isinstance(event, events.StreamReset):
+            self._finish(event.stream_id, MissReason.PEER_ERROR)
+        elif isinstance(event, events.HandshakeCompleted):
+            self.session_resumed = event.session_resumed
+        elif isinstance(event, events.ConnectionTerminated):
+            self._on_terminated(event)
+
+    def _on_terminated(self, event: events.ConnectionTerminated) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._connected:
+            self.client.metrics.connections.labels(TRANSPORT, "client").dec()
+        if QuicErrorCode.CRYPTO_ERROR <= event.error_code < QuicErrorCode.CRYPTO_ERROR + 256:
+            ours = self._quic.tls.state != tls.State.CLIENT_POST_HANDSHAKE
+            reason = "server_untrusted" if ours else "refused_by_server"
+            self.client.metrics.auth_failures.labels(TRANSPORT, reason).inc()
+            logger.warning("QUIC handshake with %s failed (%s): %s", self.peer.node, reason, event.reason_phrase)
+        for stream_id in list(self.pulls):
+            self._finish(stream_id, MissReason.PEER_GONE)
+
+    def _on_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        pull = self.pulls.get(stream_id)
+        if pull is None:
+            return  # a pull we gave up on; its stream was stopped
+        pull.last_progress = self._loop.time()
+        now = self._loop.time()
+        out = pull.session.receive(data, now)
+        if end_stream:
+            out += pull.session.end_of_stream(now)
+        for _, results, done in out:
+            pull.results.extend(results)
+            pull.done = pull.done or done
+        error = pull.session.error
+        if error is not None and not pull.done:
+            pull.results.extend(r for _, res, _ in pull.session.connection_lost(MissReason.PEER_ERROR) for r in res)
+            pull.done = True
+        if error is not None:
+            logger.warning("QUIC pull %d from %s: bad answer: %s", pull.request_id, self.peer.node, error)
+            self.client.metrics.protocol_errors.labels(TRANSPORT).inc()
+            stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
+        if pull.done:
+            del self.pulls[stream_id]
+        pull.wakeup.set()
+
+    def _finish(self, stream_id: int, reason: MissReason) -> None:
+        pull = self.pulls.pop(stream_id, None)
+        if pull is not None:
+            pull.results.extend(r for _, res, _ in pull.session.connection_lost(reason) for r in res)
+            pull.done = True
+            pull.wakeup.set()
+
+    def open_pull(self, request_id: int, addresses: Sequence[BlockAddress]) -> tuple[int, _PullStream]:
+        stream_id = self._quic.get_next_available_stream_id()
+        now = self._loop.time()
+        # No HELLO on QUIC (the TLS handshake named both ends), so the session's own name is unused.
+        session = ClientSession("", self.peer.node, now, max_payload=self.client.max_payload,
+                                frame_timeout_s=self.client.frame_timeout_s, hello=False)
+        session.next_id = request_id
+        rid, frames = session.submit(addresses, now)
+        pull = _PullStream(session, rid, now)
+        self.pulls[stream_id] = pull
+        self._quic.send_stream_data(stream_id, b"".join(encode(f) for f in frames), end_stream=True)
+        self.transmit()
+        return stream_id, pull
+
+    def abandon(self, stream_id: int) -> None:
+        """Stop a pull early: ask the server to stop sending and forget the stream."""
+        if self.pulls.pop(stream_id, None) is not None and not self.closed:
+            stop_reading(self._quic, stream_id, STREAM_CANCELLED)
+            self.transmit()
+
+
+def _all_gone(pull: _PullStream, num_addresses: int) -> bool:
+    return len(pull.results) == num_addresses and all(
+        isinstance(r, Miss) and r.reason is MissReason.PEER_GONE for r in pull.results)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionInfo:
+    node: str
+    num_connects: int       # connections made to this peer so far
+    session_resumed: bool   # the current connection's handshake used a session ticket
+    open: bool
+
+
+class QuicTransportClient:
+    """Pulls blocks from peers over pooled QUIC connections (one per peer, reconnected on loss)."""
+
+    def __init__(self, credentials: NodeCredentials, *, tuning: QuicTuning | None = None,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = 5.0,
+                 idle_timeout_s: float = 30.0, frame_timeout_s: float = 10.0, max_inflight: int = 32,
+                 metrics: TransportMetrics | None = None) -> None:
+        self.credentials = credentials
+        self.tuning = tuning or QuicTuning()
+        self.max_payload = max_payload
+        self.connect_timeout_s = connect_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.frame_timeout_s = frame_timeout_s
+        self.max_inflight = max_inflight
+        self.metrics = metrics or TransportMetrics()
+        self._pool: dict[str, tuple[_ClientConnection, UdpEndpoint]] = {}
+        self._locks: dict[str, asyncio.Lock] = {}
+        self._tickets: dict[str, tls.SessionTicket] = {}
+        self._num_connects: dict[str, int] = {}
+        self.tls = QuicTlsMaterial(credentials, base_configuration(True, self.tuning, idle_timeout_s))
+        self._tickets_generation = -1
+        self._request_ids = itertools.count(1)
+
+    @classmethod
+    def from_config(cls, config: TransportConfig, credentials: NodeCredentials,
+                    metrics: TransportMetrics | None = None) -> QuicTransportClient:
+        return cls(credentials, tuning=QuicTuning.from_config(config),
+                   max_payload=config.max_payload_bytes, connect_timeout_s=config.connect_timeout_s,
+                   idle_timeout_s=config.idle_timeout_s, frame_timeout_s=config.frame_timeout_s,
+                   max_inflight=config.max_inflight, metrics=metrics)
+
+    def connection_info(self, peer: Peer) -> ConnectionInfo | None:
+        entry = self._pool.get(peer.node)
+        if entry is None:
+            return None
+        conn = entry[0]
+        return ConnectionInfo(peer.node, self._num_connects.get(peer.node, 0), conn.session_resumed,
+                              not conn.closed)
+
+    async def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]:
+        """One result per address; the results of each block's layers come in the order asked."""
+        for start in range(0, len(addresses), MAX_ADDRESSES_PER_STREAM):
+            async for result in self._pull_stream(peer, addresses[start:start + MAX_ADDRESSES_PER_STREAM]):
+                self.metrics.record(TRANSPORT, result)
+                yield result
+
+    async def _pull_stream(self, peer: Peer, addresses: Sequence[BlockAddress],
+                           may_retry: bool = True) -> AsyncIterator[PullResult]:
+        request_id = next(self._request_ids)
+        conn, reused = await self._connection(peer)
+        if conn is None:
+            for address in addresses:
+                yield Miss(request_id, address, MissReason.PEER_GONE)
+            return
+        stale = False
+        async with conn.slots:
+            stream_id, pull = conn.open_pull(request_id, addresses) if not conn.closed else (-1, None)
+            try:
+                while pull is not None:
+                    if reused and may_retry and pull.done and _all_gone(pull, len(addresses)):
+                        # A pooled connection that was already closing (peer restarted, idle
+                        # timeout): nothing was answered, and PULL is idempotent, so dial again.
+                        stale = True
+                        break
+                    while pull.results:
+                        yield pull.results.popleft()
+                    if pull.done:
+                        return
+                    pull.wakeup.clear()
+                    await self._wait(conn, pull)
+            finally:
+                if pull is not None and not pull.done:
+                    conn.abandon(stream_id)
+        if pull is None or stale:
+            async for result in self._pull_stream(peer, addresses, may_retry=False):
+                yield result
+
+    async def _wait(self, conn: _ClientConnection, pull: _PullStream) -> None:
+        """Wait for more results; a pull without progress for frame_timeout_s ends in TIMEOUT misses."""
+        while True:
+            idle = conn._loop.time() - pull.last_progress
+            try:
+                await asyncio.wait_for(pull.wakeup.wait(), max(0.0, self.frame_timeout_s - idle))
+                return
+            except TimeoutError:
+                if conn._loop.time() - pull.last_progress < self.frame_timeout_s:
+                    continue
+            break
+        logger.warning("QUIC pull %d from %s: no progress for %.1fs", pull.request_id,
+                       conn.peer.node, self.frame_timeout_s)
+        pull.results.extend(r for _, res, _ in pull.session.connection_lost(MissReason.TIMEOUT) for r in res)
+        pull.done = True
+        if conn._loop.time() - conn.last_received >= self.frame_timeout_s:
+            # Nothing at all came back: the peer is gone (e.g. restarted without closing);
+            # drop the connection so the next pull dials again.
+            await self.disconnect(conn.peer)
+
+    async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, bool]:
+        """The pooled connection to `peer` (reused: True) or a new one; None if it cannot be made."""
+        entry = self._pool.get(peer.node)
+        if entry is not None and not entry[0].closed and entry[0].peer == peer:
+            return entry[0], True
+        async with self._locks.setdefault(peer.node, asyncio.Lock()):
+            entry = self._pool.get(peer.node)
+            if entry is not None and not entry[0].closed and entry[0].peer == peer:
+                return entry[0], True
+            if entry is not None:
+                await self.disconnect(peer)
+            return await self._connect(peer), False
+
+    def _client_configuration(self, peer: Peer) -> QuicConfiguration:
+        material = self.tls.current()
+        if self.tls.generation != self._tickets_generation:
+            self._tickets.clear()  # a rotated certificate must be shown in a full handshake
+            self._tickets_generation = self.tls.generation
+        # server_name: the server certificate must name the node we dial (checked by aioquic).
+        return dataclasses.replace(material.configuration, server_name=peer.node,
+                                   session_ticket=self._tickets.get(peer.node))
+
+    async def _connect(self, peer: Peer) -> _ClientConnection | None:
+        loop = asyncio.get_running_loop()
+        quic = QuicConnection(configuration=self._client_configuration(peer),
+                              session_ticket_handler=partial(self._tickets.__setitem__, peer.node))
+        try:
+            infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_DGRAM)
+            family, addr = infos[0][0], infos[0][4]
+            sock = udp_socket("::" if family == socket.AF_INET6 else "0.0.0.0", 0, self.tuning.socket_buffer)
+        except OSError as e:
+            logger.warning("cannot reach QUIC peer %s at %s:%d: %s", peer.node, peer.host, peer.port, e)
+            return None
+        conn = _ClientConnection(quic, client=self, peer=peer)
+        transport = UdpEndpoint(sock, conn)
+        self._num_connects[peer.node] = self._num_connects.get(peer.node, 0) + 1
+        self._pool[peer.node] = (conn, transport)
+        conn.connect(addr)
+        try:
+            await asyncio.wait_for(conn.wait_connected(), self.connect_timeout_s)
+        except (ConnectionError, TimeoutError) as e:
+            logger.warning("QUIC connection to %s failed: %s", peer.node, type(e).__name__)
+            self._tickets.pop(peer.node, None)
+            await self.disconnect(peer)
+            return None
+        self.metrics.connections.labels(TRANSPORT, "client").inc()
+        logger.debug("QUIC connected to %s (resumed: %s)", peer.node, conn.session_resumed)
+        return conn
+
+    async def disconnect(self, peer: Peer) -> None:
+        """Close the pooled connection to `peer` (its open pulls end as PEER_GONE misses)."""
+        entry = self._pool.pop(peer.node, None)
+        if entry is None:
+            return
+        conn, transport = entry
+        if not conn.closed:
+            conn.close()  # CONNECTION_CLOSE goes out before the socket is closed below
+            conn._on_terminated(events.ConnectionTerminated(QuicErrorCode.NO_ERROR, None, "closed by us"))
+        transport.close()
+        if conn._timer is not None:  # no drain or retransmission timers on a closed socket
+            conn._timer.cancel()
+
+    async def close(self) -> None:
+        for node in list(self._pool):
+            entry = self._pool[node]
+            await self.disconnect(entry[0].peer)
+        await asyncio.sleep(0)
+

@@ -1,0 +1,466 @@
+"""QUIC server (aioquic): one `ServerSession` per PULL stream, answers pumped round-robin.
+
+    client stream: PULL + FIN ──► ServerSession(hello=False, one_pull=True): rules, frame deadline
+                   ◄── BLOCK | MISS … END + FIN      fetched blocks → session.answer() → frames
+
+The protocol rules are the session's (a block over the client's limit or one the store cannot read
+is a MISS with its reason, never a dropped stream). This module moves stream bytes, reads the
+store (on the loop while reads are fast, in a thread pool after SLOW_STREAK slow ones, like
+TLS-TCP) and bounds what unauthenticated peers can cost:
+
+  * Retry (address validation) is on by default: an Initial without a valid token gets a Retry
+    and creates no connection state, so spoofed floods cost one stateless reply each;
+  * at most `max_half_open` connections may be mid-handshake; further new Initials are dropped
+    (a client retransmits them);
+  * the connection-id table is indexed by connection (`_CidTable`): aioquic scans the whole table
+    on every close, which stalled the loop for tens of seconds after an Initial flood.
+
+Per connection the server buffers at most `send_high_water` + one batch of answers; receive
+buffers are capped by the QUIC flow-control windows. Per datagram the work is O(frames in it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from typing import Any, cast
+
+from aioquic._buffer import Buffer
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.asyncio.server import QuicServer
+from aioquic.quic import events
+from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicErrorCode, QuicPacketType, pull_quic_header
+
+from fabric.config import TransportConfig
+from fabric.keys import BlockAddress
+from transports.base import BlockSource
+from transports.certs import NodeCredentials
+from transports.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
+from transports.metrics import TransportMetrics
+from transports.quic_base import (
+    ALPN,
+    STREAM_PROTOCOL_ERROR,
+    STREAM_TIMEOUT,
+    TRANSPORT,
+    QuicTuning,
+    base_configuration,
+    send_frame,
+    stop_reading,
+)
+from transports.quic_tls import QuicTlsMaterial, auth_failure, install_client_auth, peer_node
+from transports.session import Fetched, ServerSession
+from transports.tls_tcp import BATCH_BYTES, INLINE_FETCH_S, SLOW_SOURCE_HOLD_S, SLOW_STREAK, fetch
+from transports.udp import UdpEndpoint, udp_socket
+
+logger = logging.getLogger("transports.quic")
+
+
+@dataclass(slots=True, eq=False)
+class _Stream:
+    """A client stream. Kept (without its session) after we closed it until the client's FIN or
+    reset arrives, so late bytes are ignored rather than mistaken for a new stream."""
+
+    stream_id: int
+    session: ServerSession | None
+    addresses: Sequence[BlockAddress] = ()
+    request_id: int = 0
+    next_index: int = 0
+    frames: deque[Frame] = field(default_factory=deque)   # answers made, not yet handed to aioquic
+    fetching: bool = False
+    peer_finished: bool = False
+
+
+class _ServerConnection(QuicConnectionProtocol):
+    """One client connection: sessions per stream, and the pump that sends their answers."""
+
+    def __init__(self, quic: QuicConnection, stream_handler: Any = None, *,  # aioquic passes a handler
+                 server: QuicTransportServer) -> None:
+        super().__init__(quic)
+        self._server = server
+        install_client_auth(quic, server.tls.current)
+        self.node: str | None = None
+        self._streams: dict[int, _Stream] = {}
+        self._ready: deque[_Stream] = deque()   # streams with answers left to make or send
+        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._terminated = False
+        self._refused = False
+        server._connections.add(self)
+        server.num_half_open += 1
+
+    # -- aioquic hooks -------------------------------------------------------------------------
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        if self.node is None and not self._refused:
+            self._check_refused()
+        self._process_events()
+        if not self._terminated and self._quic._close_event is not None:
+            self._on_terminated(self._quic._close_event)  # closing/draining: done serving it
+        self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
+
+    def transmit(self) -> None:
+        self._pump()
+        super().transmit()
+
+    def _check_refused(self) -> None:
+        """Count and log a refused client as soon as the TLS hook refuses it (not after draining)."""
+        reason = auth_failure(self._quic)
+        if reason is None:
+            return
+        self._refused = True
+        close = self._quic._close_event
+        addr = self._quic._network_paths[0].addr if self._quic._network_paths else "?"
+        self._server.metrics.auth_failures.labels(TRANSPORT, reason.value).inc()
+        logger.warning("refused QUIC client %s: %s (%s)", addr, reason.value, close.reason_phrase if close else "")
+
+    def quic_event_received(self, event: events.QuicEvent) -> None:
+        if isinstance(event, events.StreamDataReceived):
+            self._on_data(event.stream_id, event.data, event.end_stream)
+        elif isinstance(event, events.HandshakeCompleted):
+            self._on_handshake(event)
+        elif isinstance(event, events.StreamReset):
+            self._close(event.stream_id, peer_finished=True)
+        elif isinstance(event, events.StopSendingReceived):
+            self._close(event.stream_id)
+        elif isinstance(event, events.ConnectionTerminated):
+            self._on_terminated(event)
+
+    # -- events --------------------------------------------------------------------------------
+
+    def _on_handshake(self, event: events.HandshakeCompleted) -> None:
+        self.node = peer_node(self._quic)
+        self._server.num_half_open -= 1
+        if self.node is None:  # cannot happen with the hook installed; never serve an unknown peer
+            self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
+            return
+        self._server.metrics.connections.labels(TRANSPORT, "server").inc()
+        logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)
+        self._arm_sweep()
+
+    def _on_terminated(self, event: events.ConnectionTerminated) -> None:
+        if self._terminated:
+            return
+        self._terminated = True
+        if self.node is None:
+            self._server.num_half_open -= 1
+            if not self._refused:
+                self._check_refused()
+            if not self._refused:
+                logger.info("QUIC handshake failed: %s (code %#x)", event.reason_phrase, event.error_code)
+        else:
+            self._server.metrics.connections.labels(TRANSPORT, "server").dec()
+            logger.debug("QUIC connection from %s closed: %s", self.node, event.reason_phrase or "idle")
+        self._release()
+
+    def _release(self) -> None:
+        if self._sweep_timer is not None:
+            self._sweep_timer.cancel()
+            self._sweep_timer = None
+        self._streams.clear()
+        self._ready.clear()
+        self._server._connections.discard(self)
+
+    def _on_data(self, stream_id: int, data: bytes, end_stream: bool) -> None:
+        if self.node is None:
+            self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
+            return
+        stream = self._streams.get(stream_id)
+        now = self._loop.time()
+        if stream is None:
+            if stream_id % 4 != 0:  # only client-initiated bidirectional streams carry PULLs
+                self._server.metrics.protocol_errors.labels(TRANSPORT).inc()
+                stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
+                return
+            server = self._server
+            session = ServerSession(server.node, self.node, now, max_payload=server.max_payload, max_inflight=1,
+                                    frame_timeout_s=server.frame_timeout_s, hello=False, one_pull=True)
+            stream = self._streams[stream_id] = _Stream(stream_id, session)
+        if stream.session is None:  # closed by us: late bytes
+            if end_stream:
+                self._close(stream_id, peer_finished=True)
+            return
+        session = stream.session
+        out = session.receive(data, now)
+        if end_stream:
+            stream.peer_finished = True
+            out += session.end_of_stream(now)
+        self._after(stream, out)
+
+    def _after(self, stream: _Stream, out: list[Frame]) -> None:
+        """Carry out what a stream's session returned: queue frames, start its pull, or close it."""
+        session = stream.session
+        assert session is not None, "a closed stream has no session to follow"
+        stream.frames.extend(out)
+        for pull in session.take_pulls():
+            stream.request_id, stream.addresses = pull.request_id, pull.addresses
+            self._ready.append(stream)
+        if session.closing:
+            error = session.error
+            if error is not None:
+                logger.warning("QUIC stream %d from node %s closed: %s", stream.stream_id, self.node, error)
+                if error.code.value == "protocol":
+                    self._server.metrics.protocol_errors.labels(TRANSPORT).inc()
+                if not stream.peer_finished:
+                    timed_out = session.close_reason is MissReason.TIMEOUT
+                    stop_reading(self._quic, stream.stream_id, STREAM_TIMEOUT if timed_out else STREAM_PROTOCOL_ERROR)
+            self._ready.append(stream)   # the ERROR frame still goes out, with FIN
+
+    def _close(self, stream_id: int, peer_finished: bool = False) -> None:
+        """Stop answering a stream and free its session."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return
+        stream.session, stream.addresses = None, ()
+        stream.frames.clear()
+        if stream in self._ready:
+            self._ready.remove(stream)
+        stream.peer_finished = stream.peer_finished or peer_finished
+        if stream.peer_finished:
+            self._streams.pop(stream_id, None)
+
+    def _can_send(self, stream_id: int) -> bool:
+        qs = self._quic._streams.get(stream_id)
+        return qs is None or (qs.sender._buffer_fin is None and qs.sender._reset_error_code is None)
+
+    # -- sending -------------------------------------------------------------------------------
+
+    def _unacked(self) -> int:
+        return sum(len(qs.sender._buffer) for qs in self._quic._streams.values())
+
+    def _pump(self) -> None:
+        """Move answers into aioquic, round-robin over streams, up to the high-water mark."""
+        if not self._ready:
+            return
+        server = self._server
+        budget = server.tuning.send_high_water - self._unacked()
+        max_payload = server.max_payload
+        while self._ready and budget > 0:
+            stream = self._ready.popleft()
+            session = stream.session
+            if session is None or stream.fetching:
+                continue
+            if not stream.frames and not session.closing:
+                self._make_answers(stream, session)
+                if stream.fetching:
+                    continue
+            if not self._can_send(stream.stream_id):
+                self._close(stream.stream_id)
+                continue
+            while stream.frames and budget > 0:
+                frame = stream.frames.popleft()
+                last = isinstance(frame, End) or (session.closing and not stream.frames)
+                budget -= send_frame(self._quic, stream.stream_id, frame, max_payload, end_stream=last)
+                if last:
+                    stream.session = None
+                    self._close(stream.stream_id)
+            if stream.session is not None:
+                self._ready.append(stream)
+
+    def _make_answers(self, stream: _Stream, session: ServerSession) -> None:
+        rest = stream.addresses[stream.next_index:]
+        server = self._server
+        if server.executor is not None and self._loop.time() < server.slow_until:
+            stream.fetching = True   # the store is slow (disk): read it off the loop
+            task = self._loop.create_task(self._fetch_in_thread(stream, session, rest))
+            server.fetches.add(task)
+            task.add_done_callback(server.fetches.discard)
+            return
+        fetched, slow = fetch(server.source, rest, BATCH_BYTES, INLINE_FETCH_S)
+        server.note_fetch(slow, self._loop.time())
+        self._answered(stream, session, rest, fetched)
+
+    async def _fetch_in_thread(self, stream: _Stream, session: ServerSession, rest: Sequence[BlockAddress]) -> None:
+        server = self._server
+        assert server.executor is not None, "fetching in a thread needs the pool"
+        fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, BATCH_BYTES)
+        stream.fetching = False
+        if stream.session is session and not self._terminated:
+            self._answered(stream, session, rest, fetched)
+            self._ready.append(stream)
+            self.transmit()
+
+    def _answered(self, stream: _Stream, session: ServerSession, rest: Sequence[BlockAddress],
+                  fetched: list[Fetched]) -> None:
+        stream.frames.extend(session.answer(stream.request_id, rest[:len(fetched)], fetched))
+        stream.next_index += len(fetched)
+        if stream.next_index >= len(stream.addresses):
+            stream.frames.extend(session.finish(stream.request_id, self._loop.time()))
+        self._server.count_served(session)
+
+    # -- timers --------------------------------------------------------------------------------
+
+    def _arm_sweep(self) -> None:
+        interval = max(0.05, self._server.frame_timeout_s / 8)
+        self._sweep_timer = self._loop.call_later(interval, self._sweep)
+
+    def _sweep(self) -> None:
+        now = self._loop.time()
+        failed = False
+        for stream in list(self._streams.values()):
+            session = stream.session
+            deadline = None if session is None else session.next_deadline()
+            if session is not None and deadline is not None and now >= deadline:
+                self._after(stream, session.handle_timer(now))
+                failed = True
+        if failed:
+            self.transmit()
+        if not self._terminated:
+            self._arm_sweep()
+
+
+class _CidTable(dict[bytes, QuicConnectionProtocol]):
+    """aioquic's connection-id → connection table, also indexed by connection, so that forgetting
+    a closed connection costs O(its ids) instead of a scan of every id of every connection."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.of: dict[QuicConnectionProtocol, set[bytes]] = {}
+
+    def __setitem__(self, cid: bytes, protocol: QuicConnectionProtocol) -> None:
+        super().__setitem__(cid, protocol)
+        self.of.setdefault(protocol, set()).add(cid)
+
+    def __delitem__(self, cid: bytes) -> None:
+        protocol = self[cid]
+        super().__delitem__(cid)
+        cids = self.of.get(protocol)
+        if cids is not None:
+            cids.discard(cid)
+
+    def forget(self, protocol: QuicConnectionProtocol) -> None:
+        for cid in self.of.pop(protocol, ()):
+            if self.get(cid) is protocol:
+                super().__delitem__(cid)
+
+    def clear(self) -> None:
+        super().clear()
+        self.of.clear()
+
+
+class _BoundedQuicServer(QuicServer):
+    """aioquic's server with the cid table above and a cap on connections mid-handshake."""
+
+    def __init__(self, *, owner: QuicTransportServer, **kw: Any) -> None:
+        super().__init__(**kw)
+        self._owner = owner
+        self._protocols = _CidTable()
+
+    def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        owner = self._owner
+        if owner.num_half_open >= owner.max_half_open and self._is_new_initial(cast(bytes, data)):
+            owner.num_dropped_initials += 1
+            return
+        super().datagram_received(data, addr)
+
+    def _is_new_initial(self, data: bytes) -> bool:
+        try:
+            header = pull_quic_header(Buffer(data=data), host_cid_length=self._configuration.connection_id_length)
+        except ValueError:
+            return False
+        return header.packet_type == QuicPacketType.INITIAL and header.destination_cid not in self._protocols
+
+    def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
+        cast(_CidTable, self._protocols).forget(protocol)
+
+
+class QuicTransportServer:
+    """Answers PULL streams from `source` on a UDP port, for clients with a cluster certificate."""
+
+    def __init__(self, credentials: NodeCredentials, source: BlockSource, *, host: str = "127.0.0.1",
+                 port: int = 0, tuning: QuicTuning | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 metrics: TransportMetrics | None = None, ticket_lifetime_s: float = 3600.0,
+                 retry: bool = True, max_half_open: int = 128, io_threads: int = 4) -> None:
+        """`retry`: validate client addresses with a Retry before any handshake state is kept;
+        `max_half_open`: connections allowed mid-handshake at once; `io_threads`: for slow reads."""
+        self.credentials = credentials
+        self.node = credentials.node
+        self.source = source
+        self.host, self.port = host, port
+        self.tuning = tuning or QuicTuning()
+        self.max_payload = max_payload
+        self.frame_timeout_s = frame_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.metrics = metrics or TransportMetrics()
+        self.retry = retry
+        self.max_half_open = max_half_open
+        self.num_half_open = 0
+        self.num_dropped_initials = 0
+        self.tls = QuicTlsMaterial(credentials, base_configuration(False, self.tuning, idle_timeout_s),
+                                   ticket_lifetime_s)
+        self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-quic-io") if io_threads else None
+        self.slow_until = 0.0
+        self.slow_streak = 0
+        self.fetches: set[asyncio.Task[None]] = set()
+        self._server: QuicServer | None = None
+        self._connections: set[_ServerConnection] = set()
+
+    @classmethod
+    def from_config(cls, config: TransportConfig, credentials: NodeCredentials, source: BlockSource,
+                    metrics: TransportMetrics | None = None) -> QuicTransportServer:
+        return cls(credentials, source, host=config.host, port=config.quic_port,
+                   tuning=QuicTuning.from_config(config),
+                   max_payload=config.max_payload_bytes, frame_timeout_s=config.frame_timeout_s,
+                   idle_timeout_s=config.idle_timeout_s, metrics=metrics)
+
+    @property
+    def num_connections(self) -> int:
+        return sum(1 for c in self._connections if c.node is not None)
+
+    @property
+    def peer_nodes(self) -> list[str]:
+        """Authenticated node names of the open connections."""
+        return sorted(c.node for c in self._connections if c.node is not None)
+
+    def note_fetch(self, slow: bool, now: float) -> None:
+        self.slow_streak = self.slow_streak + 1 if slow else 0
+        if self.slow_streak >= SLOW_STREAK and self.executor is not None:
+            self.slow_until = now + SLOW_SOURCE_HOLD_S
+            self.slow_streak = 0
+
+    def count_served(self, session: ServerSession) -> None:
+        stats, metrics = session.take_stats(), self.metrics
+        if stats.num_hits:
+            metrics.child(metrics.served, TRANSPORT, "hit").inc(stats.num_hits)
+            metrics.child(metrics.served_bytes, TRANSPORT).inc(stats.num_bytes)
+        for reason, count in stats.misses.items():
+            metrics.child(metrics.served, TRANSPORT, reason.value).inc(count)
+
+    async def start(self) -> tuple[str, int]:
+        if self._server is not None:
+            raise RuntimeError("QUIC server already started")
+        # Each connection takes its TLS material from self.tls when its handshake starts.
+        server = _BoundedQuicServer(owner=self, configuration=self.tls.current().configuration,
+                                    create_protocol=partial(_ServerConnection, server=self), retry=self.retry)
+        sock = udp_socket(self.host, self.port, self.tuning.socket_buffer)
+        UdpEndpoint(sock, server)
+        self._server = server
+        self.host, self.port = sock.getsockname()[:2]
+        logger.info("QUIC server listening on %s:%d (ALPN %s, retry %s)", self.host, self.port, ALPN, self.retry)
+        return self.host, self.port
+
+    async def close(self) -> None:
+        """Close every connection and wait for block reads in flight (the source may close after)."""
+        if self._server is None:
+            return
+        conns = list(self._connections)
+        for conn in conns:
+            if conn.node is not None and not conn._terminated:
+                self.metrics.connections.labels(TRANSPORT, "server").dec()
+            conn._terminated = True
+            conn._release()
+        self._server.close()  # sends CONNECTION_CLOSE to every client
+        self._server = None
+        for conn in conns:
+            if conn._timer is not None:  # the socket is gone: no retransmission or drain timers
+                conn._timer.cancel()
+        await asyncio.gather(*self.fetches, return_exceptions=True)
+        if self.executor is not None:
+            executor, self.executor = self.executor, None
+            await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)

@@ -129,3 +129,27 @@ def test_dashboard_configmap_carries_the_file(tmp_path: Path) -> None:
     cm = one(render(tmp_path, {}), "ConfigMap", "-dashboard")
     assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
     assert json.loads(cm["data"]["kvfabric.json"])["uid"] == "kvfabric"
+
+
+# Values that are maps handed to Kubernetes (or to the TOML) as a whole: listed as one row each.
+MAP_VALUES = {"resources", "podSecurityContext", "rayStartParams", "nodeSelector", "affinity", "podLabels",
+              "podAnnotations", "labels", "commonLabels", "kv", "transport", "cluster"}
+
+
+def _leaves(values: dict[str, Any], prefix: str = "") -> list[str]:
+    out: list[str] = []
+    for key, value in values.items():
+        if isinstance(value, dict) and value and key not in MAP_VALUES:
+            out += _leaves(value, f"{prefix}{key}.")
+        else:
+            out.append(f"{prefix}{key}")
+    return out
+
+
+def test_chart_readme_lists_every_value() -> None:
+    import yaml
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    readme = (CHART / "README.md").read_text()
+    missing = [path for path in _leaves(values) if f"| `{path}` |" not in readme]
+    assert not missing, f"values missing from charts/kvfabric/README.md: {missing}"

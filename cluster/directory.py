@@ -214,9 +214,8 @@ class DirectoryShard:
         found = self._resync_of(node_id, incarnation, resync_id, now)
         if found is None:
             return False
-        node, resync = found
+        resync = found[1]
         resync.staged.update(hashes)
-        node.lease_expiry = now + self.lease_s
         return True
 
     def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float) -> bool:
@@ -242,7 +241,6 @@ class DirectoryShard:
         node.entries = staged
         node.incarnation = incarnation
         node.last_seq = seq
-        node.lease_expiry = now + self.lease_s
         self._counters["resyncs_completed"] += 1
         return True
 
@@ -362,6 +360,7 @@ class DirectoryShard:
         resync = None if node is None else self._resyncs.get(node.idx)
         if node is None or resync is None or resync.resync_id != resync_id or resync.incarnation != incarnation:
             return None
+        node.lease_expiry = now + self.lease_s   # a call of the node's current resync renews its lease
         return node, resync
 
     def _add_owner(self, h: bytes, idx: int) -> None:

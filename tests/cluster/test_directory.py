@@ -155,7 +155,7 @@ def test_superseded_or_outdated_resync_is_refused() -> None:
 def test_locate_orders_owners_by_node_id_excludes_and_reports_leading_runs() -> None:
     d = DirectoryShard()
     d.apply(C, 1, 1, H[:5], [], 0.0, ADDR)
-    d.apply(A, 1, 1, H[:2] + [H[3]], [], 0.0, ADDR)
+    d.apply(A, 1, 1, [*H[:2], H[3]], [], 0.0, ADDR)
     d.apply(B, 1, 1, H[1:4], [], 0.0, ADDR)
     reply = d.locate(H[:6], 0.0)
     assert reply.owners == ((A, C), (A, B, C), (B, C), (A, B, C), (C,), ())

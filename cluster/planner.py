@@ -1,0 +1,70 @@
+"""Pull plans: which peer sends which blocks of a prompt's missing prefix. Pure: no I/O, no Ray.
+
+Input is the directory's answer per block (live owners, a hint); output is a list of runs, each a
+contiguous range of blocks fetched from one owner in one request, with the other owners of the
+whole range as fallbacks:
+
+    blocks:   0 1 2 | 3 4 5 6 7 8 | 9 10
+    local:    x x x |             |           start = 3
+    owners:         | A A A A . . |           A owns 3..6, B owns 3..8, C owns 6..10
+                    | B B B B B B |
+                    |       C C C | C  C
+    plan:           B[3,9) alts ()  then C[9,11) alts ()
+
+Greedy longest run first is optimal for the number of requests: the run that reaches furthest from
+the current block can never be beaten by one that stops earlier (the classic interval-cover argument).
+Only a leading prefix is useful to an engine, so the plan stops at the first block nobody owns.
+Complexity: O(blocks x owners per block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+
+_NO_LOAD: Mapping[str, float] = MappingProxyType({})
+
+
+@dataclass(frozen=True, slots=True)
+class PullRun:
+    """Blocks [start, end) from `node_id`; every alternate owns all of [start, end) too, best first."""
+
+    node_id: str
+    start: int
+    end: int
+    alternates: tuple[str, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return self.end - self.start
+
+
+def plan_pulls(owners: Sequence[Sequence[str]], start: int, *, load: Mapping[str, float] = _NO_LOAD) -> list[PullRun]:
+    """Cover blocks `start..` with the fewest runs, stopping at the first block with no owner.
+
+    `owners[i]` are the live owners of block i; blocks before `start` are held locally. At each step
+    the owner with the longest run from the current block wins; ties go to the lower `load`, then the
+    lower node id. Alternates are ranked the same way.
+    """
+    if start < 0:
+        raise ValueError(f"start must be >= 0, got {start}")
+    members = [frozenset(o) for o in owners]
+    plan: list[PullRun] = []
+    i = start
+    while i < len(members) and members[i]:
+        lengths = {node: _run_length(members, node, i) for node in members[i]}
+        ranked = sorted(lengths, key=lambda n: (-lengths[n], load.get(n, 0.0), n))
+        best = ranked[0]
+        end = i + lengths[best]
+        alternates = tuple(n for n in ranked[1:] if i + lengths[n] >= end)
+        plan.append(PullRun(best, i, end, alternates))
+        i = end
+    return plan
+
+
+def _run_length(members: Sequence[frozenset[str]], node: str, i: int) -> int:
+    j = i
+    while j < len(members) and node in members[j]:
+        j += 1
+    return j - i

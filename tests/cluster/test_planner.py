@@ -1,0 +1,41 @@
+"""Unit tests of cluster/planner.py: pull plans over the directory's owners per block."""
+
+from __future__ import annotations
+
+import pytest
+
+from cluster.planner import PullRun, plan_pulls
+
+
+def test_longest_run_wins_and_the_plan_continues_where_it_ends() -> None:
+    # blocks 0..2 local; A owns 3..6, B owns 3..8, C owns 6..10 (the module docstring's picture)
+    owners = [[], [], [], ["A", "B"], ["A", "B"], ["A", "B"], ["A", "B", "C"], ["B", "C"], ["B", "C"],
+              ["C"], ["C"]]
+    assert plan_pulls(owners, 3) == [PullRun("B", 3, 9, ()), PullRun("C", 9, 11, ())]
+
+
+def test_alternates_own_the_whole_run_and_are_ranked_by_load_then_id() -> None:
+    owners = [["A", "B", "C", "D"], ["A", "B", "C", "D"], ["B", "C", "D"], ["B", "C", "D"], ["D"]]
+    plan = plan_pulls(owners, 0, load={"B": 3.0, "C": 1.0, "D": 0.0})
+    assert plan == [PullRun("D", 0, 5, ())]
+    plan = plan_pulls(owners[:4], 0, load={"B": 3.0, "C": 1.0, "D": 2.0})
+    assert plan == [PullRun("C", 0, 4, ("D", "B"))]                        # A stops at block 2: no alternate
+    assert plan_pulls([["B", "A"], ["A", "B"]], 0) == [PullRun("A", 0, 2, ("B",))]   # equal load: node id
+
+
+def test_plan_stops_at_the_first_block_nobody_owns() -> None:
+    owners = [["A"], ["A"], [], ["A"], ["A"]]
+    assert plan_pulls(owners, 0) == [PullRun("A", 0, 2, ())]
+    assert plan_pulls(owners, 2) == []
+    assert plan_pulls(owners, 3) == [PullRun("A", 3, 5, ())]
+    assert plan_pulls(owners, 9) == []
+    assert plan_pulls([], 0) == []
+
+
+def test_runs_cover_the_prefix_contiguously_with_one_request_per_switch() -> None:
+    owners = [["A"], ["B"], ["A", "B"], ["A"], ["C", "A"], ["C"]]
+    plan = plan_pulls(owners, 0)
+    assert [(r.node_id, r.start, r.end) for r in plan] == [("A", 0, 1), ("B", 1, 3), ("A", 3, 5), ("C", 5, 6)]
+    assert sum(r.num_blocks for r in plan) == 6
+    with pytest.raises(ValueError):
+        plan_pulls(owners, -1)

@@ -22,6 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
@@ -188,3 +189,12 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_FILE)
     model.train(False)
     return model, tokenizer, fingerprint_file(folder / SMOLLM2_FILE)
+
+
+def chat_tokens(tokenizer: PreTrainedTokenizerBase, system: str, user: str) -> list[int]:
+    """Token ids of a one-turn chat with the model's template, ready for the assistant's answer."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": user}]
+    encoded: Any = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    # transformers 5 returns a BatchEncoding here, 4.x a plain list of ids.
+    ids = encoded if isinstance(encoded, list) else encoded["input_ids"]
+    return [int(t) for t in ids]

@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 # Modules that add sub-commands; each has register(subparsers: argparse._SubParsersAction).
-COMMAND_MODULES = ("cluster.cli_demo", "cluster.cli_inspect", "cluster.cli_certs")
+COMMAND_MODULES = ("cluster.cli_cluster", "cluster.cli_demo", "cluster.cli_inspect", "cluster.cli_certs")
 
 
 class CLIError(Exception):

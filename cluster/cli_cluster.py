@@ -1,0 +1,220 @@
+"""`kvfabric up / start / stats / down`: run the fabric on a local or an existing Ray cluster.
+
+    kvfabric up --nodes 3            a local Ray cluster (head + 2 worker raylets on 127.0.0.1)
+                                     with the fabric on it; returns and leaves it running
+    kvfabric start --address ADDR    the fabric on an existing Ray cluster (Ray jobs, the Helm chart)
+    kvfabric stats [--json]          per node: blocks and bytes per tier, hit ratio, pulls by outcome;
+                                     directory entries per shard
+    kvfabric down                    stop the fabric (and the local cluster `up` started)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from cluster.cli import CLIError
+from fabric.config import Config, ConfigError
+
+logger = logging.getLogger(__name__)
+
+
+def _home() -> Path:
+    return Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
+
+
+def state_file() -> Path:
+    return _home() / "local-cluster.json"
+
+
+def register(sub: Any) -> None:
+    up = sub.add_parser("up", help="start a local multi-node Ray cluster with the fabric, and return")
+    up.add_argument("--nodes", type=int, default=None, help="Ray nodes to start (default: [cluster] num_nodes)")
+    up.add_argument("--config", help="kvfabric TOML config")
+    up.add_argument("--root", help="folder for stores and certificates (default: $KVFABRIC_HOME/local)")
+    up.add_argument("--cpus-per-node", type=int, default=1)
+    up.set_defaults(func=cmd_up)
+    start = sub.add_parser("start", help="start the fabric on an existing Ray cluster")
+    start.add_argument("--address", default="auto", help="Ray address (default: auto)")
+    start.add_argument("--config", help="kvfabric TOML config")
+    start.set_defaults(func=cmd_start)
+    stats = sub.add_parser("stats", help="per-node and directory statistics")
+    stats.add_argument("--address", help="Ray address (default: the cluster `up` started, else auto)")
+    stats.add_argument("--json", action="store_true", help="print one JSON object")
+    stats.set_defaults(func=cmd_stats)
+    down = sub.add_parser("down", help="stop the fabric and the local cluster `up` started")
+    down.add_argument("--address", help="Ray address (default: the cluster `up` started)")
+    down.set_defaults(func=cmd_down)
+
+
+def _config(path: str | None) -> Config:
+    if path is None:
+        return Config()
+    try:
+        return Config.load(path)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+
+
+def _connect(address: str | None) -> tuple[str, dict[str, Any] | None]:
+    import ray
+
+    from cluster.launch import loopback_env
+
+    state = json.loads(state_file().read_text()) if state_file().exists() else None
+    address = address or (state["address"] if state else "auto")
+    loopback_env()
+    try:
+        ray.init(address=address, namespace="kvfabric", logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise CLIError(f"no Ray cluster at {address!r} ({str(e).splitlines()[0]}); "
+                       "start one with `kvfabric up --nodes 3` or pass --address") from None
+    return address, state
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from cluster.launch import start_local_cluster
+
+    if state_file().exists():
+        raise CLIError(f"a local cluster is already up ({state_file()}); run `kvfabric down` first")
+    config = _config(args.config)
+    num_nodes = args.nodes or config.cluster.num_nodes
+    if num_nodes < 1:
+        raise CLIError(f"--nodes must be at least 1, got {num_nodes}")
+    root = Path(args.root or _home() / "local")
+    start = time.monotonic()
+    with Console().status(f"starting {num_nodes} Ray nodes and the fabric on 127.0.0.1 ..."):
+        local = start_local_cluster(num_nodes, root, config, num_cpus_per_node=args.cpus_per_node, persistent=True)
+    pids = [p.process.pid for node in [local.cluster.head_node, *local.cluster.worker_nodes]
+            for infos in node.all_processes.values() for p in infos if p.process is not None]
+    state_file().parent.mkdir(parents=True, exist_ok=True)
+    state_file().write_text(json.dumps({"address": local.address, "root": str(local.root), "pids": pids,
+                                        "config": args.config}))
+    print(f"kvfabric is up: {num_nodes} Ray nodes at {local.address} ({time.monotonic() - start:.1f} s), "
+          f"stores under {local.root}")
+    print(f"  connect:  ray.init(address={local.address!r}); FabricClient.connect()")
+    print("  inspect:  kvfabric stats    stop: kvfabric down")
+    return 0
+
+
+def cmd_start(args: argparse.Namespace) -> int:
+    from cluster.launch import start_fabric
+
+    config = _config(args.config)
+    _connect(args.address)
+    answers = start_fabric(config)
+    for node_id, info in sorted(answers.items()):
+        addr = info["address"]
+        print(f"node {node_id[:12]}  {addr.transport}://{addr.host}:{addr.port}  incarnation {info['incarnation']}")
+    print(f"kvfabric started on {len(answers)} Ray nodes ({config.cluster.directory_shards} directory shards)")
+    return 0
+
+
+def gather_stats(namespace: str = "kvfabric") -> dict[str, Any]:
+    """Every NodeActor's stats and every directory shard's, from a connected driver."""
+    import ray
+
+    from cluster.directory_actor import DirectoryClient
+    from cluster.node_actor import node_actor_name
+    from cluster.supervisor import alive_node_ids
+    from fabric.config import ClusterConfig
+
+    nodes = []
+    for node_id in alive_node_ids():
+        try:
+            nodes.append(ray.get(ray.get_actor(node_actor_name(node_id), namespace=namespace).stats.remote(),
+                                 timeout=10))
+        except (ValueError, ray.exceptions.RayError) as e:
+            nodes.append({"node_id": node_id, "error": type(e).__name__})
+    num_shards = 0
+    while True:
+        try:
+            ray.get_actor(f"{ClusterConfig().directory_name}-{num_shards}", namespace=namespace)
+            num_shards += 1
+        except ValueError:
+            break
+    shards = asyncio.run(DirectoryClient(ClusterConfig(directory_shards=max(1, num_shards))).stats()) \
+        if num_shards else []
+    return {"nodes": nodes, "directory": shards}
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    _connect(args.address)
+    stats = gather_stats()
+    if args.json:
+        print(json.dumps(stats, default=str))
+        return 0
+    if not stats["nodes"]:
+        raise CLIError("no kvfabric nodes found; start the fabric with `kvfabric start` or `kvfabric up`")
+    table = Table(title="kvfabric nodes")
+    for col in ("node", "transport", "RAM blocks", "RAM MB", "SSD blocks", "SSD MB", "hit ratio", "pulled MB",
+                "pull hits", "pull misses", "said yes / had no"):
+        table.add_column(col, justify="right")
+    for n in stats["nodes"]:
+        if "error" in n:
+            table.add_row(n["node_id"][:12], f"unreachable: {n['error']}", *[""] * 9)
+            continue
+        ram, ssd = n["store"].get("ram", {}), n["store"].get("ssd", {})
+        table.add_row(n["node_id"][:12], f"{n['transport']} {n['address']}", str(ram.get("blocks", "?")),
+                      f"{ram.get('bytes', 0) / 1e6:.1f}", str(ssd.get("blocks", "?")),
+                      f"{ssd.get('bytes', 0) / 1e6:.1f}",
+                      f"{n['hit_ratio']:.3f}", f"{n['pulled_bytes'] / 1e6:.1f}", f"{n['pulls'].get('hit', 0):.0f}",
+                      f"{sum(v for k, v in n['pulls'].items() if k != 'hit'):.0f}", f"{n['said_yes_owner_no']:.0f}")
+    console = Console(width=160)
+    console.print(table)
+    shards = Table(title="directory shards")
+    for col in ("shard", "nodes", "entries", "hashes", "bytes/entry"):
+        shards.add_column(col, justify="right")
+    for s in stats["directory"]:
+        shards.add_row(str(s.get("shard")), str(s.get("num_nodes", s.get("error", ""))), str(s.get("num_entries", "")),
+                       str(s.get("num_hashes", "")), str(s.get("bytes_per_entry", "")))
+    console.print(shards)
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    import ray
+
+    from cluster.launch import stop_fabric
+
+    state = json.loads(state_file().read_text()) if state_file().exists() else None
+    if state is None and args.address is None:
+        raise CLIError("no local cluster was started with `kvfabric up`; pass --address to stop a fabric elsewhere")
+    try:
+        _connect(args.address)
+        config = _config(state.get("config") if state else None)
+        print(f"stopped {stop_fabric(config)} fabric actors")
+        ray.shutdown()
+    except CLIError as e:
+        logger.warning("could not reach the cluster to stop the fabric cleanly: %s", e)
+    if state is not None:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            alive = [pid for pid in state["pids"] if _alive(pid)]
+            for pid in alive:
+                os.kill(pid, sig)
+            deadline = time.monotonic() + 10
+            while any(_alive(p) for p in alive) and time.monotonic() < deadline:
+                time.sleep(0.1)
+        state_file().unlink()
+        print(f"local cluster at {state['address']} stopped")
+    return 0
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

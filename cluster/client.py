@@ -1,0 +1,119 @@
+"""FabricClient: the `Fabric` protocol from any Ray driver, task or actor, via its node's NodeActor.
+
+    client = FabricClient.connect()            # inside ray.init(...) / a Ray task or actor
+    hit = client.lookup(ns, tokens)            # how much of the prompt is cached, and where
+    kv = client.load(ns, tokens)               # kv.payloads: uint8 (blocks, layers, bytes), zero-copy
+    client.store(ns, tokens, payloads, first_block=kv.num_blocks)
+
+Each call is one Ray actor call to the NodeActor on the caller's own Ray node, so payloads move
+through that node's shared-memory object store. `a*` methods are the same calls for asyncio code.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import ray
+
+from cluster.api import IncompleteLoadError, LoadReply, LookupReply, StoreReply, Tokens
+from cluster.node_actor import node_actor_name
+from fabric.keys import Namespace
+
+DEFAULT_NAMESPACE = "kvfabric"
+
+
+class FabricUnavailableError(RuntimeError):
+    """No NodeActor serves this Ray node (the fabric is not started here, or not yet)."""
+
+
+class FabricClient:
+    def __init__(self, actor: ray.actor.ActorHandle, node_id: str) -> None:
+        self.actor = actor
+        self.node_id = node_id
+
+    @classmethod
+    def connect(cls, *, node_id: str | None = None, namespace: str = DEFAULT_NAMESPACE,
+                timeout_s: float = 30.0) -> FabricClient:
+        """The client of this process's Ray node (or of `node_id`); waits up to `timeout_s` for the
+        supervisor to start its NodeActor."""
+        if not ray.is_initialized():
+            raise FabricUnavailableError("Ray is not initialised: call ray.init(address=...) first")
+        node_id = node_id or ray.get_runtime_context().get_node_id()
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
+                ray.get(actor.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+                return cls(actor, node_id)
+            except (ValueError, ray.exceptions.RayError) as e:
+                if time.monotonic() >= deadline:
+                    raise FabricUnavailableError(
+                        f"no kvfabric NodeActor answers on Ray node {node_id} in namespace {namespace!r} "
+                        f"after {timeout_s:.0f} s; start the fabric with `kvfabric start` ({e})") from None
+                time.sleep(0.2)
+
+    # ---- synchronous -------------------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
+        reply: LookupReply = ray.get(self.actor.lookup.remote(ns, _tokens(tokens)))
+        return reply
+
+    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
+             pulls: bool = True) -> LoadReply:
+        reply: LoadReply = ray.get(self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls))
+        return reply
+
+    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> RayLayerStream:
+        return RayLayerStream(self.actor.load_layers.remote(ns, _tokens(tokens), max_blocks))
+
+    def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
+        reply: StoreReply = ray.get(self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))
+        return reply
+
+    def stats(self) -> dict[str, Any]:
+        out: dict[str, Any] = ray.get(self.actor.stats.remote())
+        return out
+
+    # ---- asyncio -----------------------------------------------------------------------------------
+
+    async def alookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
+        reply: LookupReply = await self.actor.lookup.remote(ns, _tokens(tokens))
+        return reply
+
+    async def aload(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
+                    pulls: bool = True) -> LoadReply:
+        reply: LoadReply = await self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls)
+        return reply
+
+    async def astore(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *,
+                     first_block: int = 0) -> StoreReply:
+        reply: StoreReply = await self.actor.store.remote(ns, _tokens(tokens), payloads, first_block)
+        return reply
+
+
+class RayLayerStream:
+    """`LayerStream` over the NodeActor's streaming generator: the plan first, then layer by layer."""
+
+    def __init__(self, gen: Any) -> None:
+        self._gen = gen
+        try:
+            self.num_blocks, self.sources = ray.get(next(gen))
+        except StopIteration:
+            raise RuntimeError("load_layers ended before sending its plan") from None
+
+    def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
+        for layer, ref in enumerate(self._gen):
+            try:
+                yield layer, ray.get(ref)
+            except ray.exceptions.RayTaskError as e:
+                if isinstance(e.cause, IncompleteLoadError):
+                    raise e.cause from None
+                raise
+
+
+def _tokens(tokens: Tokens) -> np.ndarray:
+    """Token ids as a compact array (a Python list of 4k ints pickles ~5x larger)."""
+    return np.asarray(tokens, dtype=np.int64)

@@ -1,0 +1,172 @@
+"""The directory as Ray actors: one named, detached `DirectoryActor` per shard, and the client side.
+
+Each shard actor wraps one pure `DirectoryShard` and supplies `now` (its own monotonic clock).
+Ray restarts a dead shard (`max_restarts=-1`); the restarted actor is empty and draws a new
+**epoch**, which every answer carries. A node that sees a shard's epoch change resyncs everything
+it holds for that shard, so the directory is rebuilt from the nodes, the source of truth.
+
+    shard k  =  actor f"{directory_name}-{k}" in Ray namespace `[cluster] namespace`
+
+`DirectoryClient` is what a NodeActor holds: it routes hashes to shards (`shard_of`), merges their
+answers, and turns a dead or restarting shard into "no owners" (a hint that is missing is a miss,
+never an error for the engine).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from cluster.directory import ApplyOutcome, DirectoryShard, LocateReply, NodeAddress, NodeInfo, shard_of
+from fabric.config import ClusterConfig
+
+logger = logging.getLogger(__name__)
+
+# Errors that mean "the shard is not answering right now" (dead, restarting, unreachable).
+SHARD_DOWN = (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError, asyncio.TimeoutError)
+
+
+def shard_actor_name(config: ClusterConfig, shard: int) -> str:
+    return f"{config.directory_name}-{shard}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_concurrency=1)
+class DirectoryActor:
+    """One shard. Every method returns `(epoch, answer)`; calls are served one at a time."""
+
+    def __init__(self, shard: int, num_shards: int, lease_s: float) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.epoch = os.urandom(8).hex()
+        self.shard = DirectoryShard(shard, num_shards, lease_s=lease_s)
+        logger.info("directory shard %d/%d up with epoch %s", shard, num_shards, self.epoch)
+
+    def ping(self) -> str:
+        return self.epoch
+
+    def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress) -> tuple[str, ApplyOutcome]:
+        return self.epoch, self.shard.heartbeat(node_id, incarnation, address, time.monotonic())
+
+    def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
+              address: NodeAddress | None = None) -> tuple[str, ApplyOutcome]:
+        return self.epoch, self.shard.apply(node_id, incarnation, seq, stored, removed, time.monotonic(), address)
+
+    def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress) -> tuple[str, int]:
+        return self.epoch, self.shard.begin_resync(node_id, incarnation, address, time.monotonic())
+
+    def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes]) -> tuple[str, bool]:
+        return self.epoch, self.shard.resync_batch(node_id, incarnation, resync_id, hashes, time.monotonic())
+
+    def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int) -> tuple[str, bool]:
+        return self.epoch, self.shard.end_resync(node_id, incarnation, resync_id, seq, time.monotonic())
+
+    def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> tuple[str, LocateReply,
+                                                                                  dict[str, NodeAddress]]:
+        now = time.monotonic()
+        reply = self.shard.locate(hashes, now, exclude)
+        owners = {n for per_hash in reply.owners for n in per_hash}
+        addresses: dict[str, NodeAddress] = {info.node_id: info.address for info in self.shard.nodes(now)
+                                             if info.node_id in owners}
+        return self.epoch, reply, addresses
+
+    def nodes(self) -> tuple[str, list[NodeInfo]]:
+        now = time.monotonic()
+        self.shard.expire(now)
+        return self.epoch, self.shard.nodes(now)
+
+    def stats(self) -> tuple[str, dict[str, Any]]:
+        now = time.monotonic()
+        self.shard.expire(now)
+        return self.epoch, dict(self.shard.stats(now))
+
+
+def start_directory(config: ClusterConfig) -> list[ray.actor.ActorHandle]:
+    """Create (or find) every shard actor; idempotent, so `kvfabric start` may run twice."""
+    handles = []
+    for k in range(config.directory_shards):
+        handles.append(DirectoryActor.options(  # type: ignore[attr-defined]
+            name=shard_actor_name(config, k), namespace=config.namespace, lifetime="detached",
+            get_if_exists=True).remote(k, config.directory_shards, config.lease_s))
+    ray.get([h.ping.remote() for h in handles])
+    return handles
+
+
+@dataclass(frozen=True, slots=True)
+class Located:
+    """The merged answer of every shard for one run of hashes."""
+
+    owners: tuple[tuple[str, ...], ...]
+    addresses: dict[str, NodeAddress]
+
+
+class DirectoryClient:
+    """A node's view of the sharded directory: routing, merging, and epoch tracking."""
+
+    def __init__(self, config: ClusterConfig, *, call_timeout_s: float = 5.0) -> None:
+        self.config = config
+        self.num_shards = config.directory_shards
+        self.call_timeout_s = call_timeout_s
+        self._handles: dict[int, ray.actor.ActorHandle] = {}
+        self.epochs: dict[int, str] = {}
+
+    def handle(self, shard: int) -> ray.actor.ActorHandle:
+        h = self._handles.get(shard)
+        if h is None:
+            h = ray.get_actor(shard_actor_name(self.config, shard), namespace=self.config.namespace)
+            self._handles[shard] = h
+        return h
+
+    def split(self, hashes: Sequence[bytes]) -> dict[int, list[int]]:
+        """Positions of `hashes` per shard."""
+        out: dict[int, list[int]] = {}
+        for i, h in enumerate(hashes):
+            out.setdefault(shard_of(h, self.num_shards), []).append(i)
+        return out
+
+    async def call(self, shard: int, method: str, *args: Any) -> Any:
+        """Call one shard; returns the answer and records its epoch. Raises one of SHARD_DOWN."""
+        try:
+            ref = getattr(self.handle(shard), method).remote(*args)
+            epoch, *answer = await asyncio.wait_for(ref, self.call_timeout_s)
+        except ValueError:  # get_actor: the shard has not been created (yet)
+            raise ray.exceptions.RayActorError() from None
+        except SHARD_DOWN:
+            self._handles.pop(shard, None)
+            raise
+        self.epochs[shard] = epoch
+        return answer[0] if len(answer) == 1 else tuple(answer)
+
+    async def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> Located:
+        """Live owners per hash; a shard that does not answer contributes no owners."""
+        owners: list[tuple[str, ...]] = [()] * len(hashes)
+        addresses: dict[str, NodeAddress] = {}
+        parts = self.split(hashes)
+
+        async def one(shard: int, positions: list[int]) -> None:
+            try:
+                reply, addrs = await self.call(shard, "locate", [hashes[i] for i in positions], list(exclude))
+            except SHARD_DOWN as e:
+                logger.info("directory shard %d did not answer a lookup (%s): treating as no owners",
+                            shard, type(e).__name__)
+                return
+            for i, per_hash in zip(positions, reply.owners, strict=True):
+                owners[i] = tuple(per_hash)
+            addresses.update(addrs)
+
+        await asyncio.gather(*(one(s, pos) for s, pos in parts.items()))
+        return Located(tuple(owners), addresses)
+
+    async def stats(self) -> list[dict[str, Any]]:
+        out = []
+        for k in range(self.num_shards):
+            try:
+                out.append(await self.call(k, "stats"))
+            except SHARD_DOWN as e:
+                out.append({"shard": k, "error": type(e).__name__})
+        return out

@@ -1,0 +1,181 @@
+"""Starting the fabric: on an existing Ray cluster (`start_fabric`) or on a local one (`start_local_cluster`).
+
+A local cluster is several real Ray nodes on this machine (a head plus worker raylets, each with
+its own node id), bound to 127.0.0.1 only: by default Ray binds and dials the machine's other
+interface, so the loopback settings are applied here once for every caller (CLI, tests, benches).
+"""
+
+from __future__ import annotations
+
+import os
+
+# Before the first `import ray` anywhere in this process: Ray reads it once, at import.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.cluster_utils import Cluster
+
+from cluster.directory_actor import DirectoryClient, shard_actor_name, start_directory
+from cluster.node_actor import node_actor_name
+from cluster.supervisor import SUPERVISOR_NAME, alive_node_ids, ensure_nodes, start_supervisor
+from fabric.config import Config
+from transports.certs import CA_CERT, init_ca
+
+logger = logging.getLogger(__name__)
+
+LOOPBACK = "127.0.0.1"
+
+
+def loopback_env() -> None:
+    """Keep Ray on 127.0.0.1: without this Ray resolves the node address from the machine's other
+    interface even when every node is given `node_ip_address="127.0.0.1"`. Ray reads the variable
+    when it is first imported, so if it was imported before this module, its cached flag is set too."""
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False
+
+
+def start_fabric(config: Config, *, timeout_s: float = 120.0) -> dict[str, dict[str, Any]]:
+    """Directory shards + supervisor + a NodeActor on every alive node; returns once each node serves.
+    Needs `ray.init(...)` first. Idempotent: actors that exist are reused."""
+    start_directory(config.cluster)
+    answers = ensure_nodes(config, timeout_s=timeout_s)
+    start_supervisor(config)
+    missing = set(alive_node_ids()) - set(answers)
+    if missing:
+        raise RuntimeError(f"NodeActors on {sorted(missing)} did not start within {timeout_s:.0f} s "
+                           "(see their logs under the Ray session folder)")
+    return answers
+
+
+def stop_fabric(config: Config) -> int:
+    """Close every NodeActor's store and kill the fabric's actors; returns how many were killed."""
+    ns = config.cluster.namespace
+    killed = 0
+    handles = []
+    for node_id in alive_node_ids():
+        try:
+            handles.append(ray.get_actor(node_actor_name(node_id), namespace=ns))
+        except ValueError:
+            continue
+    _ready, _ = ray.wait([h.shutdown.remote() for h in handles], num_returns=len(handles), timeout=30)
+    for h in handles:
+        ray.kill(h, no_restart=True)
+        killed += 1
+    shards = [shard_actor_name(config.cluster, k) for k in range(config.cluster.directory_shards)]
+    for name in [SUPERVISOR_NAME, *shards]:
+        try:
+            ray.kill(ray.get_actor(name, namespace=ns), no_restart=True)
+            killed += 1
+        except ValueError:
+            pass
+    return killed
+
+
+def local_config(root: Path, base: Config | None = None) -> Config:
+    """`base` with every folder under `root` and ports chosen by the OS (several nodes share the host)."""
+    cfg = base or Config()
+    kv = dataclasses.replace(cfg.kv, ssd_dir=str(root / "ssd"), index_dir=str(root / "index"))
+    transport = dataclasses.replace(cfg.transport, host=LOOPBACK, tcp_port=0, quic_port=0,
+                                    cert_dir=str(root / "certs"))
+    cluster = dataclasses.replace(cfg.cluster, metrics_port=0)
+    return Config(kv=kv, transport=transport, cluster=cluster)
+
+
+def ensure_ca(cert_dir: str) -> None:
+    if not (Path(cert_dir) / CA_CERT).exists():
+        init_ca(cert_dir)
+
+
+@dataclass
+class LocalCluster:
+    """A running local Ray cluster with the fabric on it."""
+
+    cluster: Cluster
+    config: Config
+    root: Path
+
+    @property
+    def address(self) -> str:
+        return str(self.cluster.address)
+
+    def add_node(self, num_cpus: int = 1, wait_s: float = 60.0) -> str:
+        """Add a Ray node; returns its id once the supervisor has a NodeActor serving on it."""
+        before = set(alive_node_ids())
+        self.cluster.add_node(node_ip_address=LOOPBACK, num_cpus=num_cpus)
+        self.cluster.wait_for_nodes()
+        new = sorted(set(alive_node_ids()) - before)
+        assert len(new) == 1, f"expected one new node, saw {new}"
+        node_id = new[0]
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline:
+            try:
+                ray.get(ray.get_actor(node_actor_name(node_id), namespace=self.config.cluster.namespace)
+                        .ping.remote(), timeout=5)
+                return node_id
+            except (ValueError, ray.exceptions.RayError):
+                time.sleep(0.2)
+        raise TimeoutError(f"no NodeActor on the new node {node_id} after {wait_s:.0f} s")
+
+    def remove_node(self, node_id: str) -> None:
+        """Stop a worker Ray node abruptly (its processes are killed, as when a machine dies)."""
+        for node in list(self.cluster.worker_nodes):
+            if node.node_id == node_id:
+                self.cluster.remove_node(node, allow_graceful=False)
+                return
+        raise ValueError(f"no worker node {node_id} in this cluster")
+
+    def node_ids(self) -> list[str]:
+        return alive_node_ids()
+
+    def shutdown(self) -> None:
+        try:
+            stop_fabric(self.config)
+        finally:
+            ray.shutdown()
+            self.cluster.shutdown()
+
+
+def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Config | None = None, *,
+                        num_cpus_per_node: int = 1, persistent: bool = False,
+                        object_store_bytes: int = 256 << 20) -> LocalCluster:
+    """`num_nodes` Ray nodes on 127.0.0.1 with the fabric started; connects this process to it.
+
+    `persistent`: the Ray processes outlive this process (`kvfabric up`); stop them with
+    `kvfabric down`. Otherwise they stop with this process.
+    """
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1, got {num_nodes}")
+    loopback_env()
+    root = Path(root).resolve()
+    root.mkdir(parents=True, exist_ok=True)
+    cfg = local_config(root, config)
+    ensure_ca(cfg.transport.cert_dir)
+    node_args = dict(node_ip_address=LOOPBACK, num_cpus=num_cpus_per_node, object_store_memory=object_store_bytes)
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=not persistent,
+                      head_node_args=dict(include_dashboard=False, **node_args))
+    for _ in range(num_nodes - 1):
+        cluster.add_node(**node_args)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, namespace=cfg.cluster.namespace, logging_level=logging.WARNING,
+             log_to_driver=False)
+    try:
+        start_fabric(cfg)
+    except BaseException:
+        ray.shutdown()
+        cluster.shutdown()
+        raise
+    return LocalCluster(cluster, cfg, root)
+
+
+async def directory_stats(config: Config) -> list[dict[str, Any]]:
+    return await DirectoryClient(config.cluster).stats()

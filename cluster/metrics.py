@@ -1,0 +1,36 @@
+"""Prometheus metrics of a NodeActor's cluster side (the Store and transports export their own).
+
+All live in the node's own `CollectorRegistry`, served on `[cluster] metrics_port` at /metrics.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+
+class ClusterMetrics:
+    def __init__(self, registry: CollectorRegistry | None) -> None:
+        self.lookups = Counter("kvfabric_lookups_total", "lookup / load requests served by this node",
+                               registry=registry)
+        self.lookup_seconds = Histogram("kvfabric_prefix_lookup_seconds",
+                                        "Time to answer a prefix lookup (local + directory)",
+                                        registry=registry,
+                                        buckets=(0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5, 1.0))
+        self.load_seconds = Histogram("kvfabric_load_seconds", "Time to answer a load (local reads + pulls)",
+                                      registry=registry,
+                                      buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
+        self.requested_blocks = Counter("kvfabric_requested_blocks_total", "Full blocks asked for by load",
+                                        registry=registry)
+        self.hit_blocks = Counter("kvfabric_hit_blocks_total", "Blocks a load returned, by where they came from",
+                                  ["source"], registry=registry)
+        self.said_yes_owner_no = Counter("kvfabric_directory_said_yes_owner_said_no_total",
+                                         "Pull runs whose owner, named by the directory, did not have the blocks",
+                                         registry=registry)
+        self.pull_failures = Counter("kvfabric_pull_failures_total",
+                                     "Pull runs that failed on a peer (error, timeout, dead peer)", registry=registry)
+        self.fallbacks = Counter("kvfabric_pull_fallbacks_total", "Pull runs retried on another owner",
+                                 registry=registry)
+        self.resyncs = Counter("kvfabric_directory_resyncs_total", "Full resyncs of this node's entries, by reason",
+                               ["reason"], registry=registry)
+        self.batches = Counter("kvfabric_directory_batches_total", "Register/unregister batches by outcome",
+                               ["outcome"], registry=registry)

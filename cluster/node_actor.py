@@ -1,0 +1,369 @@
+"""NodeActor: one per Ray node. Owns the node's Store and transport server, keeps the directory told.
+
+    engine ──FabricClient──► NodeActor.load ──► LocalFabric (RAM / SSD, digest-checked)
+                                       └──────► DirectoryClient.locate ──► plan_pulls ──► pull_prefix
+                                                                        (TLS-TCP / QUIC, verified)
+    Store events ──► DirectorySync (ordered, bounded) ──► DirectoryActor.apply / resync
+
+It is an async Ray actor: every method runs on one event loop, Store calls that touch files run on
+a thread pool. It starts itself on its first call (the supervisor pings it right after creation
+and again after Ray restarts it), so a restarted actor reopens its folders under a new incarnation.
+Payloads leave and enter as numpy arrays inside the reply / argument, so Ray moves them through
+the object store and the engine reads them without a copy.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+from prometheus_client import CollectorRegistry, start_http_server
+
+from cluster.api import (
+    BlockLocation,
+    IncompleteLoadError,
+    LoadReply,
+    LookupReply,
+    StoreReply,
+    Tokens,
+    Where,
+    check_payloads,
+    payload_shape,
+)
+from cluster.directory import ApplyOutcome, NodeAddress
+from cluster.directory_actor import SHARD_DOWN, DirectoryClient
+from cluster.local import LocalFabric
+from cluster.metrics import ClusterMetrics
+from cluster.node_load import LayerProgress, pull_prefix
+from cluster.node_sync import Batch, DirectorySync
+from cluster.planner import PullRun, plan_pulls
+from fabric.config import Config
+from fabric.events import EventKind
+from fabric.keys import BlockHash, Namespace, block_hashes
+from fabric.store import Store
+from fabric.tiers.base import Tier
+from transports.base import Peer
+from transports.certs import CA_KEY, issue_node
+from transports.factory import create_client, create_server
+from transports.metrics import TransportMetrics
+
+logger = logging.getLogger(__name__)
+
+_WHERE = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
+
+
+def node_actor_name(node_id: str) -> str:
+    return f"kvfabric-node-{node_id}"
+
+
+def node_name_for(node_id: str) -> str:
+    """The certificate / transport name of a Ray node: stable across restarts of its actor."""
+    return f"node-{node_id[:16]}"
+
+
+@ray.remote(num_cpus=0, max_restarts=-1)
+class NodeActor:
+    def __init__(self, config: Config, node_id: str) -> None:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.config = config
+        self.node_id = node_id
+        self.node_name = node_name_for(node_id)
+        self.incarnation = time.time_ns()
+        self._start_lock = asyncio.Lock()
+        self._started = False
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    # ---- life cycle --------------------------------------------------------------------------------
+
+    async def ping(self) -> dict[str, Any]:
+        await self._ensure_started()
+        return {"node_id": self.node_id, "incarnation": self.incarnation, "address": self.address}
+
+    async def _ensure_started(self) -> None:
+        if self._started:
+            return
+        async with self._start_lock:
+            if not self._started:
+                await self._start()
+                self._started = True
+
+    async def _start(self) -> None:
+        cfg = self.config
+        kv = dataclasses.replace(cfg.kv, ssd_dir=str(Path(cfg.kv.ssd_dir) / self.node_name),
+                                 index_dir=str(Path(cfg.kv.index_dir) / self.node_name))
+        transport = dataclasses.replace(cfg.transport, node_name=self.node_name)
+        cert_dir = Path(transport.cert_dir)
+        if not (cert_dir / f"{self.node_name}.pem").exists() and (cert_dir / CA_KEY).exists():
+            issue_node(cert_dir, self.node_name)  # the cluster CA is here: each node issues its own
+        self.registry = CollectorRegistry()
+        self.metrics = ClusterMetrics(self.registry)
+        self.kv_store = Store.open(kv, registry=self.registry)
+        self.local = LocalFabric(self.kv_store, self.node_id)
+        tmetrics = TransportMetrics(self.registry)
+        self.server = create_server(transport, self.kv_store, metrics=tmetrics)
+        host, port = await self.server.start()
+        if host in ("0.0.0.0", "::"):
+            host = ray.util.get_node_ip_address()
+        self.client = create_client(transport, metrics=tmetrics)
+        self.address = NodeAddress(host, port, transport.kind)
+        bind = "127.0.0.1" if transport.host.startswith("127.") else "0.0.0.0"
+        self.http, _ = start_http_server(cfg.cluster.metrics_port, addr=bind, registry=self.registry)
+        self.metrics_port = int(self.http.server_port)
+        c = cfg.cluster
+        self.directory = DirectoryClient(c)
+        self.sync = DirectorySync(c.directory_shards, flush_s=c.flush_ms / 1000, flush_blocks=c.flush_blocks,
+                                  queue_max=c.queue_max)
+        self.sync.mark_all_resync()   # a new incarnation starts by telling the directory all it holds
+        self._resync_at = [0.0] * c.directory_shards
+        self._epochs: dict[int, str] = {}
+        self._pulls_inflight = 0
+        self._spawn(self._sync_loop())
+        logger.info("node %s (incarnation %d) serving %s on %s:%d, metrics on :%d, %d blocks held",
+                    self.node_id, self.incarnation, transport.kind, host, port, self.metrics_port,
+                    len(self.kv_store.held_addresses()))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def shutdown(self) -> None:
+        """Stop serving and close the store (the actor is then killed by the caller)."""
+        if not self._started:
+            return
+        for task in list(self._tasks):
+            task.cancel()
+        await self.client.close()
+        await self.server.close()
+        self.http.shutdown()
+        await asyncio.get_running_loop().run_in_executor(None, self.kv_store.close)
+        self._started = False
+
+    # ---- directory upkeep --------------------------------------------------------------------------
+
+    async def _sync_loop(self) -> None:
+        c = self.config.cluster
+        tick = min(c.flush_ms / 1000, c.heartbeat_s / 4)
+        next_heartbeat = 0.0
+        while True:
+            now = time.monotonic()
+            self._drain_store_events(now)
+            if now >= next_heartbeat:
+                next_heartbeat = now + c.heartbeat_s
+                await self._heartbeat()
+            await asyncio.gather(*(self._flush_shard(k, now) for k in range(c.directory_shards)))
+            await asyncio.sleep(tick)
+
+    def _drain_store_events(self, now: float) -> None:
+        events = self.kv_store.take_events()
+        if events.overflowed:
+            logger.warning("store event queue overflowed; resyncing the directory")
+            self.metrics.resyncs.labels("store_overflow").inc()
+            self.sync.mark_all_resync()
+        self.sync.record(((a.hash, kind is EventKind.STORED) for kind, a in events.events), now)
+
+    async def _heartbeat(self) -> None:
+        for k in range(self.config.cluster.directory_shards):
+            try:
+                outcome = await self.directory.call(k, "heartbeat", self.node_id, self.incarnation, self.address)
+            except SHARD_DOWN:
+                continue
+            self._check_epoch(k)
+            if outcome is ApplyOutcome.STALE:
+                logger.error("directory shard %d knows a newer incarnation of node %s than %d", k,
+                             self.node_id, self.incarnation)
+
+    def _check_epoch(self, shard: int) -> None:
+        epoch = self.directory.epochs.get(shard)
+        known = self._epochs.get(shard)
+        self._epochs[shard] = epoch or ""
+        if known is not None and epoch != known:
+            logger.info("directory shard %d restarted (epoch %s -> %s); resyncing", shard, known, epoch)
+            self.metrics.resyncs.labels("directory_restart").inc()
+            self.sync.mark_resync(shard)
+            self._resync_at[shard] = time.monotonic() + random.uniform(0, self.config.cluster.resync_jitter_s)
+
+    async def _flush_shard(self, shard: int, now: float) -> None:
+        if self.sync.resync_wanted(shard):
+            if now >= self._resync_at[shard]:
+                await self._resync(shard)
+            return
+        if not self.sync.due(shard, now):
+            return
+        batch = self.sync.take_batch(shard)
+        outcome = await self._send(batch)
+        self.sync.answered(batch, outcome)
+        self.metrics.batches.labels(outcome.value if outcome else "failed").inc()
+        if outcome is ApplyOutcome.GAP:
+            self.metrics.resyncs.labels("gap").inc()
+
+    async def _send(self, batch: Batch) -> ApplyOutcome | None:
+        try:
+            outcome: ApplyOutcome = await self.directory.call(
+                batch.shard, "apply", self.node_id, self.incarnation, batch.seq, batch.stored, batch.removed,
+                self.address)
+        except SHARD_DOWN:
+            return None
+        self._check_epoch(batch.shard)
+        return outcome
+
+    async def _resync(self, shard: int) -> None:
+        seq = self.sync.start_resync(shard)
+        ok = False
+        try:
+            held = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_addresses)
+            hashes = self.sync.group_by_shard({a.hash for a in held})[shard]
+            rid = await self.directory.call(shard, "begin_resync", self.node_id, self.incarnation, self.address)
+            step = self.config.cluster.resync_batch
+            for i in range(0, len(hashes), step):
+                if not await self.directory.call(shard, "resync_batch", self.node_id, self.incarnation, rid,
+                                                 hashes[i:i + step]):
+                    return
+            ok = await self.directory.call(shard, "end_resync", self.node_id, self.incarnation, rid, seq)
+            self._check_epoch(shard)
+            logger.info("resynced %d block hashes to directory shard %d (seq %d)", len(hashes), shard, seq)
+        except SHARD_DOWN:
+            pass
+        finally:
+            self.sync.finish_resync(shard, ok)
+            if not ok:
+                self._resync_at[shard] = time.monotonic() + self.config.cluster.heartbeat_s
+
+    # ---- the Fabric API ----------------------------------------------------------------------------
+
+    async def _plan(self, ns: Namespace, tokens: Tokens, max_blocks: int | None, *, pulls: bool = True
+                    ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer]]:
+        hashes = block_hashes(ns, tokens)[:max_blocks]
+        loop = asyncio.get_running_loop()
+        tiers = await loop.run_in_executor(None, self.local.local_tiers, hashes, ns.layout.num_layers)
+        if not pulls or len(tiers) == len(hashes):
+            return hashes, tiers, [], [], {}
+        located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
+        owners: list[Sequence[str]] = [()] * len(tiers) + [list(o) for o in located.owners]
+        peers = {n: Peer(node_name_for(n), a.host, a.port) for n, a in located.addresses.items()
+                 if a.transport == self.address.transport}
+        owners = [[o for o in per_block if o in peers] for per_block in owners]
+        return hashes, tiers, owners, plan_pulls(owners, len(tiers)), peers
+
+    async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
+        await self._ensure_started()
+        start = time.perf_counter()
+        _, tiers, _, runs, _ = await self._plan(ns, tokens, None)
+        locs = [BlockLocation(_WHERE[t], self.node_id) for t in tiers]
+        for run in runs:
+            locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
+        self.metrics.lookups.inc()
+        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
+        return LookupReply(ns.block_size, tuple(locs))
+
+    async def _read_local(self, hashes: Sequence[BlockHash], out: np.ndarray, sources: list[str]) -> int:
+        def read() -> int:
+            for i, h in enumerate(hashes):
+                tier = self.local.read_block(h, out[i])
+                if tier is None:
+                    return i
+                sources[i] = tier.value
+            return len(hashes)
+        return await asyncio.get_running_loop().run_in_executor(None, read)
+
+    async def _load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None, pulls: bool,
+                    started: asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]] | None = None
+                    ) -> LoadReply:
+        t0 = time.perf_counter()
+        hashes, tiers, owners, runs, peers = await self._plan(ns, tokens, max_blocks, pulls=pulls)
+        planned = len(tiers) + sum(r.end - r.start for r in runs)
+        out = np.empty(payload_shape(ns, planned), dtype=np.uint8)
+        sources = [""] * planned
+        num_local = await self._read_local(hashes[:len(tiers)], out, sources)
+        if num_local < len(tiers):
+            runs, planned = [], num_local   # a local block failed its check: stop there
+        progress = LayerProgress(planned, ns.layout.num_layers)
+        for b in range(min(num_local, planned)):
+            for layer in range(ns.layout.num_layers):
+                progress.fill(b, layer)
+        if started is not None:
+            started.set_result((planned, progress, out, sources))
+        digests = [[b""] * ns.layout.num_layers for _ in range(planned)]
+        outcome = await pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
+                                    timeout_s=self.config.cluster.pull_timeout_s) if runs else None
+        progress.finished.set()
+        complete = progress.complete_blocks()
+        if outcome is not None:
+            self.metrics.said_yes_owner_no.inc(outcome.said_yes_owner_no)
+            self.metrics.pull_failures.inc(outcome.num_failures)
+            self.metrics.fallbacks.inc(outcome.num_fallbacks)
+            if self.config.kv.mirror_pulls and complete > num_local:
+                self._spawn(self._mirror(ns, hashes[num_local:complete], out[num_local:complete],
+                                         digests[num_local:complete]))
+        self.metrics.lookups.inc()
+        self.metrics.requested_blocks.inc(len(hashes))
+        self.metrics.hit_blocks.labels("local").inc(min(num_local, complete))
+        self.metrics.hit_blocks.labels("peer").inc(max(0, complete - num_local))
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
+        payloads = out[:complete]
+        pulled = max(0, complete - num_local) * ns.layout.bytes_per_block(ns.block_size)
+        return LoadReply(ns.block_size, payloads, tuple(sources[:complete]), pulled_bytes=pulled)
+
+    async def _mirror(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
+                      digests: Sequence[Sequence[bytes]]) -> None:
+        await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests))
+
+    async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
+                   pulls: bool = True) -> LoadReply:
+        await self._ensure_started()
+        return await self._load(ns, tokens, max_blocks, pulls)
+
+    async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None
+                          ) -> AsyncIterator[Any]:
+        """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order."""
+        await self._ensure_started()
+        started: asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]] = \
+            asyncio.get_running_loop().create_future()
+        task = asyncio.get_running_loop().create_task(self._load(ns, tokens, max_blocks, True, started))
+        planned, progress, out, sources = await started
+        yield planned, tuple(sources)
+        for layer in range(ns.layout.num_layers):
+            ready = asyncio.ensure_future(progress.layer_ready[layer].wait())
+            await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not progress.layer_ready[layer].is_set() and planned > 0:
+                ready.cancel()
+                raise IncompleteLoadError(f"layer {layer} could not be loaded for all {planned} blocks")
+            ready.cancel()
+            yield out[:planned, layer].copy()
+        await task
+
+    async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0) -> StoreReply:
+        await self._ensure_started()
+        num_blocks = check_payloads(ns, tokens, payloads, first_block)
+        hashes = block_hashes(ns, tokens)[first_block:first_block + num_blocks]
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.local.write_blocks(ns, hashes, payloads))
+
+    async def stats(self) -> dict[str, Any]:
+        await self._ensure_started()
+        def count(metric: str, **labels: str) -> float:
+            value = self.registry.get_sample_value(metric, labels or None)
+            return float(value or 0.0)
+        requested = count("kvfabric_requested_blocks_total")
+        local, peer = count("kvfabric_hit_blocks_total", source="local"), count("kvfabric_hit_blocks_total",
+                                                                                 source="peer")
+        pulls = {o: count("kvfabric_pulls_total", transport=self.address.transport, outcome=o)
+                 for o in ("hit", "not_found", "digest_mismatch", "peer_error", "peer_gone", "timeout")}
+        return {"node_id": self.node_id, "node_name": self.node_name, "incarnation": self.incarnation,
+                "pid": os.getpid(), "address": f"{self.address.host}:{self.address.port}",
+                "transport": self.address.transport, "metrics_port": self.metrics_port,
+                "store": self.kv_store.stats(), "requested_blocks": requested, "hit_blocks_local": local,
+                "hit_blocks_peer": peer, "hit_ratio": (local + peer) / requested if requested else 0.0,
+                "pulls": pulls, "pulled_bytes": count("kvfabric_pull_bytes_total", transport=self.address.transport),
+                "said_yes_owner_no": count("kvfabric_directory_said_yes_owner_said_no_total"),
+                "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows}

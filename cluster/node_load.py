@@ -1,0 +1,141 @@
+"""Pulling the missing part of a prefix from peers: runs per owner, concurrently, with fallback.
+
+    hashes[start:]  ──directory──► owners per block ──plan_pulls──► runs [(node, start, end, alternates)]
+    each run: pull every (block, layer) of the run from its node, layer-major (layer 0 of every
+    block first, so a layer-wise consumer can start early); a MISS, an error or a timeout moves the
+    blocks still incomplete to the next alternate; when none is left they stay missing.
+
+The transport has already checked every payload against the digest its authenticated peer
+announced; here a result is also checked to be an address we asked for and of the exact size
+the namespace implies, so a peer cannot fill the wrong slot. The answer is the leading run of
+blocks complete in every layer — any failure makes a shorter hit, never wrong KV.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from cluster.planner import PullRun, plan_pulls
+from fabric.keys import BlockAddress, BlockHash
+from transports.base import Hit, Peer, TransportClient
+from transports.certs import CertificateError
+from transports.codec import ProtocolError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class PullOutcome:
+    num_bytes: int = 0
+    num_misses: int = 0            # the directory named an owner, the owner answered MISS
+    num_failures: int = 0          # a peer that errored or timed out
+    num_fallbacks: int = 0         # runs (or their rest) retried on an alternate owner
+    said_yes_owner_no: int = 0     # runs whose owner did not have what the directory said
+
+
+@dataclass(slots=True)
+class LayerProgress:
+    """Which (block, layer) slots of a planned load are filled; lets a consumer wait per layer."""
+
+    num_blocks: int
+    num_layers: int
+    done: np.ndarray = field(init=False)
+    layer_ready: list[asyncio.Event] = field(init=False)
+    finished: asyncio.Event = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.done = np.zeros((self.num_blocks, self.num_layers), dtype=bool)
+        self.layer_ready = [asyncio.Event() for _ in range(self.num_layers)]
+        self.finished = asyncio.Event()
+
+    def fill(self, block: int, layer: int) -> None:
+        self.done[block, layer] = True
+        if self.done[:, layer].all():
+            self.layer_ready[layer].set()
+
+    def complete_blocks(self) -> int:
+        """Length of the leading run of blocks filled in every layer."""
+        full = self.done.all(axis=1)
+        return self.num_blocks if full.all() else int(np.argmin(full))
+
+
+async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash],
+                      owners: Sequence[Sequence[str]], start: int, out: np.ndarray, digests: list[list[bytes]],
+                      progress: LayerProgress, sources: list[str], *, timeout_s: float,
+                      max_rounds: int = 3) -> PullOutcome:
+    """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
+
+    Each round plans runs over the owners not yet seen failing, from the first incomplete block,
+    and pulls them concurrently; a failed run's blocks are planned again over the others.
+    """
+    outcome = PullOutcome()
+    bad: set[str] = set()
+    for _ in range(max_rounds):
+        first = progress.complete_blocks()
+        if first >= progress.num_blocks:
+            break
+        usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
+                  for i in range(progress.num_blocks)]
+        runs = plan_pulls(usable, first)
+        if not runs:
+            break
+        await asyncio.gather(*(_pull_run(client, peers, hashes, run, out, digests, progress, sources, outcome,
+                                         bad, timeout_s) for run in runs))
+        outcome.num_fallbacks += bool(bad)
+    return outcome
+
+
+async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash], run: PullRun,
+                    out: np.ndarray, digests: list[list[bytes]], progress: LayerProgress, sources: list[str],
+                    outcome: PullOutcome, bad: set[str], timeout_s: float) -> None:
+    num_layers, nbytes = out.shape[1], out.shape[2]
+    for attempt, node_id in enumerate((run.node_id, *run.alternates)):
+        peer = peers.get(node_id)
+        missing = [(b, layer) for layer in range(num_layers) for b in range(run.start, run.end)
+                   if not progress.done[b, layer]]
+        if not missing:
+            return
+        if peer is None:
+            continue
+        if attempt:
+            outcome.num_fallbacks += 1
+        if node_id in bad:
+            continue
+        slot = {BlockAddress(hashes[b], layer): (b, layer) for b, layer in missing}
+        got_miss = False
+        try:
+            async with asyncio.timeout(timeout_s):
+                async for result in client.pull(peer, list(slot)):
+                    where = slot.get(result.address)
+                    if where is None:
+                        logger.warning("peer %s answered an address it was not asked for; ignored", node_id)
+                        continue
+                    if not isinstance(result, Hit):
+                        got_miss = True
+                        continue
+                    b, layer = where
+                    view = memoryview(result.payload)
+                    if view.nbytes != nbytes:
+                        logger.warning("peer %s sent %d bytes for a %d-byte block; ignored", node_id,
+                                       view.nbytes, nbytes)
+                        continue
+                    out[b, layer] = np.frombuffer(view, dtype=np.uint8)
+                    digests[b][layer] = result.digest
+                    sources[b] = f"peer:{node_id}"
+                    outcome.num_bytes += nbytes
+                    progress.fill(b, layer)
+        except (TimeoutError, OSError, ProtocolError, CertificateError) as e:
+            outcome.num_failures += 1
+            bad.add(node_id)
+            logger.info("pull of blocks %d..%d from %s failed (%s); trying the next owner",
+                        run.start, run.end, node_id, type(e).__name__ if str(e) == "" else e)
+            continue
+        if got_miss:
+            bad.add(node_id)
+            outcome.num_misses += 1
+            outcome.said_yes_owner_no += 1

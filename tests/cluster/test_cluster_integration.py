@@ -1,0 +1,204 @@
+"""The fabric on a real local Ray cluster: several Ray nodes on 127.0.0.1, one NodeActor each,
+real stores on disk, real TLS between nodes. One cluster for the whole module; tests that change
+it (restarts, node loss) run last and add their own nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import ray
+
+from cluster.api import Where, payload_shape
+from cluster.client import FabricClient
+from cluster.directory_actor import DirectoryClient, shard_actor_name
+from cluster.launch import LocalCluster, start_local_cluster
+from cluster.node_actor import node_actor_name, node_name_for
+from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
+from fabric.keys import Namespace, block_hashes
+from fabric.layout import KVLayout
+from transports.base import Hit, Peer
+from transports.certs import init_ca, issue_node
+from transports.factory import create_client
+
+LAYOUT = KVLayout.mha(4, 2, 64, "f16")      # 8 KiB per (block, layer) at 16 tokens
+NS = Namespace("itest-model", LAYOUT, block_size=16, weights_fingerprint="itest")
+LEASE_S = 2.0
+HEARTBEAT_S = 0.4
+RESYNC_BOUND_S = 8.0   # kill a shard -> full answers again: Ray restart + a heartbeat + jitter + resync
+
+
+@pytest.fixture(scope="module")
+def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
+    root = tmp_path_factory.mktemp("fabric")
+    config = Config(kv=KVConfig(ram_gib=0.25, ssd_gib=1.0, write_through=True, o_direct=False),
+                    cluster=ClusterConfig(heartbeat_s=HEARTBEAT_S, lease_s=LEASE_S, directory_shards=2,
+                                          resync_jitter_s=0.2))
+    local = start_local_cluster(3, root, config)
+    try:
+        yield local
+    finally:
+        local.shutdown()
+
+
+def prompt(seed: int, num_blocks: int) -> list[int]:
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(0, 50_000, num_blocks * NS.block_size)]
+
+
+def kv_for(seed: int, num_blocks: int, ns: Namespace = NS) -> np.ndarray:
+    return np.random.default_rng(seed + 10_000).integers(0, 256, payload_shape(ns, num_blocks), dtype=np.uint8)
+
+
+def owners(config: Config, hashes: list[bytes]) -> list[set[str]]:
+    async def ask() -> list[set[str]]:
+        located = await DirectoryClient(config.cluster).locate(hashes, exclude=())
+        return [set(o) for o in located.owners]
+    return asyncio.run(ask())
+
+
+def wait_until(predicate: object, timeout_s: float, what: str) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if predicate():  # type: ignore[operator]
+            return time.monotonic() - start
+        time.sleep(0.05)
+    raise AssertionError(f"{what} not within {timeout_s} s")
+
+
+def nodes(fabric: LocalCluster) -> list[str]:
+    head = ray.get_runtime_context().get_node_id()
+    return [head] + [n for n in fabric.node_ids() if n != head]
+
+
+def test_a_prefix_stored_on_one_node_is_pulled_byte_identical_by_another(fabric: LocalCluster) -> None:
+    _head, a, b = nodes(fabric)[:3]
+    client_a, client_b = FabricClient.connect(node_id=a), FabricClient.connect(node_id=b)
+    tokens, data = prompt(1, 24), kv_for(1, 24)
+    assert client_a.store(NS, tokens, data).num_stored == 24
+    hashes = block_hashes(NS, tokens)
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 5, "the directory lists A")
+    found = client_b.lookup(NS, tokens)
+    assert found.num_blocks == 24 and {loc.where for loc in found.locations} == {Where.PEER}
+    assert {loc.node_id for loc in found.locations} == {a}
+    before = client_b.stats()["pulled_bytes"]
+    reply = client_b.load(NS, [*tokens, 7, 7, 7])
+    assert reply.num_blocks == 24 and np.array_equal(reply.payloads, data)
+    assert set(reply.sources) == {f"peer:{a}"}
+    assert client_b.stats()["pulled_bytes"] - before == data.nbytes
+    wait_until(lambda: all(o == {a, b} for o in owners(fabric.config, hashes)), 5, "the directory lists A and B")
+    again = client_b.load(NS, tokens)
+    assert set(again.sources) == {"ram"} and np.array_equal(again.payloads, data)
+
+
+def test_two_tenants_never_share_blocks(fabric: LocalCluster) -> None:
+    _, a, b = nodes(fabric)[:3]
+    alice = Namespace("itest-model", LAYOUT, 16, weights_fingerprint="itest", tenant_salt=b"alice")
+    bob = Namespace("itest-model", LAYOUT, 16, weights_fingerprint="itest", tenant_salt=b"bob")
+    tokens = prompt(2, 8)
+    FabricClient.connect(node_id=a).store(alice, tokens, kv_for(2, 8, alice))
+    client_b = FabricClient.connect(node_id=b)
+    wait_until(lambda: client_b.lookup(alice, tokens).num_blocks == 8, 5, "alice's blocks visible")
+    assert client_b.lookup(bob, tokens).num_blocks == 0
+    assert client_b.load(bob, tokens).num_blocks == 0
+
+
+def test_metrics_endpoint_shows_the_pulls(fabric: LocalCluster) -> None:
+    _, _a, b = nodes(fabric)[:3]
+    stats = FabricClient.connect(node_id=b).stats()
+    with urllib.request.urlopen(f"http://127.0.0.1:{stats['metrics_port']}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    hits = [line for line in text.splitlines()
+            if line.startswith("kvfabric_pulls_total") and 'outcome="hit"' in line]
+    assert hits and float(hits[0].split()[-1]) > 0
+    assert "kvfabric_hit_blocks_total" in text and "kvfabric_prefix_lookup_seconds_bucket" in text
+
+
+def test_a_certificate_from_a_foreign_ca_cannot_pull(fabric: LocalCluster, tmp_path: Path) -> None:
+    _, a, _ = nodes(fabric)[:3]
+    stats = FabricClient.connect(node_id=a).stats()
+    host, port = stats["address"].rsplit(":", 1)
+    foreign = tmp_path / "foreign"
+    init_ca(foreign)
+    issue_node(foreign, "intruder")
+    hashes = block_hashes(NS, prompt(1, 24))
+
+    async def steal() -> list[object]:
+        client = create_client(TransportConfig(cert_dir=str(foreign), node_name="intruder", connect_timeout_s=3))
+        got: list[object] = []
+        try:
+            from fabric.keys import BlockAddress
+            async for result in client.pull(Peer(node_name_for(a), host, int(port)), [BlockAddress(hashes[0], 0)]):
+                got.append(result)
+        except Exception as e:
+            got.append(e)
+        finally:
+            await client.close()
+        return got
+
+    results = asyncio.run(steal())
+    assert results and not any(isinstance(r, Hit) for r in results)
+
+
+def test_a_restarted_node_reregisters_its_ssd_blocks_under_a_new_incarnation(fabric: LocalCluster) -> None:
+    head, a, _b = nodes(fabric)[:3]
+    client_a = FabricClient.connect(node_id=a)
+    tokens, data = prompt(3, 12), kv_for(3, 12)
+    client_a.store(NS, tokens, data)            # write-through: on A's SSD when acknowledged
+    old = client_a.stats()["incarnation"]
+    hashes = block_hashes(NS, tokens)
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 5, "A listed")
+    ray.kill(ray.get_actor(node_actor_name(a), namespace="kvfabric"), no_restart=False)
+    client_a = FabricClient.connect(node_id=a, timeout_s=60)
+    assert client_a.stats()["incarnation"] > old
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 10, "A re-registered")
+    reply = FabricClient.connect(node_id=head).load(NS, tokens)
+    assert reply.num_blocks == 12 and np.array_equal(reply.payloads, data)
+    assert set(reply.sources) == {f"peer:{a}"}
+
+
+def test_a_killed_directory_shard_answers_in_full_again_within_the_bound(fabric: LocalCluster) -> None:
+    tokens = prompt(1, 24)
+    hashes = block_hashes(NS, tokens)
+    before = owners(fabric.config, hashes)
+    assert all(before)
+    for k in range(fabric.config.cluster.directory_shards):
+        ray.kill(ray.get_actor(shard_actor_name(fabric.config.cluster, k), namespace="kvfabric"), no_restart=False)
+    took = wait_until(lambda: owners(fabric.config, hashes) == before, RESYNC_BOUND_S, "full state after restart")
+    print(f"directory rebuilt from the nodes in {took:.2f} s")
+
+
+def test_a_node_added_later_gets_a_node_actor_and_serves_pulls(fabric: LocalCluster) -> None:
+    head = nodes(fabric)[0]
+    new = fabric.add_node()
+    tokens, data = prompt(4, 10), kv_for(4, 10)
+    FabricClient.connect(node_id=new).store(NS, tokens, data)
+    client = FabricClient.connect(node_id=head)
+    wait_until(lambda: client.lookup(NS, tokens).num_blocks == 10, 5, "new node's blocks visible")
+    reply = client.load(NS, tokens)
+    assert np.array_equal(reply.payloads, data) and set(reply.sources) == {f"peer:{new}"}
+
+
+def test_a_dead_owner_means_fallback_or_miss_never_wrong_data(fabric: LocalCluster) -> None:
+    head, _a, b = nodes(fabric)[:3]
+    doomed = fabric.add_node()
+    tokens, data = prompt(5, 32), kv_for(5, 32)
+    FabricClient.connect(node_id=doomed).store(NS, tokens, data)
+    client_b = FabricClient.connect(node_id=b)
+    wait_until(lambda: client_b.lookup(NS, tokens).num_blocks == 32, 5, "doomed node's blocks visible")
+    half = client_b.load(NS, tokens, max_blocks=16)             # B now owns the first half too
+    assert np.array_equal(half.payloads, data[:16])
+    hashes = block_hashes(NS, tokens)
+    wait_until(lambda: all(b in o for o in owners(fabric.config, hashes[:16])), 5, "B listed for the first half")
+    fabric.remove_node(doomed)                                   # the machine dies; its lease still runs
+    reply = FabricClient.connect(node_id=head).load(NS, tokens)
+    assert reply.num_blocks <= 32 and np.array_equal(reply.payloads, data[:reply.num_blocks])
+    assert reply.num_blocks >= 16                                # B's copy served the first half
+    wait_until(lambda: all(doomed not in o for o in owners(fabric.config, hashes)), LEASE_S + 3,
+               "the dead node leaves the directory after its lease")

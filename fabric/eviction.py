@@ -7,8 +7,9 @@ Byte lines per tier (C = capacity)::
     SSD  0 ........ low_water·C ...... C
                     evictor target     ssd_gib: a write that would pass it answers FULL
 
-* Device -> RAM: `should_offload_device(u)` once the engine pool's utilisation u passes
-  gpu_offload_threshold; the engine side then gathers its coldest blocks and puts them.
+* Device -> RAM: `should_offload_device(u)` answers whether the engine pool's utilisation u passes
+  gpu_offload_threshold. Advisory: nothing in the fabric acts on it; an engine adapter may ask it
+  and put its coldest blocks (no shipped engine does yet).
 * RAM -> SSD: once RAM passes cpu_offload_threshold·C the evictor drops least recently used blocks
   (each already on SSD, written first if it was not) down to that line, so bursts between two
   evictor ticks land in the headroom instead of being refused.

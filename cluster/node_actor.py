@@ -290,6 +290,8 @@ class NodeActor:
         for b in range(min(num_local, planned)):
             for layer in range(ns.layout.num_layers):
                 progress.fill(b, layer)
+        for run in runs:   # the plan; a fallback may replace the node
+            sources[run.start:run.end] = [f"peer:{run.node_id}"] * (run.end - run.start)
         if started is not None:
             started.set_result((planned, progress, out, sources))
         digests = [[b""] * ns.layout.num_layers for _ in range(planned)]

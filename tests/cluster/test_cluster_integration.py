@@ -97,6 +97,19 @@ def test_a_prefix_stored_on_one_node_is_pulled_byte_identical_by_another(fabric:
     assert set(again.sources) == {"ram"} and np.array_equal(again.payloads, data)
 
 
+def test_layer_wise_load_from_a_peer_delivers_every_layer_in_order(fabric: LocalCluster) -> None:
+    head, a, _ = nodes(fabric)[:3]
+    tokens, data = prompt(6, 20), kv_for(6, 20)
+    FabricClient.connect(node_id=a).store(NS, tokens, data)
+    client = FabricClient.connect(node_id=head)
+    wait_until(lambda: client.lookup(NS, tokens).num_blocks == 20, 5, "A's blocks visible")
+    stream = client.load_layers(NS, tokens)
+    assert stream.num_blocks == 20 and set(stream.sources) == {f"peer:{a}"}
+    layers = list(stream)
+    assert [layer for layer, _ in layers] == list(range(LAYOUT.num_layers))
+    assert all(np.array_equal(arr, data[:, layer]) for layer, arr in layers)
+
+
 def test_two_tenants_never_share_blocks(fabric: LocalCluster) -> None:
     _, a, b = nodes(fabric)[:3]
     alice = Namespace("itest-model", LAYOUT, 16, weights_fingerprint="itest", tenant_salt=b"alice")

@@ -264,7 +264,7 @@ class DirectoryShard:
                 append(() if v in dead else (ids[v],))
             else:
                 append(tuple([ids[n] for n in v if n not in dead]))
-        return LocateReply(tuple(owners), _leading_runs(owners))
+        return LocateReply(tuple(owners), leading_runs(owners))
 
     def nodes(self, now: float) -> list[NodeInfo]:
         """Live nodes that have an address, by node id."""
@@ -425,7 +425,7 @@ class DirectoryShard:
         return total / self._num_entries
 
 
-def _leading_runs(owners: Sequence[tuple[NodeId, ...]]) -> dict[NodeId, int]:
+def leading_runs(owners: Sequence[tuple[NodeId, ...]]) -> dict[NodeId, int]:
     """For each node owning the first hash: how many leading hashes it owns in a row."""
     runs: dict[NodeId, int] = {}
     if not owners or not owners[0]:

@@ -41,6 +41,7 @@ bench: install
 	$(PY) benchmarks/bench_blocks.py
 	$(PY) benchmarks/bench_tiers.py
 	$(PY) benchmarks/bench_transfer.py
+	$(PY) benchmarks/bench_directory.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

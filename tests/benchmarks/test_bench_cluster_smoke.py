@@ -1,0 +1,25 @@
+"""Smoke test of benchmarks/bench_cluster.py: `--quick` starts its own 3-node Ray cluster, runs the
+shared-prefix workload (every load is compared byte for byte inside the benchmark) and ends with
+the JSON line. Timing is not asserted; the hit ratio is, since it does not depend on speed."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_hits_as_an_ideal_cache_would_and_beats_local_only() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cluster.py"), "--quick"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert any("ideal (every repeated block)" in line for line in lines[:-1])
+    result = json.loads(lines[-1])
+    for key in ("hit_ratio", "ideal_hit_ratio", "local_only_hit_ratio", "pull_mb_s", "load_p99_ms", "handoff_mb_s"):
+        assert result[key] > 0, key
+    assert result["hit_ratio"] >= 0.95 * result["ideal_hit_ratio"]
+    assert result["hit_ratio"] > result["local_only_hit_ratio"]

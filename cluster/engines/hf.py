@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import json
 import logging
 import time
 from collections.abc import Sequence
@@ -25,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
@@ -58,6 +60,7 @@ class Prefill:
     pulled_bytes: int
     sources: tuple[str, ...]        # per reused block, as the fabric reported it
     ttft_s: float                   # load + compute up to `logits`
+    load_s: float                   # of which waiting for the fabric before compute (0 when layer-wise)
     num_stored_blocks: int          # new full blocks exported after the prefill
     fell_back: bool                 # a layer-wise load broke and was redone as a plain load
 
@@ -97,16 +100,18 @@ class HFEngine:
             mode = LoadMode.RECOMPUTE
         try:
             cache, reused, pulled, sources = self._load(prompt, mode, max_blocks)
+            loaded = time.perf_counter()
             logits, cache = self._forward(prompt[reused:], cache)
         except IncompleteLoadError as exc:
             logger.warning("layer-wise load failed (%s); retrying as a plain load", exc)
             fell_back = True
             cache, reused, pulled, sources = self._load(prompt, LoadMode.FULL, max_blocks)
+            loaded = time.perf_counter()
             logits, cache = self._forward(prompt[reused:], cache)
         ttft = time.perf_counter() - start
         stored = self.export(prompt, cache, reused // self.block_size) if export else 0
         return Prefill(logits, cache, len(prompt), reused, self._pulled_tokens(sources), pulled, sources, ttft,
-                       stored, fell_back)
+                       loaded - start, stored, fell_back)
 
     def _load(self, prompt: list[int], mode: LoadMode, max_blocks: int,
               ) -> tuple[DynamicCache | None, int, int, tuple[str, ...]]:
@@ -118,8 +123,10 @@ class HFEngine:
             if stream.num_blocks == 0:
                 return None, 0, 0, ()
             feed = LayerFeed(stream, self.namespace, self.device)
-            pulled = getattr(stream, "pulled_bytes", 0)
-            return LayerwiseCache(feed), feed.num_tokens, int(pulled), tuple(stream.sources)
+            sources = tuple(stream.sources)
+            pulled = self._pulled_tokens(sources) // self.block_size * self.namespace.layout.bytes_per_block(
+                self.block_size)
+            return LayerwiseCache(feed), feed.num_tokens, pulled, sources
         reply = self.fabric.load(self.namespace, prompt, max_blocks=max_blocks)
         if reply.num_blocks == 0:
             return None, 0, reply.pulled_bytes, reply.sources
@@ -189,6 +196,25 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
     tokenizer = AutoTokenizer.from_pretrained(str(folder), gguf_file=SMOLLM2_FILE)
     model.train(False)
     return model, tokenizer, fingerprint_file(folder / SMOLLM2_FILE)
+
+
+def save_checkpoint(model: PreTrainedModel, folder: str | Path) -> Path:
+    """Write the model as a plain float checkpoint (config.json + model.safetensors) that
+    `load_checkpoint` reads in well under a second, where dequantising the GGUF takes ~20 s: the
+    demo dequantises once and every engine actor loads this."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = model.config.to_dict()
+    config.pop("quantization_config", None)   # the weights below are already dequantised
+    (folder / "config.json").write_text(json.dumps(config))
+    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    return folder
+
+
+def load_checkpoint(folder: str | Path) -> PreTrainedModel:
+    model = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32)
+    model.train(False)
+    return model
 
 
 def chat_tokens(tokenizer: PreTrainedTokenizerBase, system: str, user: str) -> list[int]:

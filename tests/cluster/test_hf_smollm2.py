@@ -51,4 +51,4 @@ def test_smollm2_continues_after_loaded_kv_exactly_as_a_recompute(
     assert got.prefill.num_reused_tokens == shared // BLOCK * BLOCK > 300
     assert float((got.prefill.logits - expected.prefill.logits).abs().max()) <= 1e-4
     assert got.tokens == expected.tokens
-    assert "water" in tokenizer.decode(got.tokens).lower()   # it answers the question it was asked
+    assert "water" in str(tokenizer.decode(got.tokens)).lower()   # it answers the question it was asked

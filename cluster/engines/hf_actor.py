@@ -1,0 +1,99 @@
+"""An engine per Ray node: `HFEngine` in a Ray actor pinned to its node, KV through that node's fabric.
+
+    driver ──serve(tokens)──► HFEngineActor (node k) ──FabricClient──► NodeActor (node k) ──pull──► peers
+                                 ├─ fabric answer: layer-wise load + suffix prefill + greedy decode
+                                 └─ recompute answer: the same prompt with no fabric, the baseline
+
+The actor loads a plain float checkpoint (`save_checkpoint`) so that N engines do not each spend
+~20 s dequantising a GGUF file. Results cross back as an `Answer` (small: token ids, the first
+token's logits and counters), never as a cache.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.client import FabricClient
+from cluster.engines.hf import Generation, HFEngine, LoadMode, load_checkpoint
+from fabric.keys import Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class Answer:
+    """One request's outcome on one engine."""
+
+    node_id: str
+    tokens: list[int]              # greedy answer, without the prompt
+    logits: np.ndarray             # float32 [vocab], first answer token's
+    num_tokens: int                # prompt tokens
+    num_reused_tokens: int         # from the fabric: local tiers plus pulls
+    num_pulled_tokens: int         # of those, pulled from a peer
+    pulled_bytes: int
+    sources: tuple[str, ...]
+    ttft_s: float
+    fell_back: bool
+
+    @classmethod
+    def of(cls, node_id: str, gen: Generation) -> Answer:
+        pre = gen.prefill
+        return cls(node_id, gen.tokens, pre.logits.numpy().copy(), pre.num_tokens, pre.num_reused_tokens,
+                   pre.num_pulled_tokens, pre.pulled_bytes, pre.sources, pre.ttft_s, pre.fell_back)
+
+
+class HFEngineActor:
+    """The actor body (`spawn_engines` wraps it with `ray.remote`); one request at a time."""
+
+    def __init__(self, checkpoint: str, *, fingerprint: str, model_id: str, block_size: int,
+                 num_threads: int | None = None, namespace: str = "kvfabric") -> None:
+        if num_threads:
+            torch.set_num_threads(num_threads)
+        model = load_checkpoint(checkpoint)
+        self.node_id = str(ray.get_runtime_context().get_node_id())
+        fabric = FabricClient.connect(namespace=namespace)
+        self.engine = HFEngine(model, fabric, block_size=block_size, fingerprint=fingerprint, model_id=model_id)
+        self.baseline = HFEngine(model, None, block_size=block_size, fingerprint=fingerprint, model_id=model_id)
+
+    def node(self) -> str:
+        return self.node_id
+
+    def namespace(self) -> Namespace:
+        return self.engine.namespace
+
+    def answer(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None,
+               mode: str = LoadMode.LAYERWISE.value, export: bool = True) -> Answer:
+        """Prefill through the fabric (`mode`), export the new blocks, decode greedily."""
+        gen = self.engine.generate(tokens, max_new_tokens, mode=LoadMode(mode), eos_token_id=eos_token_id,
+                                   export=export)
+        return Answer.of(self.node_id, gen)
+
+    def recompute(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None) -> Answer:
+        """The baseline: the same prompt computed from scratch, nothing read from or written to the fabric."""
+        return Answer.of(self.node_id, self.baseline.generate(tokens, max_new_tokens, eos_token_id=eos_token_id))
+
+    def serve(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None,
+              mode: str = LoadMode.LAYERWISE.value) -> tuple[Answer, Answer]:
+        """(fabric answer, recompute answer) for one request, measured one after the other here."""
+        return (self.answer(tokens, max_new_tokens, eos_token_id=eos_token_id, mode=mode),
+                self.recompute(tokens, max_new_tokens, eos_token_id=eos_token_id))
+
+
+def spawn_engines(node_ids: Sequence[str], checkpoint: str, *, fingerprint: str, model_id: str, block_size: int,
+                  num_threads: int | None = None, namespace: str = "kvfabric") -> dict[str, ray.actor.ActorHandle]:
+    """One `HFEngineActor` pinned to each node (hard affinity); returns once every one has loaded."""
+    remote = ray.remote(num_cpus=0)(HFEngineActor)
+    handles = {
+        node_id: remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False)).remote(
+            checkpoint, fingerprint=fingerprint, model_id=model_id, block_size=block_size,
+            num_threads=num_threads, namespace=namespace)
+        for node_id in node_ids
+    }
+    placed = ray.get([h.node.remote() for h in handles.values()])
+    if placed != list(handles):
+        raise RuntimeError(f"engine actors landed on {placed}, pinned to {list(handles)}")
+    return handles

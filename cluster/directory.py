@@ -39,7 +39,7 @@ import enum
 import math
 import sys
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import NewType
 
 NodeId = NewType("NodeId", str)
@@ -73,6 +73,7 @@ class NodeInfo:
 class LocateReply:
     owners: tuple[tuple[NodeId, ...], ...]   # per requested hash: live owners, sorted by node id
     runs: dict[NodeId, int]                   # node -> length of its leading run; nodes with none are absent
+    addresses: dict[NodeId, NodeAddress] = field(default_factory=dict)   # of every node named in owners
 
 
 def shard_of(block_hash: bytes, num_shards: int) -> int:
@@ -265,7 +266,12 @@ class DirectoryShard:
                 append(() if v in dead else (ids[v],))
             else:
                 append(tuple([ids[n] for n in v if n not in dead]))
-        return LocateReply(tuple(owners), leading_runs(owners))
+        addresses: dict[NodeId, NodeAddress] = {}
+        for n in {n for t in owners for n in t}:
+            node = self._nodes[self._index[n]]
+            assert node is not None and node.address is not None, f"locate named node {n} without an address"
+            addresses[n] = node.address
+        return LocateReply(tuple(owners), leading_runs(owners), addresses)
 
     def nodes(self, now: float) -> list[NodeInfo]:
         """Live nodes that have an address, by node id."""

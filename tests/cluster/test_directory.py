@@ -100,8 +100,9 @@ def test_a_node_is_located_only_once_it_has_an_address() -> None:
     d.apply(A, 1, 1, [H[0]], [], 0.0)
     assert owners(d, [H[0]]) == [()]
     assert d.nodes(0.0) == []
-    d.heartbeat(A, 1, ADDR, 0.0)
+    d.heartbeat(A, 1, ADDR2, 0.0)
     assert owners(d, [H[0]]) == [(A,)]
+    assert d.locate([H[0]], 0.0).addresses == {A: ADDR2}
 
 
 def test_resync_replaces_entries_atomically_at_the_end() -> None:
@@ -160,7 +161,9 @@ def test_locate_orders_owners_by_node_id_excludes_and_reports_leading_runs() -> 
     reply = d.locate(H[:6], 0.0)
     assert reply.owners == ((A, C), (A, B, C), (B, C), (A, B, C), (C,), ())
     assert reply.runs == {A: 2, C: 5}          # B lacks block 0: no leading run
+    assert reply.addresses == {A: ADDR, B: ADDR, C: ADDR}
     reply = d.locate(H[:6], 0.0, exclude=[C, "never-seen"])
+    assert set(reply.addresses) == {A, B}
     assert reply.owners == ((A,), (A, B), (B,), (A, B), (), ())
     assert reply.runs == {A: 2}
     assert d.locate([], 0.0).runs == {}

@@ -225,6 +225,7 @@ class DirectoryMachine(RuleBasedStateMachine):
         owners, runs = self.model.locate(hashes, self.now, exclude)
         assert list(reply.owners) == owners
         assert reply.runs == runs
+        assert reply.addresses == {k: self.model.nodes[k].address for t in owners for k in t}
 
     @invariant()
     def same_map(self) -> None:

@@ -43,6 +43,7 @@ bench: install
 	$(PY) benchmarks/bench_transfer.py
 	$(PY) benchmarks/bench_directory.py
 	$(PY) benchmarks/bench_cluster.py
+	$(PY) benchmarks/bench_ttft.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

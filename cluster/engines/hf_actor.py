@@ -37,13 +37,14 @@ class Answer:
     pulled_bytes: int
     sources: tuple[str, ...]
     ttft_s: float
+    load_s: float                  # of which waiting for a whole-prefix load (0 when layer-wise)
     fell_back: bool
 
     @classmethod
     def of(cls, node_id: str, gen: Generation) -> Answer:
         pre = gen.prefill
         return cls(node_id, gen.tokens, pre.logits.numpy().copy(), pre.num_tokens, pre.num_reused_tokens,
-                   pre.num_pulled_tokens, pre.pulled_bytes, pre.sources, pre.ttft_s, pre.fell_back)
+                   pre.num_pulled_tokens, pre.pulled_bytes, pre.sources, pre.ttft_s, pre.load_s, pre.fell_back)
 
 
 class HFEngineActor:

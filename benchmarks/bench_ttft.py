@@ -1,0 +1,133 @@
+"""Time to first token with SmolLM2-135M-Instruct on a local 3-node Ray cluster with the fabric.
+
+For each prompt size (1k, 2k, 4k tokens of prefix + a 16-token suffix), in one run:
+
+    recompute         node A, nothing cached: the whole prompt is prefilled (and exported)
+    local RAM hit     node A again, another suffix: the prefix comes from A's own RAM tier
+    pull              node B: the prefix is pulled from A over TLS, then the suffix is computed
+    layer-wise pull   node C: the same, but layer i computes as soon as layer i has arrived
+
+B and C swap order on every repetition. Every TTFT is measured inside the engine actor (lookup +
+load + suffix prefill up to the first token's logits). The break-even bandwidth is KV bytes per
+token divided by prefill seconds per token: a pull slower than that loses to recomputing.
+
+    python benchmarks/bench_ttft.py [--quick] [--reps N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks._common import emit_json, median, print_table
+
+SIZES = {"1k": 1024, "2k": 2048, "4k": 4096}
+QUICK_SIZES = {"256": 256, "512": 512}
+SUFFIX = 16
+BLOCK = 16
+PATHS = ("recompute", "local", "remote", "remote_layerwise")
+
+
+def prompt_pair(num_prefix: int, seed: int, vocab: int) -> tuple[list[int], list[int]]:
+    """Two prompts sharing `num_prefix` random tokens (random ids cost the model what text does)."""
+    rng = random.Random(seed)
+    prefix = [rng.randrange(100, vocab) for _ in range(num_prefix)]
+    return (prefix + [rng.randrange(100, vocab) for _ in range(SUFFIX)],
+            prefix + [rng.randrange(100, vocab) for _ in range(SUFFIX)])
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="256- and 512-token prompts (smoke test)")
+    parser.add_argument("--reps", type=int, default=1, help="repetitions per size (fresh prompts each)")
+    args = parser.parse_args()
+    os.environ.setdefault("TQDM_DISABLE", "1")
+
+    import ray
+    from transformers.utils import logging as hf_logging
+
+    from cluster.engines.hf import SMOLLM2_ID, load_smollm2, save_checkpoint
+    from cluster.engines.hf_actor import Answer, spawn_engines
+    from cluster.launch import start_local_cluster
+    from fabric.config import Config, KVConfig
+
+    hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
+    sizes = QUICK_SIZES if args.quick else SIZES
+    samples: dict[str, dict[str, list[float]]] = {label: {p: [] for p in PATHS} for label in sizes}
+    pull_mb_s: list[float] = []
+    with tempfile.TemporaryDirectory(prefix="kvfabric-bench-ttft-") as tmp:
+        model, _tokenizer, fingerprint = load_smollm2()
+        vocab = int(model.config.vocab_size)
+        checkpoint = save_checkpoint(model, Path(tmp) / "checkpoint")
+        del model
+        local = start_local_cluster(3, Path(tmp) / "fabric", Config(kv=KVConfig(ram_gib=2.0)),
+                                    object_store_bytes=1 << 30)
+        try:
+            a, b, c = sorted(local.node_ids())
+            engines = spawn_engines([a, b, c], str(checkpoint), fingerprint=fingerprint, model_id=SMOLLM2_ID,
+                                    block_size=BLOCK, num_threads=2)
+            ns = ray.get(engines[a].namespace.remote())
+            kv_bytes_per_token = ns.layout.bytes_per_block(BLOCK) / BLOCK
+            # Warm-up: first calls pay for imports, TLS connections and page faults.
+            warm_first, warm_second = prompt_pair(64, seed=999, vocab=vocab)
+            ray.get(engines[a].answer.remote(warm_first, 1))
+            time.sleep(0.5)
+            for node, mode in ((b, "full"), (c, "layerwise")):
+                ray.get(engines[node].answer.remote(warm_second, 1, mode=mode, export=False))
+            for rep in range(args.reps):
+                for k, (label, num_prefix) in enumerate(sizes.items()):
+                    first, second = prompt_pair(num_prefix, seed=100 * rep + k, vocab=vocab)
+                    cold: Answer = ray.get(engines[a].answer.remote(first, 1))
+                    assert cold.num_reused_tokens == 0, "the recompute found cached blocks"
+                    time.sleep(0.5)   # the owner's register batch reaches the directory
+                    hit: Answer = ray.get(engines[a].answer.remote(second, 1, mode="full", export=False))
+                    order = [(b, "full"), (c, "layerwise")]
+                    for node, mode in order if rep % 2 == 0 else order[::-1]:
+                        got: Answer = ray.get(engines[node].answer.remote(second, 1, mode=mode, export=False))
+                        if got.num_pulled_tokens < num_prefix:
+                            raise RuntimeError(f"{mode} pull on {node[:8]} reused {got.num_reused_tokens} tokens, "
+                                               f"pulled {got.num_pulled_tokens}; expected the {num_prefix}-token "
+                                               "prefix from a peer")
+                        path = "remote" if mode == "full" else "remote_layerwise"
+                        samples[label][path].append(got.ttft_s)
+                        if mode == "full" and got.load_s > 0:
+                            pull_mb_s.append(got.pulled_bytes / got.load_s / 1e6)
+                    samples[label]["recompute"].append(cold.ttft_s)
+                    samples[label]["local"].append(hit.ttft_s)
+        finally:
+            local.shutdown()
+
+    result: dict[str, object] = {"quick": args.quick, "reps": args.reps, "kv_bytes_per_token": kv_bytes_per_token}
+    rows = []
+    for label, num_prefix in sizes.items():
+        med = {p: median(samples[label][p]) for p in PATHS}
+        best_remote = min(med["remote"], med["remote_layerwise"])
+        for p in PATHS:
+            result[f"ttft_{p}_{label}_s"] = round(med[p], 4)
+        result[f"ratio_remote_{label}"] = round(best_remote / med["recompute"], 4)
+        result[f"remote_over_local_{label}"] = round(best_remote / med["local"], 4)
+        rows.append([label, num_prefix + SUFFIX, med["recompute"], med["local"], med["remote"],
+                     med["remote_layerwise"], best_remote / med["recompute"], best_remote / med["local"]])
+    largest, largest_tokens = list(sizes.items())[-1]
+    prefill_s_per_token = median(samples[largest]["recompute"]) / (largest_tokens + SUFFIX)
+    result["breakeven_mb_s"] = round(kv_bytes_per_token / prefill_s_per_token / 1e6, 2)
+    result["pull_mb_s"] = round(median(pull_mb_s), 2)
+    print_table("TTFT, SmolLM2-135M-Instruct (f32) on a local 3-node Ray cluster, medians in seconds",
+                ["prompt", "tokens", "recompute", "local RAM hit", "pull", "layer-wise pull",
+                 "best remote / recompute", "best remote / local"], rows)
+    print(f"break-even pull bandwidth ({largest}): {result['breakeven_mb_s']} MB/s "
+          f"(KV {kv_bytes_per_token / 1e3:.1f} KB per token, prefill {prefill_s_per_token * 1e3:.2f} ms per token); "
+          f"measured pull (full load, {largest} and smaller): {result['pull_mb_s']} MB/s")
+    emit_json(result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -73,13 +74,26 @@ def _connect(address: str | None) -> tuple[str, dict[str, Any] | None]:
 
     state = json.loads(state_file().read_text()) if state_file().exists() else None
     address = address or (state["address"] if state else "auto")
-    loopback_env()
+    if address != "auto":
+        _check_reachable(address)
+    if address.startswith(("127.", "localhost")):
+        loopback_env()   # only for a local cluster: on Kubernetes the node's address is its pod IP
     try:
         ray.init(address=address, namespace="kvfabric", logging_level=logging.WARNING, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as e:
         raise CLIError(f"no Ray cluster at {address!r} ({str(e).splitlines()[0]}); "
                        "start one with `kvfabric up --nodes 3` or pass --address") from None
     return address, state
+
+
+def _check_reachable(address: str) -> None:
+    """Ray retries an unreachable GCS for minutes; a user who mistyped the address wants to know now."""
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=3).close()
+    except (OSError, ValueError) as e:
+        raise CLIError(f"no Ray cluster at {address!r} ({e}); start one with `kvfabric up --nodes 3` "
+                       "or pass --address") from None
 
 
 def cmd_up(args: argparse.Namespace) -> int:

@@ -57,6 +57,7 @@ class NodeAddress:
     host: str
     port: int
     transport: str   # "tls-tcp" | "quic" | "rdma"
+    name: str = ""   # the node's TLS identity (its certificate's DNS name); "" = derived from the node id
 
 
 @dataclass(frozen=True, slots=True)

@@ -50,8 +50,9 @@ class DirectoryActor:
     def ping(self) -> str:
         return self.epoch
 
-    def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress) -> tuple[str, ApplyOutcome]:
-        return self.epoch, self.shard.heartbeat(node_id, incarnation, address, time.monotonic())
+    def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress,
+                  acked_seq: int | None = None) -> tuple[str, ApplyOutcome]:
+        return self.epoch, self.shard.heartbeat(node_id, incarnation, address, time.monotonic(), acked_seq=acked_seq)
 
     def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
               address: NodeAddress | None = None) -> tuple[str, ApplyOutcome]:
@@ -68,12 +69,8 @@ class DirectoryActor:
 
     def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> tuple[str, LocateReply,
                                                                                   dict[str, NodeAddress]]:
-        now = time.monotonic()
-        reply = self.shard.locate(hashes, now, exclude)
-        owners = {n for per_hash in reply.owners for n in per_hash}
-        addresses: dict[str, NodeAddress] = {info.node_id: info.address for info in self.shard.nodes(now)
-                                             if info.node_id in owners}
-        return self.epoch, reply, addresses
+        reply = self.shard.locate(hashes, time.monotonic(), exclude)
+        return self.epoch, reply, {str(n): a for n, a in reply.addresses.items()}
 
     def nodes(self) -> tuple[str, list[NodeInfo]]:
         now = time.monotonic()

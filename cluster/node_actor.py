@@ -65,9 +65,15 @@ def node_actor_name(node_id: str) -> str:
     return f"kvfabric-node-{node_id}"
 
 
+NODE_NAME_ENV = "KVFABRIC_NODE_NAME"
+
+
 def node_name_for(node_id: str) -> str:
-    """The certificate / transport name of a Ray node: stable across restarts of its actor."""
-    return f"node-{node_id[:16]}"
+    """The certificate / transport name and folder of a Ray node: `$KVFABRIC_NODE_NAME` when the
+    node's environment sets it (e.g. the Kubernetes node name, so a restarted pod finds its SSD
+    blocks again under a new Ray node id), else derived from the Ray node id (stable across restarts
+    of the actor on that node)."""
+    return os.environ.get(NODE_NAME_ENV) or f"node-{node_id[:16]}"
 
 
 @ray.remote(num_cpus=0, max_restarts=-1)
@@ -114,7 +120,7 @@ class NodeActor:
         if host in ("0.0.0.0", "::"):
             host = ray.util.get_node_ip_address()
         self.client = create_client(transport, metrics=tmetrics)
-        self.address = NodeAddress(host, port, transport.kind)
+        self.address = NodeAddress(host, port, transport.kind, self.node_name)
         bind = "127.0.0.1" if transport.host.startswith("127.") else "0.0.0.0"
         self.http, _ = start_http_server(cfg.cluster.metrics_port, addr=bind, registry=self.registry)
         self.metrics_port = int(self.http.server_port)
@@ -174,10 +180,15 @@ class NodeActor:
     async def _heartbeat(self) -> None:
         for k in range(self.config.cluster.directory_shards):
             try:
-                outcome = await self.directory.call(k, "heartbeat", self.node_id, self.incarnation, self.address)
+                outcome = await self.directory.call(k, "heartbeat", self.node_id, self.incarnation, self.address,
+                                                    self.sync.acked_seq(k))
             except SHARD_DOWN:
                 continue
             self._check_epoch(k)
+            if outcome is ApplyOutcome.GAP and not self.sync.resync_wanted(k) and not self.sync.shards[k].resyncing:
+                logger.info("directory shard %d lost this node's entries (lease lapsed?); resyncing", k)
+                self.metrics.resyncs.labels("lease_lapsed").inc()
+                self.sync.mark_resync(k)
             if outcome is ApplyOutcome.STALE:
                 logger.error("directory shard %d knows a newer incarnation of node %s than %d", k,
                              self.node_id, self.incarnation)
@@ -249,7 +260,7 @@ class NodeActor:
             return hashes, tiers, [], [], {}
         located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
         owners: list[Sequence[str]] = [()] * len(tiers) + [list(o) for o in located.owners]
-        peers = {n: Peer(node_name_for(n), a.host, a.port) for n, a in located.addresses.items()
+        peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.address.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
         return hashes, tiers, owners, plan_pulls(owners, len(tiers)), peers

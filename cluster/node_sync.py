@@ -44,9 +44,11 @@ class _ShardState:
     num_ops: int = 0            # operations since the last batch (before coalescing), bounded
     oldest: float | None = None  # when the oldest queued op arrived
     next_seq: int = 1
+    acked_seq: int = 0           # highest seq the directory answered ACCEPTED / DUPLICATE, or a resync ended at
     inflight: Batch | None = None
     needs_resync: bool = False
     resyncing: bool = False
+    resync_seq: int = 0
 
 
 class DirectorySync:
@@ -122,6 +124,7 @@ class DirectorySync:
             raise RuntimeError(f"shard {batch.shard}: answer for batch {batch.seq} that is not in flight")
         st.inflight = None
         if outcome in (ApplyOutcome.ACCEPTED, ApplyOutcome.DUPLICATE):
+            st.acked_seq = batch.seq
             return
         # GAP, STALE or unknown: the directory's view of this node can no longer be trusted.
         self.num_gaps += outcome is ApplyOutcome.GAP
@@ -135,21 +138,27 @@ class DirectorySync:
             raise RuntimeError(f"shard {shard}: cannot resync while a batch is in flight")
         st.needs_resync = False
         st.resyncing = True
-        seq = st.next_seq
+        st.resync_seq = st.next_seq
         st.next_seq += 1
-        return seq
+        return st.resync_seq
 
     def finish_resync(self, shard: int, ok: bool) -> None:
         st = self.shards[shard]
         if not st.resyncing:
             raise RuntimeError(f"shard {shard}: no resync in progress")
         st.resyncing = False
-        if not ok:
+        if ok:
+            st.acked_seq = st.resync_seq
+        else:
             self.mark_resync(shard)
 
     def resync_wanted(self, shard: int) -> bool:
         st = self.shards[shard]
         return st.needs_resync and st.inflight is None and not st.resyncing
+
+    def acked_seq(self, shard: int) -> int:
+        """For heartbeats: the shard answers GAP if it holds less than this (its record lapsed)."""
+        return self.shards[shard].acked_seq
 
     def pending(self) -> int:
         return sum(len(st.ops) for st in self.shards)

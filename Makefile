@@ -23,10 +23,10 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: install
-	$(VENV)/bin/ruff check fabric transports cluster tests benchmarks examples
+	$(VENV)/bin/ruff check fabric transports cluster tests benchmarks examples charts
 
 typecheck: install
-	$(VENV)/bin/mypy fabric transports cluster examples benchmarks
+	$(VENV)/bin/mypy fabric transports cluster examples benchmarks charts
 
 unit: install
 	$(VENV)/bin/pytest -q

@@ -17,8 +17,10 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from cluster.api import Fabric
 from cluster.engines.tiny_llama import TinyLlama
 from fabric.block_manager import BlockManager, SeqState
 from fabric.keys import BlockAddress, BlockHash
@@ -48,7 +50,13 @@ class OutOfBlocks(RuntimeError):
 
 class PagedEngine:
     def __init__(self, model: TinyLlama, num_blocks: int, block_size: int = 16, store: Store | None = None,
-                 storage: StorageType = StorageType.DEVICE) -> None:
+                 storage: StorageType = StorageType.DEVICE, fabric: Fabric | None = None) -> None:
+        """`store`: the node's Store in this process. `fabric` instead (e.g. a FabricClient): blocks
+        past the pool's hits come from the node's tiers or are pulled from peers, and new blocks are
+        stored through it."""
+        if store is not None and fabric is not None:
+            raise ValueError("give the engine a store or a fabric, not both")
+        self.fabric = fabric
         self.model = model
         self.namespace = model.cfg.namespace(block_size)
         self.layout = self.namespace.layout
@@ -105,6 +113,8 @@ class PagedEngine:
         store_blocks = 0
         if self.store is not None or pulled:
             store_blocks = self._load_from_store(seq, hashes, device_hit // self.block_size, pulled or {})
+        elif self.fabric is not None:
+            store_blocks = self._load_from_fabric(seq, tokens, device_hit // self.block_size, len(hashes))
         reused = device_hit + store_blocks * self.block_size
         if reused == len(tokens):  # recompute the last block: the engine needs its logits
             reused -= self.block_size
@@ -118,12 +128,30 @@ class PagedEngine:
         for layer, kv in enumerate(new_kv):
             self.pool.layer_buffer(layer)[:, new_slots] = kv.to(self.pool.kv.dtype)
         stored = self._store_new_blocks(seq, hashes, reused // self.block_size)
-        if self.store is not None:
-            self.store.apply_events(self.blocks.take_events())
+        self._drain_events()
         return PrefillResult(logits, len(tokens), device_hit, reused - device_hit, stored,
                              time.perf_counter() - start, seq)
 
+    def _load_from_fabric(self, seq: SeqState, tokens: list[int], first_block: int, num_blocks: int) -> int:
+        """Scatter blocks first_block.. of the fabric's verified leading run (local tiers, then pulls)
+        into the pool; returns how many were loaded. The run starts at block 0, so blocks the pool
+        already holds are read again: the Fabric API has no offset."""
+        assert self.fabric is not None
+        if first_block >= num_blocks:
+            return 0
+        reply = self.fabric.load(self.namespace, tokens, max_blocks=num_blocks)
+        for i in range(first_block, reply.num_blocks):
+            slots = self._block_slots(seq, i)
+            for layer in range(self.layout.num_layers):
+                self.pool.scatter(reply.payloads[i, layer].data, slots, layer)
+        return max(0, reply.num_blocks - first_block)
+
     def _store_new_blocks(self, seq: SeqState, hashes: list[BlockHash], first_block: int) -> int:
+        if self.fabric is not None and first_block < len(hashes):
+            payloads = np.stack([np.stack([self.pool.gather(self._block_slots(seq, i), layer).numpy()
+                                           for layer in range(self.layout.num_layers)])
+                                 for i in range(first_block, len(hashes))])
+            return self.fabric.store(self.namespace, seq.token_ids, payloads, first_block=first_block).num_stored
         if self.store is None:
             return 0
         items = []
@@ -138,5 +166,12 @@ class PagedEngine:
     def finish(self, seq: SeqState) -> None:
         """Release the sequence's blocks; full ones stay cached (hit-able) until reused."""
         self.blocks.deallocate(seq)
+        self._drain_events()
+
+    def _drain_events(self) -> None:
         if self.store is not None:
             self.store.apply_events(self.blocks.take_events())
+        elif self.fabric is not None:
+            # The pool's residency is not advertised through a FabricClient (another process);
+            # drained so the queue does not grow.
+            self.blocks.take_events()

@@ -108,3 +108,29 @@ def test_block_corrupted_on_the_owners_ssd_is_recomputed_with_identical_output(
     # And the answer matches a single-process engine that never saw a fabric.
     local_engine = HFEngine(tiny_llama(), None, block_size=BLOCK)
     assert got.tokens == local_engine.generate(second, 32).tokens
+
+
+def test_paged_engine_pulls_blocks_from_another_node(cluster: Cluster) -> None:
+    """The paged engine (block manager + pool) on two nodes' fabrics: pool hits first, then the node's
+    tiers, then pulls; logits equal a full prefill."""
+    from cluster.engines.paged import PagedEngine
+    from cluster.engines.tiny_llama import TinyLlama, TinyLlamaConfig
+
+    _, engines = cluster
+    owner, reader, _ = sorted(engines)
+    model = TinyLlama(TinyLlamaConfig(vocab_size=VOCAB, dim=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                                      ffn_dim=128, seed=5))
+    first, second = chat(seed=4)
+    writer = PagedEngine(model, 64, BLOCK, fabric=FabricClient.connect(node_id=owner))
+    wrote = writer.prefill(first)
+    assert wrote.num_stored_blocks == len(first) // BLOCK
+    time.sleep(1.0)   # the owner's register batch reaches the directory
+
+    paged = PagedEngine(model, 64, BLOCK, fabric=FabricClient.connect(node_id=reader))
+    got = paged.prefill(second)
+    assert got.num_device_hit_tokens == 0 and got.num_store_hit_tokens == 150 // BLOCK * BLOCK
+    full, _ = model(torch.tensor(second))
+    assert float((full[got.num_reused_tokens:] - got.logits).abs().max()) <= 1e-4
+    paged.finish(got.seq)
+    again = paged.prefill(second)   # now the pool's own blocks come first
+    assert again.num_device_hit_tokens == len(second) // BLOCK * BLOCK   # 175 tokens: 10 full blocks

@@ -11,7 +11,7 @@ B and C swap order on every repetition. Every TTFT is measured inside the engine
 load + suffix prefill up to the first token's logits). The break-even bandwidth is KV bytes per
 token divided by prefill seconds per token: a pull slower than that loses to recomputing.
 
-    python benchmarks/bench_ttft.py [--quick] [--reps N]
+    python benchmarks/bench_ttft.py [--quick] [--reps N] [--sizes 1k,2k,4k]
 """
 
 from __future__ import annotations
@@ -47,7 +47,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256- and 512-token prompts (smoke test)")
     parser.add_argument("--reps", type=int, default=1, help="repetitions per size (fresh prompts each)")
+    parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {', '.join(SIZES)}")
     args = parser.parse_args()
+    unknown = set(args.sizes.split(",")) - set(SIZES)
+    if unknown:
+        parser.error(f"unknown sizes {sorted(unknown)}; choose from {', '.join(SIZES)}")
     os.environ.setdefault("TQDM_DISABLE", "1")
 
     import ray
@@ -59,7 +63,7 @@ def main() -> int:
     from fabric.config import Config, KVConfig
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    sizes = QUICK_SIZES if args.quick else SIZES
+    sizes = QUICK_SIZES if args.quick else {k: v for k, v in SIZES.items() if k in args.sizes.split(",")}
     samples: dict[str, dict[str, list[float]]] = {label: {p: [] for p in PATHS} for label in sizes}
     pull_mb_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-ttft-") as tmp:
@@ -75,8 +79,9 @@ def main() -> int:
                                     block_size=BLOCK, num_threads=2)
             ns = ray.get(engines[a].namespace.remote())
             kv_bytes_per_token = ns.layout.bytes_per_block(BLOCK) / BLOCK
-            # Warm-up: first calls pay for imports, TLS connections and page faults.
-            warm_first, warm_second = prompt_pair(64, seed=999, vocab=vocab)
+            # Warm-up at the smallest size: first calls pay for imports, TLS connections, page faults
+            # and the allocator's first growth to these tensor sizes.
+            warm_first, warm_second = prompt_pair(min(sizes.values()), seed=999, vocab=vocab)
             ray.get(engines[a].answer.remote(warm_first, 1))
             time.sleep(0.5)
             for node, mode in ((b, "full"), (c, "layerwise")):

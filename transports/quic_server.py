@@ -54,8 +54,8 @@ from transports.quic_base import (
     stop_reading,
 )
 from transports.quic_tls import QuicTlsMaterial, auth_failure, install_client_auth, peer_node
+from transports.serving import BATCH_BYTES, INLINE_FETCH_S, SLOW_SOURCE_HOLD_S, SLOW_STREAK, fetch
 from transports.session import Fetched, ServerSession
-from transports.tls_tcp import BATCH_BYTES, INLINE_FETCH_S, SLOW_SOURCE_HOLD_S, SLOW_STREAK, fetch
 from transports.udp import UdpEndpoint, udp_socket
 
 logger = logging.getLogger("transports.quic")

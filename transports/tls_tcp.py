@@ -14,16 +14,12 @@ block becomes) is the sessions'. Frames move over `tls_link.TlsLink` (decryption
 payload buffers, payloads sent without copies); the RDMA transport reuses both connection classes
 over its own link (`_open_link`).
 
-Server: one pump task per connection answers its active pulls round-robin, a batch of up to
-BATCH_BYTES at a time, and fetches the next batch only once the send queue is under SERVER_WRITE_HIGH,
-so a peer that does not read costs at most SERVER_WRITE_HIGH + BATCH_BYTES of answers (plus kernel
-socket buffers), and a node at most `max_connections_per_peer` connections. Blocks are read on the
-event loop while they come fast (RAM: a thread hop costs more than the read); after SLOW_STREAK reads
-slower than INLINE_FETCH_S in a row (disk), in a thread pool for SLOW_SOURCE_HOLD_S.
-
-Client: one pooled connection per peer; results are verified on the loop (one BLAKE3 per payload,
-in the session) and counted in the metrics once per read; reading pauses while more than
-RESULTS_HIGH bytes of results wait for their callers.
+Server: one pump per connection answers its pulls round-robin, BATCH_BYTES at a time, fetching the
+next batch only once under SERVER_WRITE_HIGH waits to be sent: a peer that does not read costs at most
+SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_per_peer` connections.
+Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
+Client: one pooled connection per peer; digests checked on the loop (in the session), metrics counted
+once per read; reading pauses while over RESULTS_HIGH bytes of results wait for their callers.
 """
 
 from __future__ import annotations
@@ -33,11 +29,10 @@ import errno
 import logging
 import socket
 import ssl
-import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Protocol, Self
+from typing import Self
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
@@ -55,7 +50,16 @@ from transports.codec import (
     Pull,
 )
 from transports.metrics import TransportMetrics
-from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession, Fetched, ServerSession
+from transports.serving import (
+    BATCH_BYTES,
+    INLINE_FETCH_S,
+    SLOW_SOURCE_HOLD_S,
+    SLOW_STREAK,
+    Watchdog,
+    fetch,
+    watchdog_interval,
+)
+from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession, ServerSession
 from transports.tls_link import (
     FrameLink,
     TlsLink,
@@ -71,65 +75,8 @@ logger = logging.getLogger(__name__)
 
 TRANSPORT = "tls-tcp"
 ADDRESSES_PER_PULL = MAX_ADDRESSES_PER_PULL
-BATCH_BYTES = 1024 * 1024         # the server fetches up to this many payload bytes per batch
-SERVER_WRITE_HIGH = 2 * 1024 * 1024   # … and the next batch only once less than this waits to be sent
-INLINE_FETCH_S = 0.001            # a get_block slower than this on the loop counts as slow …
-SLOW_STREAK = 3                   # … this many in a row send fetching to the thread pool …
-SLOW_SOURCE_HOLD_S = 1.0          # … for this long
+SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 RESULTS_HIGH = 64 * 1024 * 1024
-
-
-class _Watched(Protocol):
-    def watchdog(self, now: float) -> None: ...
-
-
-class _Watchdog:
-    """Every `interval_s`, `conn.watchdog(now)` for each connection `connections()` lists (a copy:
-    a watchdog may close its connection, which then leaves the collection)."""
-
-    def __init__(self, interval_s: float, connections: Callable[[], list[_Watched]]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._interval_s = interval_s
-        self._connections = connections
-        self._handle = self._loop.call_later(interval_s, self._tick)
-
-    def _tick(self) -> None:
-        now = self._loop.time()
-        for conn in self._connections():
-            conn.watchdog(now)
-        self._handle = self._loop.call_later(self._interval_s, self._tick)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
-
-
-def _watchdog_interval(frame_timeout_s: float, idle_timeout_s: float) -> float:
-    return max(0.02, min(frame_timeout_s, idle_timeout_s) / 8)
-
-
-def fetch(source: BlockSource, addresses: Sequence[BlockAddress], budget: int,
-          slow_s: float = float("inf")) -> tuple[list[Fetched], bool]:
-    """Read blocks from the start of `addresses` until `budget` payload bytes; stops early, and says
-    so, after a read slower than `slow_s` (disk). A read that raises becomes that exception (the
-    session answers MISS(source_error)); nothing else is caught."""
-    out: list[Fetched] = []
-    get = source.get_block
-    for address in addresses:
-        start = time.perf_counter()
-        got: Fetched
-        try:
-            got = get(address)
-        except Exception as e:  # any failure behind the store is that block's miss, logged once
-            logger.error("block source failed reading %s: %r", address, e)
-            got = e
-        out.append(got)
-        if got is not None and not isinstance(got, Exception):
-            budget -= len(got.payload)
-        if time.perf_counter() - start > slow_s:
-            return out, True
-        if budget <= 0:
-            break
-    return out, False
 
 
 # ---------------------------------------------------------------------------------------------
@@ -256,7 +203,7 @@ class TlsTcpServer:
         self.num_accept_errors = 0
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._watchdog: _Watchdog | None = None
+        self._watchdog: Watchdog | None = None
         self._connections: set[_ServerConnection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
 
@@ -301,7 +248,7 @@ class TlsTcpServer:
         self._listener = lsock
         self.host, self.port = lsock.getsockname()[:2]
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(lsock))
-        self._watchdog = _Watchdog(_watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
+        self._watchdog = Watchdog(watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
                                    lambda: list(self._connections))
         logger.info("TLS-TCP server %s listening on %s:%d", self.node, self.host, self.port)
         return self.host, self.port
@@ -522,9 +469,7 @@ class TlsTcpClient:
     def __init__(self, credentials: NodeCredentials, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  connect_timeout_s: float = 5.0, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
                  metrics: TransportMetrics | None = None, tune_malloc: bool = False) -> None:
-        """`tune_malloc`: opt in to `tls_link.tune_allocator()`, which changes glibc's malloc
-        thresholds for the whole process so that received payload buffers are recycled rather than
-        page-faulted in anew (measurably faster pulls of large blocks; an owner of the process decides)."""
+        """`tune_malloc`: opt in to `tls_link.tune_allocator()` (process-wide glibc thresholds: faster large pulls)."""
         if tune_malloc:
             tune_allocator()
         self.credentials = credentials
@@ -536,7 +481,7 @@ class TlsTcpClient:
         self.metrics = metrics or TransportMetrics()
         self._pool: dict[Peer, _ClientConnection] = {}
         self._dialing: dict[Peer, asyncio.Lock] = {}
-        self._watchdog: _Watchdog | None = None
+        self._watchdog: Watchdog | None = None
         self.num_connects = 0
 
     @classmethod
@@ -631,7 +576,7 @@ class TlsTcpClient:
         for frame in conn.session.hello():
             conn.link.send(frame)
         if self._watchdog is None:
-            self._watchdog = _Watchdog(_watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
+            self._watchdog = Watchdog(watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
                                        lambda: list(self._pool.values()))
         return conn, MissReason.PEER_GONE, False
 

@@ -21,7 +21,8 @@ from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
 from transports.codec import Error, ErrorCode, FrameDecoder, Hello, Miss, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
-from transports.tls_tcp import BATCH_BYTES, SERVER_WRITE_HIGH, TlsTcpClient, TlsTcpServer
+from transports.serving import BATCH_BYTES
+from transports.tls_tcp import SERVER_WRITE_HIGH, TlsTcpClient, TlsTcpServer
 
 MemorySourceFactory = Any   # tests/transports/conftest.py: memory_source(num_blocks, num_layers, payload_size)
 

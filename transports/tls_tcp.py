@@ -78,7 +78,6 @@ ADDRESSES_PER_PULL = MAX_ADDRESSES_PER_PULL
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 RESULTS_HIGH = 64 * 1024 * 1024
 
-
 # ---------------------------------------------------------------------------------------------
 # Server
 

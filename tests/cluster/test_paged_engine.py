@@ -6,6 +6,7 @@ restart too, and a corrupted stored block is recomputed, never served.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from cluster.engines.paged import OutOfBlocks, PagedEngine
 from cluster.engines.tiny_llama import TinyLlama, TinyLlamaConfig
+from fabric.block_manager import SeqState
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, block_hashes
 from fabric.store import Store
@@ -112,3 +114,28 @@ def test_a_fully_cached_prompt_recomputes_its_last_block_for_the_logits(model: T
         again = engine.prefill(prompt)  # now every block is in the pool too
         assert (again.num_device_hit_tokens, again.num_store_hit_tokens) == (3 * BS, 0)
         _assert_same_as_full(model, prompt, again.logits, again.num_reused_tokens)
+
+
+def test_a_fully_cached_prompt_never_writes_into_a_block_another_sequence_holds() -> None:
+    # An f16 pool: the last block recomputed over the rounded cached prefix differs in its low bits
+    # from the first computation, so a write into a shared block shows in the other sequence's KV.
+    model = TinyLlama(dataclasses.replace(CFG, dtype="f16"))
+    engine = PagedEngine(model, num_blocks=32, block_size=BS)
+    prompt = list(range(200, 200 + 3 * BS))  # exactly three full blocks
+
+    def kv_of(seq: SeqState) -> list[torch.Tensor]:
+        slots = engine._slots(seq, 0, len(seq.token_ids))
+        return [engine.pool.layer_buffer(layer)[:, slots].clone() for layer in range(CFG.num_layers)]
+
+    first = engine.prefill(prompt)
+    kv_before = kv_of(first.seq)
+    second = engine.prefill(prompt)  # every block is cached and `first` still holds them
+    for layer, (before, after) in enumerate(zip(kv_before, kv_of(first.seq), strict=True)):
+        assert torch.equal(before, after), f"layer {layer} of the first sequence's KV changed"
+    assert second.num_device_hit_tokens == 2 * BS  # the last block is computed, so not taken as a hit
+    assert second.seq.block_table[:2] == first.seq.block_table[:2]
+    assert second.seq.block_table[2] != first.seq.block_table[2]
+    assert [engine.blocks.ref_count(b) for b in second.seq.block_table] == [2, 2, 1]
+    engine.finish(first.seq)
+    engine.finish(second.seq)
+    engine.blocks.check()

@@ -13,7 +13,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from fabric.block_manager import BlockManager, BlockState, LatencyRecorder, SeqState
+from fabric.block_manager import BlockManager, BlockState, SeqState
 from fabric.events import BlockEvicted, BlockStored
 from fabric.keys import BlockHash, Namespace, block_hashes, chain_hash, tokens_to_bytes
 from fabric.layout import KVLayout
@@ -282,25 +282,38 @@ def test_events_replay_to_the_registered_set() -> None:
     assert bm.stats().num_evicted == 2
 
 
-def test_stats_and_latencies() -> None:
-    bm = BlockManager(ns_of(2), 10, latency_window=4)
+def test_stats() -> None:
+    bm = BlockManager(ns_of(2), 10)
     seqs = [SeqState(i, [i, i, 7]) for i in range(3)]
     for s in seqs:
         bm.allocate(s)
     bm.deallocate(seqs[0])
+    assert bm.reserve("r", 1)
     st_ = bm.stats()
-    assert (st_.num_blocks, st_.num_available, st_.num_in_use, st_.num_cached) == (10, 6, 4, 1)
-    assert st_.utilisation == pytest.approx(0.4)
-    assert st_.alloc_latency.count == 3 and st_.release_latency.count == 1
-    assert 0 < st_.alloc_latency.p50_ns <= st_.alloc_latency.max_ns
-    rec = LatencyRecorder(4)
-    for v in (5, 1, 9, 3, 7):
-        rec.record(v)
-    lat = rec.stats()
-    assert (lat.count, lat.max_ns, lat.mean_ns) == (5, 9, 5.0)
-    assert lat.p50_ns == 3  # over the window of the 4 most recent: 1 3 7 9
-    with pytest.raises(ValueError):
-        LatencyRecorder(3)
+    assert (st_.num_blocks, st_.num_available, st_.num_in_use, st_.num_cached, st_.num_reserved) == (10, 5, 4, 1, 1)
+    assert st_.utilisation == pytest.approx(0.5)
+
+
+def test_a_fully_cached_prompt_gets_a_fresh_last_block() -> None:
+    """The engine computes the last token into its block, so that block is never one another holds."""
+    bm = BlockManager(ns_of(4), 8)
+    a = SeqState(1, range(8))  # exactly two full blocks
+    assert bm.allocate(a)
+    bm.take_events()
+    b = SeqState(2, range(8))
+    assert bm.match_prefix(range(8)) == 8  # both blocks are cached ...
+    assert bm.allocate(b)
+    assert b.num_cached_tokens == 4  # ... but only the first is a hit
+    assert b.block_table[0] == a.block_table[0] and bm.ref_count(b.block_table[0]) == 2
+    assert b.block_table[1] != a.block_table[1]
+    assert [bm.ref_count(x) for x in (a.block_table[1], b.block_table[1])] == [1, 1]
+    assert bm.block_hash(b.block_table[1]) == block_hashes(ns_of(4), list(range(8)))[1]
+    assert bm.take_events() == []  # the hash stayed served throughout: nothing to report
+    a_last = a.block_table[1]
+    bm.deallocate(a)  # a's old copy is no longer the one serving the hash
+    assert bm.block_state(a_last) is BlockState.FREE
+    assert bm.stats().num_cached == 0 and bm.match_prefix(range(8)) == 8
+    bm.check()
 
 
 def test_bad_input_is_rejected() -> None:
@@ -327,8 +340,8 @@ def test_deallocated_sequence_can_be_allocated_again() -> None:
     bm.may_append(seq)
     bm.deallocate(seq)
     assert seq.block_table == [] and seq.num_cached_tokens == 0
-    bm.allocate(seq)  # preempted and rescheduled: its whole prompt is cached now
-    assert seq.num_cached_tokens == 4
+    bm.allocate(seq)  # preempted and rescheduled: its whole prompt is cached, its last block is computed
+    assert seq.num_cached_tokens == 2
     bm.check()
 
 
@@ -384,8 +397,9 @@ class Model:
         if needed > self.capacity(seq):
             return False
         full = len(seq.tokens) // self.bs
+        max_hits = (len(seq.tokens) - 1) // self.bs if seq.tokens else 0  # the last token is computed
         i = 0
-        while i < full and self.key(seq, i) in self.serving:
+        while i < max_hits and self.key(seq, i) in self.serving:
             b = self.serving[self.key(seq, i)]
             if self.ref[b] == 0:
                 self.free.remove(b)
@@ -473,11 +487,14 @@ class PoolMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def allocate(self, i: int) -> None:
         real, model = self.pending[i % len(self.pending)]
+        cached = self.real.match_prefix(model.tokens, real.namespace)
         assert self.real.can_allocate(real) == (-(-len(model.tokens) // self.model.bs)
                                                 <= self.model.capacity(model))
         ok = self.real.allocate(real)
         assert ok == self.model.allocate(model)
-        if ok:
+        if ok:  # the same walk: allocate hits what match_prefix saw, short of the last token's block
+            assert real.num_cached_tokens == min(cached, (len(model.tokens) - 1) // self.model.bs * self.model.bs
+                                                 if model.tokens else 0)
             self.pending.remove((real, model))
             self.active.append((real, model))
 

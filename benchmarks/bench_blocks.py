@@ -68,8 +68,9 @@ class _Block:
 class DequeBlockManager:
     """Built the way nano-vllm's block manager is: Block objects, a deque free list, xxh64 keys.
 
-    One fix over nano-vllm, O(1): reusing a block drops its stale hash -> id entry (nano-vllm
-    leaves it, which can serve a reused block for an old prefix).
+    Two fixes over nano-vllm, both O(1): reusing a block drops its stale hash -> id entry (nano-vllm
+    leaves it, which can serve a reused block for an old prefix); the block holding a prompt's last
+    token is never a hit (the engine computes that token, and must not write into a shared block).
     """
 
     def __init__(self, num_blocks: int, block_size: int) -> None:
@@ -114,11 +115,12 @@ class DequeBlockManager:
         stride = 4 * bs
         h = -1
         cache_miss = False
+        max_hits = (len(seq.token_ids) - 1) // bs  # as ours: the last token's block is computed, never a hit
         for i in range(-(-len(seq.token_ids) // bs)):
             token_ids = data[i * stride:(i + 1) * stride]
             h = self.compute_hash(token_ids, h) if len(token_ids) == stride else -1
             block_id = self.hash_to_block_id.get(h, -1)
-            if block_id == -1 or self.blocks[block_id].token_ids != token_ids:
+            if block_id == -1 or self.blocks[block_id].token_ids != token_ids or i >= max_hits:
                 cache_miss = True
             if cache_miss:
                 block_id = self.free_block_ids[0]

@@ -115,13 +115,10 @@ class Store:
         self.metrics.bind_tier(Tier.SSD, lambda: core.ssd.num_blocks, lambda: core.ssd.used_bytes)
         self.metrics.bind_tier(Tier.DEVICE, lambda: len(core.device), lambda: 0)
         self.metrics.pending_writes.set_function(lambda: len(core.dirty))
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._writer.on_dirty = self._wake.set   # type: ignore[method-assign]
-        self._thread: threading.Thread | None = None
+        self._background: maintenance.Background | None = None
         if background:
-            self._thread = threading.Thread(target=self._background, name="kvfabric-store", daemon=True)
-            self._thread.start()
+            self._background = maintenance.Background(core, self._writer)
+            self._writer.on_dirty = self._background.wake   # type: ignore[method-assign]
 
     @classmethod
     def open(cls, config: Config | KVConfig, *, registry: CollectorRegistry | None = None,
@@ -236,26 +233,11 @@ class Store:
 
     def lookup(self, addresses: Sequence[BlockAddress]) -> LookupResult:
         """Which tier holds each address (device first), without reading any payload."""
-        core = self._core
         keys = [a.storage_key for a in addresses]
         now = self._clock()
-        tiers: list[Tier | None] = []
-        with core.lock:
+        with self._lock:
             self._check_open_locked()
-            for address, key in zip(addresses, keys, strict=True):
-                if core.device.contains(address.hash):
-                    tiers.append(Tier.DEVICE)
-                elif core.ram.contains(key):
-                    tiers.append(Tier.RAM)
-                    core.touch_locked(key, now)
-                elif core.ssd.contains(key):
-                    tiers.append(Tier.SSD)
-                    core.touch_locked(key, now)
-                    core.touched_ssd.add(key)
-                else:
-                    tiers.append(None)
-        num_leading = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
-        return LookupResult(num_leading, tuple(tiers))
+            return self._core.lookup_locked(addresses, keys, now)
 
     async def aget_block(self, address: BlockAddress, *, promote: bool = True) -> StoredBlock | None:
         """`get_block` for an event loop: a RAM hit answers inline, a file read runs on the store's pool."""
@@ -271,7 +253,7 @@ class Store:
             self._num_inflight += 1
         try:
             loop = asyncio.get_running_loop()
-            return await loop.run_in_executor(self._async_pool, self._get_admitted, address, promote)
+            return await loop.run_in_executor(self._async_pool, core.get_admitted, address, promote)
         finally:
             self._leave()
 
@@ -330,7 +312,7 @@ class Store:
         """One evictor pass: SSD TTL + capacity, write-behind flush, RAM offload, prefetch."""
         self._enter()
         try:
-            return self._maintain(self._clock() if now is None else now)
+            return maintenance.run_pass(self._core, self._writer, self._clock() if now is None else now)
         finally:
             self._leave()
 
@@ -344,22 +326,8 @@ class Store:
 
     def stats(self) -> dict[str, Any]:
         """Sizes per tier and the store's own counters since open."""
-        core = self._core
         with self._lock:
-            ram, ssd, c = core.ram.stats(), core.ssd.stats(), core.counters
-            return {
-                "ram": {"blocks": ram.num_blocks, "bytes": ram.num_bytes, "capacity_bytes": ram.capacity_bytes,
-                        "high_water_bytes": core.ram.high_water_bytes, "pinned_blocks": core.ram.num_pinned},
-                "ssd": {"blocks": ssd.num_blocks, "bytes": ssd.num_bytes, "capacity_bytes": ssd.capacity_bytes,
-                        "o_direct": core.ssd.o_direct},
-                "device": {"blocks": len(core.device)},
-                "pending_writes": len(core.dirty), "disk_full": core.disk_full,
-                "write_through": self.config.write_through, "durable": self.config.durable,
-                "state": self._state.value, "events_queued": len(core.events),
-                "reconciled": dict(c.reconciled), "corrupt_blocks": dict(c.corrupt_blocks),
-                "evictions": dict(c.evictions), "put_rejected": dict(c.put_rejected),
-                "flush_failures": c.flush_failures,
-            }
+            return {**self._core.stats_locked(), "state": self._state.value}
 
     def close(self, timeout_s: float = 30.0) -> CloseReport:
         """Stop admitting calls, wait up to `timeout_s` for those in flight, flush, release everything.
@@ -378,10 +346,8 @@ class Store:
         errors: list[str] = []
         unflushed: tuple[BlockAddress, ...] = ()
         try:
-            if self._thread is not None:
-                self._stop.set()
-                self._wake.set()
-                self._thread.join()
+            if self._background is not None:
+                self._background.stop()
             self._writer.flush()
             with self._lock:
                 unflushed = tuple(p.address for p in self._core.dirty.values())
@@ -412,51 +378,6 @@ class Store:
         self.close()
 
     # ---- internals ---------------------------------------------------------------------------------
-
-    def _maintain(self, now: float) -> dict[str, int]:
-        core = self._core
-        plan = self.policy.plan(maintenance.snapshot(core), now)
-        done = {"ssd_evicted": maintenance.evict_ssd(core, plan)}
-        if plan.flush:
-            self._writer.flush()
-        done["ram_evicted"] = maintenance.evict_ram(core, plan)
-        done["prefetched"] = maintenance.prefetch(core, plan)
-        done["rows_refreshed"] = maintenance.persist_last_seen(core)
-        return done
-
-    def _get_admitted(self, address: BlockAddress, promote: bool) -> StoredBlock | None:
-        start = time.perf_counter()
-        key = address.storage_key
-        with self._lock:
-            block = self._core.ram.get(key)
-            entry = None if block is not None else self._core.ssd.entry(key)
-        if block is not None:
-            self.metrics.observe_hit(Tier.RAM, time.perf_counter() - start)
-            return block
-        if entry is None:
-            self.metrics.observe_miss(time.perf_counter() - start)
-            return None
-        return self._core.read_ssd(key, entry, promote, start)
-
-    def _background(self) -> None:
-        interval = self.config.eviction_interval_s
-        next_tick = time.monotonic() + interval
-        while not self._stop.is_set():
-            self._wake.wait(max(0.0, next_tick - time.monotonic()))
-            self._wake.clear()
-            if self._stop.is_set():
-                return
-            try:
-                while self._writer.flush_batch():
-                    pass
-                if time.monotonic() >= next_tick:
-                    with self._lock:
-                        self._core.flush_blocked = False   # a new tick retries a blocked flush
-                    self._maintain(self._clock())
-                    next_tick = time.monotonic() + interval
-            except Exception:   # a daemon must outlive one bad pass; the traceback is logged
-                logger.exception("store maintenance failed; retrying at the next tick")
-                next_tick = time.monotonic() + interval
 
     def _check_open_locked(self) -> None:
         if self._state is not Lifecycle.OPEN:

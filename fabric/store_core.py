@@ -24,7 +24,8 @@ import mmap
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 from fabric.config import KVConfig
 from fabric.events import EventKind, StoreEventLog
@@ -32,7 +33,7 @@ from fabric.eviction import DecayedFrequency, TierPolicy
 from fabric.index import Index
 from fabric.keys import BlockAddress, BlockHash, StorageKey
 from fabric.metrics import StoreMetrics
-from fabric.store_types import Pending, PutResult, StoreCounters
+from fabric.store_types import LookupResult, Pending, PutResult, StoreCounters
 from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier
 from fabric.tiers.device import DeviceTier
 from fabric.tiers.ram import RamTier
@@ -125,6 +126,42 @@ class StoreCore:
             self.counters.evictions[tier.value] += n
             self.metrics.evictions.labels(tier.value).inc(n)
 
+    def lookup_locked(self, addresses: Sequence[BlockAddress], keys: Sequence[StorageKey],
+                      now: float) -> LookupResult:
+        """Which tier holds each address (device first), no I/O; RAM and SSD hits count as accesses."""
+        tiers: list[Tier | None] = []
+        for address, key in zip(addresses, keys, strict=True):
+            if self.device.contains(address.hash):
+                tiers.append(Tier.DEVICE)
+            elif self.ram.contains(key):
+                tiers.append(Tier.RAM)
+                self.touch_locked(key, now)
+            elif self.ssd.contains(key):
+                tiers.append(Tier.SSD)
+                self.touch_locked(key, now)
+                self.touched_ssd.add(key)
+            else:
+                tiers.append(None)
+        num_leading = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
+        return LookupResult(num_leading, tuple(tiers))
+
+    def stats_locked(self) -> dict[str, Any]:
+        """Sizes per tier and the store's own counters since open."""
+        ram, ssd, c = self.ram.stats(), self.ssd.stats(), self.counters
+        return {
+            "ram": {"blocks": ram.num_blocks, "bytes": ram.num_bytes, "capacity_bytes": ram.capacity_bytes,
+                    "high_water_bytes": self.ram.high_water_bytes, "pinned_blocks": self.ram.num_pinned},
+            "ssd": {"blocks": ssd.num_blocks, "bytes": ssd.num_bytes, "capacity_bytes": ssd.capacity_bytes,
+                    "o_direct": self.ssd.o_direct},
+            "device": {"blocks": len(self.device)},
+            "pending_writes": len(self.dirty), "disk_full": self.disk_full,
+            "write_through": self.config.write_through, "durable": self.config.durable,
+            "events_queued": len(self.events),
+            "reconciled": dict(c.reconciled), "corrupt_blocks": dict(c.corrupt_blocks),
+            "evictions": dict(c.evictions), "put_rejected": dict(c.put_rejected),
+            "flush_failures": c.flush_failures,
+        }
+
     @contextlib.contextmanager
     def stripes_of(self, keys: Iterable[StorageKey]) -> Iterator[None]:
         with contextlib.ExitStack() as stack:
@@ -132,7 +169,22 @@ class StoreCore:
                 stack.enter_context(self.stripes[i])
             yield
 
-    # ---- SSD reads ---------------------------------------------------------------------------------
+    # ---- reads -------------------------------------------------------------------------------------
+
+    def get_admitted(self, address: BlockAddress, promote: bool) -> StoredBlock | None:
+        """A get for a call the store has admitted (it counts as in flight): RAM, else the SSD file."""
+        start = time.perf_counter()
+        key = address.storage_key
+        with self.lock:
+            block = self.ram.get(key)
+            entry = None if block is not None else self.ssd.entry(key)
+        if block is not None:
+            self.metrics.observe_hit(Tier.RAM, time.perf_counter() - start)
+            return block
+        if entry is None:
+            self.metrics.observe_miss(time.perf_counter() - start)
+            return None
+        return self.read_ssd(key, entry, promote, start)
 
     def read_ssd(self, key: StorageKey, entry: SsdEntry, promote: bool, start: float) -> StoredBlock | None:
         """Read and verify a catalogued file; promote it to RAM if asked and there is room."""

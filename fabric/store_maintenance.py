@@ -1,5 +1,6 @@
 """Carrying out a `MaintenancePlan` (fabric/eviction.py) on a store's state: SSD expiry and
-capacity eviction, RAM offload, prefetch, last-seen rows, and the full re-read of `verify`.
+capacity eviction, RAM offload, prefetch, last-seen rows, and the full re-read of `verify`; and
+the background thread that runs a pass every tick and drains write-behind batches between ticks.
 
 The decisions are the planner's; these functions only take the lock, pick the victims the plan
 names (TTL first, then least recently seen) and do the file and index work outside the lock.
@@ -7,6 +8,8 @@ names (TTL first, then least recently seen) and do the file and index work outsi
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -15,7 +18,66 @@ from fabric.index import BlockMeta
 from fabric.keys import StorageKey
 from fabric.store_core import StoreCore
 from fabric.store_types import VerifyReport
+from fabric.store_writes import Writer
 from fabric.tiers.base import CorruptBlockError, Tier
+
+logger = logging.getLogger(__name__)
+
+
+def run_pass(core: StoreCore, writer: Writer, now: float) -> dict[str, int]:
+    """One evictor pass: plan from a snapshot, then SSD TTL + capacity, write-behind flush, RAM
+    offload, prefetch, last-seen rows."""
+    plan = core.policy.plan(snapshot(core), now)
+    done = {"ssd_evicted": evict_ssd(core, plan)}
+    if plan.flush:
+        writer.flush()
+    done["ram_evicted"] = evict_ram(core, plan)
+    done["prefetched"] = prefetch(core, plan)
+    done["rows_refreshed"] = persist_last_seen(core)
+    return done
+
+
+class Background:
+    """The store's one background thread: drains write-behind batches as soon as they are queued
+    (`wake`), and runs `run_pass` every `eviction_interval_s`."""
+
+    def __init__(self, core: StoreCore, writer: Writer) -> None:
+        self._core = core
+        self._writer = writer
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="kvfabric-store", daemon=True)
+        self._thread.start()
+
+    def wake(self) -> None:
+        self._wake.set()
+
+    def stop(self) -> None:
+        """Ask the thread to stop and wait for it (it finishes the batch or pass in progress)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        core, writer = self._core, self._writer
+        interval = core.config.eviction_interval_s
+        next_tick = time.monotonic() + interval
+        while not self._stop.is_set():
+            self._wake.wait(max(0.0, next_tick - time.monotonic()))
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            try:
+                while writer.flush_batch():
+                    pass
+                if time.monotonic() >= next_tick:
+                    with core.lock:
+                        core.flush_blocked = False   # a new tick retries a blocked flush
+                    run_pass(core, writer, core.clock())
+                    next_tick = time.monotonic() + interval
+            except Exception:   # a daemon must outlive one bad pass; the traceback is logged
+                logger.exception("store maintenance failed; retrying at the next tick")
+                next_tick = time.monotonic() + interval
 
 
 def snapshot(core: StoreCore) -> TierSnapshot:

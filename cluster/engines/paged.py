@@ -127,7 +127,9 @@ class PagedEngine:
         new_slots = self._slots(seq, reused, len(tokens))
         for layer, kv in enumerate(new_kv):
             self.pool.layer_buffer(layer)[:, new_slots] = kv.to(self.pool.kv.dtype)
-        stored = self._store_new_blocks(seq, hashes, reused // self.block_size)
+        # Blocks hit in the pool or loaded are not put again, nor a recomputed last block that was loaded
+        # (its recomputed bytes may differ in the low bits: the store would refuse them as a CONFLICT).
+        stored = self._store_new_blocks(seq, hashes, seq.num_cached_tokens // self.block_size + store_blocks)
         self._drain_events()
         return PrefillResult(logits, len(tokens), device_hit, reused - device_hit, stored,
                              time.perf_counter() - start, seq)

@@ -116,26 +116,30 @@ def test_a_fully_cached_prompt_recomputes_its_last_block_for_the_logits(model: T
         _assert_same_as_full(model, prompt, again.logits, again.num_reused_tokens)
 
 
-def test_a_fully_cached_prompt_never_writes_into_a_block_another_sequence_holds() -> None:
+def test_a_fully_cached_prompt_never_writes_into_a_block_another_sequence_holds(tmp_path: Path) -> None:
     # An f16 pool: the last block recomputed over the rounded cached prefix differs in its low bits
     # from the first computation, so a write into a shared block shows in the other sequence's KV.
     model = TinyLlama(dataclasses.replace(CFG, dtype="f16"))
-    engine = PagedEngine(model, num_blocks=32, block_size=BS)
-    prompt = list(range(200, 200 + 3 * BS))  # exactly three full blocks
+    with _store(tmp_path) as store:
+        engine = PagedEngine(model, num_blocks=32, block_size=BS, store=store)
+        prompt = list(range(200, 200 + 3 * BS))  # exactly three full blocks
 
-    def kv_of(seq: SeqState) -> list[torch.Tensor]:
-        slots = engine._slots(seq, 0, len(seq.token_ids))
-        return [engine.pool.layer_buffer(layer)[:, slots].clone() for layer in range(CFG.num_layers)]
+        def kv_of(seq: SeqState) -> list[torch.Tensor]:
+            slots = engine._slots(seq, 0, len(seq.token_ids))
+            return [engine.pool.layer_buffer(layer)[:, slots].clone() for layer in range(CFG.num_layers)]
 
-    first = engine.prefill(prompt)
-    kv_before = kv_of(first.seq)
-    second = engine.prefill(prompt)  # every block is cached and `first` still holds them
-    for layer, (before, after) in enumerate(zip(kv_before, kv_of(first.seq), strict=True)):
-        assert torch.equal(before, after), f"layer {layer} of the first sequence's KV changed"
-    assert second.num_device_hit_tokens == 2 * BS  # the last block is computed, so not taken as a hit
-    assert second.seq.block_table[:2] == first.seq.block_table[:2]
-    assert second.seq.block_table[2] != first.seq.block_table[2]
-    assert [engine.blocks.ref_count(b) for b in second.seq.block_table] == [2, 2, 1]
-    engine.finish(first.seq)
-    engine.finish(second.seq)
-    engine.blocks.check()
+        first = engine.prefill(prompt)
+        kv_before = kv_of(first.seq)
+        second = engine.prefill(prompt)  # every block is cached and `first` still holds them
+        for layer, (before, after) in enumerate(zip(kv_before, kv_of(first.seq), strict=True)):
+            assert torch.equal(before, after), f"layer {layer} of the first sequence's KV changed"
+        assert second.num_device_hit_tokens == 2 * BS  # the last block is computed, so not taken as a hit
+        assert second.seq.block_table[:2] == first.seq.block_table[:2]
+        assert second.seq.block_table[2] != first.seq.block_table[2]
+        assert [engine.blocks.ref_count(b) for b in second.seq.block_table] == [2, 2, 1]
+        # The recomputed last block came from the store: it is not put again (other low bits: CONFLICT).
+        assert second.num_stored_blocks == 0
+        assert store.stats()["put_rejected"]["conflict"] == 0
+        engine.finish(first.seq)
+        engine.finish(second.seq)
+        engine.blocks.check()

@@ -15,11 +15,9 @@ Invariants (besides the pool's, checked by `check()` and the property tests)
     - ref[b] == number of block-table entries equal to b over all allocated sequences;
     - a hash is registered at most once; the events replayed give exactly the registered set.
 
-Complexity: every operation is O(1) per block touched, whatever num_blocks: hashing each full
-block once, one dict probe, one O(1) unlink from the free queue. Out of blocks is a return value
-(`False`), never an exception. Not thread-safe: the owner (an engine loop or a NodeActor)
-serialises calls and drains `take_events()` after them. Timing lives outside, in
-`fabric.metrics.AllocatorMetrics`.
+Complexity: O(1) per block touched, whatever num_blocks (one hash, one dict probe, one O(1) unlink).
+Out of blocks is a return value (`False`). Not thread-safe: the owner serialises calls and drains
+`take_events()` after them. Timing lives outside, in `fabric.metrics.AllocatorMetrics`.
 """
 
 from __future__ import annotations
@@ -221,9 +219,8 @@ class BlockManager:
     def allocate(self, seq: SeqState) -> bool:
         """Give `seq` a block table, reusing its longest verified cached prefix.
 
-        Sets `seq.num_cached_tokens`: at most the blocks before the one holding the last token (see
-        the writing rule above). Fresh blocks come from the request's reservation first, then from
-        the head of the free queue. Returns False, changing nothing, when out of blocks.
+        Sets `seq.num_cached_tokens` (never the last token's block: the writing rule above). Fresh
+        blocks come from the request's reservation, then the free queue; False when out of blocks.
         """
         table = seq.block_table
         if table:

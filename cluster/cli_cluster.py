@@ -126,10 +126,15 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     config = _config(args.config)
     _connect(args.address)
-    answers = start_fabric(config)
+    try:
+        answers, missing = start_fabric(config, require_all=False)
+    except RuntimeError as e:
+        raise CLIError(str(e)) from None
     for node_id, info in sorted(answers.items()):
         addr = info["address"]
         print(f"node {node_id[:12]}  {addr.transport}://{addr.host}:{addr.port}  incarnation {info['incarnation']}")
+    for node_id in missing:
+        print(f"node {node_id[:12]}  not serving yet (the supervisor keeps trying)")
     print(f"kvfabric started on {len(answers)} Ray nodes ({config.cluster.directory_shards} directory shards)")
     return 0
 

@@ -129,10 +129,11 @@ class DirectoryClient:
     async def call(self, shard: int, method: str, *args: Any) -> Any:
         """Call one shard; returns the answer and records its epoch. Raises one of SHARD_DOWN."""
         try:
-            ref = getattr(self.handle(shard), method).remote(*args)
-            epoch, *answer = await asyncio.wait_for(ref, self.call_timeout_s)
+            handle = self.handle(shard)
         except ValueError:  # get_actor: the shard has not been created (yet)
             raise ray.exceptions.RayActorError() from None
+        try:
+            epoch, *answer = await asyncio.wait_for(getattr(handle, method).remote(*args), self.call_timeout_s)
         except SHARD_DOWN:
             self._handles.pop(shard, None)
             raise

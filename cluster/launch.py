@@ -44,17 +44,20 @@ def loopback_env() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
 
 
-def start_fabric(config: Config, *, timeout_s: float = 120.0) -> dict[str, dict[str, Any]]:
-    """Directory shards + supervisor + a NodeActor on every alive node; returns once each node serves.
-    Needs `ray.init(...)` first. Idempotent: actors that exist are reused."""
+def start_fabric(config: Config, *, timeout_s: float = 120.0,
+                 require_all: bool = True) -> tuple[dict[str, dict[str, Any]], list[str]]:
+    """Directory shards + supervisor + a NodeActor on every alive node; returns `(answers, missing)`
+    once each node serves or `timeout_s` passes. Needs `ray.init(...)` first. Idempotent: actors
+    that exist are reused. `require_all=False` tolerates nodes that do not answer (a node that is
+    dying, or still starting: the supervisor keeps trying); no node at all is always an error."""
     start_directory(config.cluster)
     answers = ensure_nodes(config, timeout_s=timeout_s)
     start_supervisor(config)
-    missing = set(alive_node_ids()) - set(answers)
-    if missing:
-        raise RuntimeError(f"NodeActors on {sorted(missing)} did not start within {timeout_s:.0f} s "
+    missing = sorted(set(alive_node_ids()) - set(answers))
+    if missing and (require_all or not answers):
+        raise RuntimeError(f"NodeActors on {missing} did not start within {timeout_s:.0f} s "
                            "(see their logs under the Ray session folder)")
-    return answers
+    return answers, missing
 
 
 def stop_fabric(config: Config) -> int:

@@ -74,8 +74,9 @@ class LocalFabric:
         return coldest
 
     def write_blocks(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
-                     *, digests: Sequence[Sequence[bytes]] | None = None, mirror: bool = False) -> StoreReply:
-        """Put `payloads[i]` (all layers) under `hashes[i]`; a block counts once all its layers are held."""
+                     *, digests: Sequence[Sequence[bytes]] | None = None) -> StoreReply:
+        """Put `payloads[i]` (all layers) under `hashes[i]`; a block counts once all its layers are held.
+        With `digests` (a pull's, per block and layer) each payload is verified against them first."""
         num_layers = payloads.shape[1]
         items = [(BlockAddress(h, layer), memoryview(payloads[i, layer]))
                  for i, h in enumerate(hashes) for layer in range(num_layers)]

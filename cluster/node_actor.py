@@ -53,6 +53,7 @@ from fabric.store import Store
 from fabric.tiers.base import Tier
 from transports.base import Peer
 from transports.certs import CA_KEY, issue_node
+from transports.codec import MissReason
 from transports.factory import create_client, create_server
 from transports.metrics import TransportMetrics
 
@@ -162,11 +163,19 @@ class NodeActor:
         next_heartbeat = 0.0
         while True:
             now = time.monotonic()
-            self._drain_store_events(now)
-            if now >= next_heartbeat:
-                next_heartbeat = now + c.heartbeat_s
-                await self._heartbeat()
-            await asyncio.gather(*(self._flush_shard(k, now) for k in range(c.directory_shards)))
+            try:
+                self._drain_store_events(now)
+                if now >= next_heartbeat:
+                    next_heartbeat = now + c.heartbeat_s
+                    await self._heartbeat()
+                await asyncio.gather(*(self._flush_shard(k, now) for k in range(c.directory_shards)))
+            except Exception:
+                # This loop is the node's liveness: a bug in one pass must not silence its heartbeats.
+                logger.exception("directory sync pass failed; resyncing every shard")
+                self.metrics.resyncs.labels("sync_error").inc()
+                self.sync = DirectorySync(c.directory_shards, flush_s=c.flush_ms / 1000,
+                                          flush_blocks=c.flush_blocks, queue_max=c.queue_max)
+                self.sync.mark_all_resync()
             await asyncio.sleep(tick)
 
     def _drain_store_events(self, now: float) -> None:
@@ -308,7 +317,6 @@ class NodeActor:
         digests = [[b""] * ns.layout.num_layers for _ in range(planned)]
         outcome = await pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
                                     timeout_s=self.config.cluster.pull_timeout_s) if runs else None
-        progress.finished.set()
         complete = progress.complete_blocks()
         if outcome is not None:
             self.metrics.said_yes_owner_no.inc(outcome.said_yes_owner_no)
@@ -350,6 +358,7 @@ class NodeActor:
             await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
             if not progress.layer_ready[layer].is_set() and planned > 0:
                 ready.cancel()
+                task.cancel()
                 raise IncompleteLoadError(f"layer {layer} could not be loaded for all {planned} blocks")
             ready.cancel()
             yield out[:planned, layer].copy()
@@ -371,7 +380,7 @@ class NodeActor:
         local, peer = count("kvfabric_hit_blocks_total", source="local"), count("kvfabric_hit_blocks_total",
                                                                                  source="peer")
         pulls = {o: count("kvfabric_pulls_total", transport=self.address.transport, outcome=o)
-                 for o in ("hit", "not_found", "digest_mismatch", "peer_error", "peer_gone", "timeout")}
+                 for o in ("hit", *(reason.value for reason in MissReason))}
         return {"node_id": self.node_id, "node_name": self.node_name, "incarnation": self.incarnation,
                 "pid": os.getpid(), "address": f"{self.address.host}:{self.address.port}",
                 "transport": self.address.transport, "metrics_port": self.metrics_port,

@@ -46,12 +46,10 @@ class LayerProgress:
     num_layers: int
     done: np.ndarray = field(init=False)
     layer_ready: list[asyncio.Event] = field(init=False)
-    finished: asyncio.Event = field(init=False)
 
     def __post_init__(self) -> None:
         self.done = np.zeros((self.num_blocks, self.num_layers), dtype=bool)
         self.layer_ready = [asyncio.Event() for _ in range(self.num_layers)]
-        self.finished = asyncio.Event()
 
     def fill(self, block: int, layer: int) -> None:
         self.done[block, layer] = True

@@ -16,7 +16,7 @@ import pytest
 import ray
 
 from cluster.api import Where, payload_shape
-from cluster.client import FabricClient
+from cluster.client import FabricClient, FabricUnavailableError
 from cluster.directory_actor import DirectoryClient, shard_actor_name
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import node_actor_name, node_name_for
@@ -209,9 +209,30 @@ def test_a_dead_owner_means_fallback_or_miss_never_wrong_data(fabric: LocalClust
     assert np.array_equal(half.payloads, data[:16])
     hashes = block_hashes(NS, tokens)
     wait_until(lambda: all(b in o for o in owners(fabric.config, hashes[:16])), 5, "B listed for the first half")
-    fabric.remove_node(doomed)                                   # the machine dies; its lease still runs
-    reply = FabricClient.connect(node_id=head).load(NS, tokens)
+    pending = FabricClient.connect(node_id=head).actor.load.remote(NS, tokens, None, True)
+    fabric.remove_node(doomed)               # the machine dies during (or just before) the pull; its lease runs on
+    reply = ray.get(pending)
     assert reply.num_blocks <= 32 and np.array_equal(reply.payloads, data[:reply.num_blocks])
     assert reply.num_blocks >= 16                                # B's copy served the first half
     wait_until(lambda: all(doomed not in o for o in owners(fabric.config, hashes)), LEASE_S + 3,
                "the dead node leaves the directory after its lease")
+
+
+def test_kvfabric_start_on_the_running_cluster_finds_every_node_and_is_idempotent(fabric: LocalCluster) -> None:
+    import os
+    import subprocess
+    import sys
+    kvfabric = str(Path(sys.executable).parent / "kvfabric")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    proc = subprocess.run([kvfabric, "start", "--address", fabric.address], env=env, capture_output=True,
+                          text=True, timeout=120, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    def serves(node_id: str) -> bool:
+        try:
+            return bool(FabricClient.connect(node_id=node_id, timeout_s=5).stats())
+        except FabricUnavailableError:
+            return False
+    serving = [n for n in fabric.node_ids() if serves(n)]
+    assert len(serving) >= 4                     # 3 at the start + 1 added (the removed one may still be listed)
+    assert f"kvfabric started on {len(serving)} Ray nodes" in proc.stdout
+    assert all(node_id[:12] in proc.stdout for node_id in serving)

@@ -30,7 +30,7 @@ from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
 from fabric.store import Store
 from fabric.tiers.base import Tier
 
-_WHERE = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
+WHERE_OF_TIER = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
 _COLDNESS = {Tier.DEVICE: 0, Tier.RAM: 1, Tier.SSD: 2}
 
 
@@ -91,7 +91,7 @@ class LocalFabric:
     def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
         hashes = block_hashes(ns, tokens)
         tiers = self.local_tiers(hashes, ns.layout.num_layers)
-        return LookupReply(ns.block_size, tuple(BlockLocation(_WHERE[t], self.node_id) for t in tiers))
+        return LookupReply(ns.block_size, tuple(BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers))
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply:
         hashes = block_hashes(ns, tokens)[:max_blocks]

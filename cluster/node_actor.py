@@ -41,7 +41,7 @@ from cluster.api import (
 )
 from cluster.directory import ApplyOutcome, NodeAddress
 from cluster.directory_actor import SHARD_DOWN, DirectoryClient
-from cluster.local import LocalFabric
+from cluster.local import WHERE_OF_TIER, LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, pull_prefix
 from cluster.node_sync import Batch, DirectorySync
@@ -58,9 +58,6 @@ from transports.factory import create_client, create_server
 from transports.metrics import TransportMetrics
 
 logger = logging.getLogger(__name__)
-
-_WHERE = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
-
 
 def node_actor_name(node_id: str) -> str:
     return f"kvfabric-node-{node_id}"
@@ -278,7 +275,7 @@ class NodeActor:
         await self._ensure_started()
         start = time.perf_counter()
         _, tiers, _, runs, _ = await self._plan(ns, tokens, None)
-        locs = [BlockLocation(_WHERE[t], self.node_id) for t in tiers]
+        locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
         for run in runs:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
         self.metrics.lookups.inc()

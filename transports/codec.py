@@ -179,9 +179,25 @@ def _header(frame: Frame) -> dict[str, Any]:
     raise TypeError(f"not a frame: {frame!r}")
 
 
+_BLOCK_TYPE = int(FrameType.BLOCK)
+
+
 def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
                  max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[bytes, bytes | bytearray | memoryview]:
     """Preamble + header as one bytes object, and the payload unchanged (for vectored writes)."""
+    if type(frame) is Block:  # the data path, once per block sent: the same checks, no pattern matching
+        body = frame.payload
+        size = len(body) if type(body) is bytes else memoryview(body).nbytes
+        a = frame.address
+        header = msgpack.packb({"rid": frame.request_id, "hash": a.hash, "layer": a.layer, "digest": frame.digest},
+                               use_bin_type=True)
+        if len(header) > max_header:
+            raise ValueError(f"BLOCK header is {len(header)} bytes, over the {max_header}-byte limit")
+        if size > max_payload:
+            raise ValueError(f"BLOCK payload is {size} bytes, over the {max_payload}-byte limit")
+        if len(frame.digest) != DIGEST_SIZE:
+            raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
+        return PREAMBLE.pack(MAGIC, VERSION, _BLOCK_TYPE, 0, len(header), size) + header, body
     header = msgpack.packb(_header(frame), use_bin_type=True)
     payload: bytes | bytearray | memoryview = frame.payload if isinstance(frame, Block) else b""
     payload_len = memoryview(payload).nbytes
@@ -254,6 +270,15 @@ def _enum(enum_type: type[enum.StrEnum], value: str, ftype: FrameType) -> Any:
 
 
 def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes) -> Frame:
+    if ftype is FrameType.BLOCK:  # the data path: a well-formed BLOCK is checked in one expression
+        rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
+        if (type(rid) is int and 0 <= rid < 2**64 and type(hash_) is bytes and len(hash_) == HASH_SIZE
+                and type(layer) is int and 0 <= layer < 2**32 and type(digest) is bytes and len(digest) == DIGEST_SIZE):
+            return Block(rid, BlockAddress(BlockHash(hash_), layer), digest, payload)
+    return _build_checked(ftype, header, payload)   # every other frame, or a BLOCK with what is wrong named
+
+
+def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes) -> Frame:
     if ftype is not FrameType.BLOCK and payload:
         raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
     if ftype is FrameType.HELLO:

@@ -78,10 +78,6 @@ ADDRESSES_PER_PULL = MAX_ADDRESSES_PER_PULL
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 RESULTS_HIGH = 64 * 1024 * 1024
 
-# ---------------------------------------------------------------------------------------------
-# Server
-
-
 class _ServerConnection:
     """Server side of one connection: its ServerSession, and a pump that answers the session's pulls."""
 
@@ -341,10 +337,6 @@ class TlsTcpServer:
             await asyncio.to_thread(executor.shutdown, wait=True, cancel_futures=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Client
-
-
 class _Request:
     """One PULL's results awaiting its caller."""
 
@@ -375,6 +367,7 @@ class _ClientConnection:
                                      decoder=decoder)
         self.requests: dict[int, _Request] = {}
         self.buffered = 0
+        self.paused = False   # reading paused: over RESULTS_HIGH bytes of results wait for callers
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
@@ -401,7 +394,8 @@ class _ClientConnection:
 
     def consumed(self, nbytes: int) -> None:
         self.buffered -= nbytes
-        if self.buffered <= RESULTS_HIGH // 2 and not self.link.closed:
+        if self.paused and self.buffered <= RESULTS_HIGH // 2 and not self.link.closed:
+            self.paused = False
             self.session.resume(self._loop.time())
             self.link.resume_reading()
 
@@ -433,6 +427,7 @@ class _ClientConnection:
             metrics.child(metrics.pull_bytes, transport).inc(num_bytes)
             self.buffered += num_bytes
             if self.buffered > RESULTS_HIGH:
+                self.paused = True
                 self.session.pause(self._loop.time())
                 self.link.pause_reading()
         if self.session.closing:

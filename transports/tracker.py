@@ -71,9 +71,16 @@ class PullTracker:
 
     def on_block(self, frame: Block) -> PullResult:
         """The result of a BLOCK of this request: a Hit when its payload matches its digest."""
-        if self.done or not self._take(frame.address):
-            raise ProtocolError(f"BLOCK for {frame.address} which request {self.request_id} did not ask for "
+        address, pending = frame.address, self._pending
+        left = pending.get(address, 0)   # `_take`, inlined: this runs once per block received
+        if self.done or left == 0:
+            raise ProtocolError(f"BLOCK for {address} which request {self.request_id} did not ask for "
                                 "(or after it ended)")
+        if left == 1:
+            del pending[address]
+        else:
+            pending[address] = left - 1
+        self.num_pending -= 1
         payload = frame.payload
         if blake3.blake3(payload).digest() != frame.digest:
             self.num_digest_mismatches += 1

@@ -191,6 +191,27 @@ def test_block_digest_must_be_32_bytes() -> None:
         encode(Block(1, BlockAddress(BlockHash(b"h" * 32), 0), b"short", b"abc"))
 
 
+GOOD_BLOCK = {"rid": 1, "hash": b"h" * 32, "layer": 0, "digest": b"d" * 32}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"rid": True}, "has type bool"), ({"rid": -1}, "out of range"), ({"rid": 1.5}, "has type float"),
+    ({"hash": "h" * 32}, "not 32 bytes"), ({"hash": b"h" * 31}, "not 32 bytes"),
+    ({"layer": False}, "invalid layer"), ({"layer": 2**32}, "invalid layer"), ({"layer": 1.0}, "invalid layer"),
+    ({"digest": "d" * 32}, "has type str"), ({"rid": None}, "has type NoneType"),
+])
+def test_bad_block_headers_are_named(change: dict[str, object], message: str) -> None:
+    # BLOCK headers take a fast path; anything it does not accept must still be named precisely.
+    raw = msgpack.packb(GOOD_BLOCK | change, use_bin_type=True)
+    wire = _preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc"
+    with pytest.raises(ProtocolError, match=message):
+        FrameDecoder().feed(wire)
+    missing = {k: v for k, v in GOOD_BLOCK.items() if k not in change}
+    raw = msgpack.packb(missing, use_bin_type=True)
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw)) + raw)
+
+
 def test_truncated_stream_reported_on_close() -> None:
     wire = encode(Block(1, BlockAddress(BlockHash(b"h" * 32), 0), b"d" * 32, b"x" * 100))
     dec = FrameDecoder()

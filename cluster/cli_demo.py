@@ -58,8 +58,9 @@ def register(sub: Any) -> None:
     demo.add_argument("--block-size", type=int, default=16)
     demo.add_argument("--mode", choices=("layerwise", "full"), default="layerwise",
                       help="how an engine loads a cached prefix")
-    demo.add_argument("--workdir", help="folder for the checkpoint, SSD tiers and certificates "
-                                        "(default: a temporary folder)")
+    demo.add_argument("--workdir", help="folder for the SSD tiers, indexes and certificates "
+                                        "(default: a temporary folder; the dequantised checkpoint is cached "
+                                        "under $KVFABRIC_HOME/checkpoints, default ~/.cache/kvfabric)")
     demo.set_defaults(func=run)
 
 
@@ -110,7 +111,7 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     from transformers.utils import logging as hf_logging
 
     from cluster.client import FabricClient
-    from cluster.engines.hf import SMOLLM2_ID, chat_tokens, load_smollm2, save_checkpoint
+    from cluster.engines.hf import SMOLLM2_ID, chat_tokens, load_tokenizer, smollm2_checkpoint
     from cluster.engines.hf_actor import spawn_engines
     from cluster.launch import start_local_cluster
     from cluster.router import NodeView, Router
@@ -119,10 +120,9 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
     os.environ.setdefault("TQDM_DISABLE", "1")   # the GGUF loader's own progress bar
-    with console.status("dequantising SmolLM2-135M-Instruct from its GGUF file (~20 s)"):
-        model, tokenizer, fingerprint = load_smollm2()
-        checkpoint = save_checkpoint(model, workdir / "checkpoint")
-        del model
+    with console.status("SmolLM2-135M-Instruct: dequantising its GGUF file once (~20 s), or reading the cache"):
+        checkpoint, fingerprint = smollm2_checkpoint()
+        tokenizer = load_tokenizer(checkpoint)
     eos = tokenizer.convert_tokens_to_ids("<|im_end|>")
     system = MANUAL.read_text()
     questions = QUESTIONS[:args.questions]

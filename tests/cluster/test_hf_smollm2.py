@@ -1,5 +1,5 @@
 """The adapter on the real checkpoint the demo runs: SmolLM2-135M-Instruct (GGUF, dequantised to
-f32), one load per module (~20 s on 2 cores), a chat prompt over part of the demo's manual."""
+f32 once and cached, ~20 s on 2 cores the first time), a chat prompt over part of the demo's manual."""
 
 from __future__ import annotations
 
@@ -9,7 +9,16 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from cluster.engines.hf import SMOLLM2_FILE, HFEngine, LoadMode, chat_tokens, load_smollm2, smollm2_folder
+from cluster.engines.hf import (
+    SMOLLM2_FILE,
+    HFEngine,
+    LoadMode,
+    chat_tokens,
+    load_checkpoint,
+    load_tokenizer,
+    smollm2_checkpoint,
+    smollm2_folder,
+)
 from cluster.engines.hf_kv import fingerprint_file
 from cluster.local import LocalFabric
 from fabric.config import KVConfig
@@ -21,7 +30,8 @@ BLOCK = 16
 
 @pytest.fixture(scope="module")
 def smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
-    return load_smollm2()
+    folder, fingerprint = smollm2_checkpoint()
+    return load_checkpoint(folder), load_tokenizer(folder), fingerprint
 
 
 @pytest.fixture

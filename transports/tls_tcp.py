@@ -340,7 +340,7 @@ class TlsTcpServer:
 class _Request:
     """One PULL's results awaiting its caller."""
 
-    __slots__ = ("abandoned", "finished", "request_id", "results", "touched", "wakeup")
+    __slots__ = ("abandoned", "finished", "request_id", "results", "touched", "waiting", "wakeup")
 
     def __init__(self, request_id: int) -> None:
         self.request_id = request_id
@@ -349,6 +349,7 @@ class _Request:
         self.finished = False
         self.abandoned = False
         self.touched = False    # a frame of this request arrived
+        self.waiting = False    # its caller waits for results
 
 
 class _ClientConnection:
@@ -392,9 +393,10 @@ class _ClientConnection:
         self.consumed(sum(len(r.payload) for r in req.results if isinstance(r, Hit)))
         req.results.clear()
 
-    def consumed(self, nbytes: int) -> None:
+    def consumed(self, nbytes: int, *, starving: bool = False) -> None:
+        """`starving`: a caller waits with nothing to read: resume even over RESULTS_HIGH (else deadlock)."""
         self.buffered -= nbytes
-        if self.paused and self.buffered <= RESULTS_HIGH // 2 and not self.link.closed:
+        if self.paused and (starving or self.buffered <= RESULTS_HIGH // 2) and not self.link.closed:
             self.paused = False
             self.session.resume(self._loop.time())
             self.link.resume_reading()
@@ -426,7 +428,7 @@ class _ClientConnection:
             metrics.child(metrics.pulls, transport, "hit").inc(hits)
             metrics.child(metrics.pull_bytes, transport).inc(num_bytes)
             self.buffered += num_bytes
-            if self.buffered > RESULTS_HIGH:
+            if self.buffered > RESULTS_HIGH and not any(r.waiting and not r.results for r in self.requests.values()):
                 self.paused = True
                 self.session.pause(self._loop.time())
                 self.link.pause_reading()
@@ -518,7 +520,10 @@ class TlsTcpClient:
                         if retry or (req.finished and not results):
                             break
                         req.wakeup.clear()
+                        req.waiting = True
+                        conn.consumed(0, starving=True)
                         await req.wakeup.wait()
+                        req.waiting = False
                     if retry:
                         break
             finally:

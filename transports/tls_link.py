@@ -45,6 +45,7 @@ from transports.base import Peer
 from transports.certs import CertificateError, NodeCredentials, node_name_of
 from transports.codec import (
     DEFAULT_MAX_PAYLOAD,
+    DIRECT_MIN,
     Error,
     ErrorCode,
     Frame,
@@ -269,6 +270,7 @@ class FrameLink(Protocol):
     @property
     def write_pending(self) -> bool: ...
     def send(self, frame: Frame) -> None: ...
+    def send_many(self, frames: list[Frame]) -> None: ...
     async def drain(self) -> None: ...
     def protocol_error(self, err: ProtocolError) -> None: ...
     def close_after_flush(self, reason: MissReason, why: str, timeout_s: float = 1.0) -> None: ...
@@ -298,6 +300,10 @@ class LinkBase:
 
     def send(self, frame: Frame) -> None:
         raise NotImplementedError
+
+    def send_many(self, frames: list[Frame]) -> None:
+        for frame in frames:
+            self.send(frame)
 
     def pause_reading(self) -> None:
         raise NotImplementedError
@@ -408,9 +414,10 @@ class TlsLink(LinkBase):
             try:
                 n = read(size, buf)
                 # A payload view (not the staging buffer): fill it record after record (one TLS
-                # record per read) and tell the decoder once.
+                # record per read) and tell the decoder once. A short rest is left to the staging
+                # buffer: its record may carry the next frame's head too (see `_queue`), one read.
                 if 0 < n < size and decoder.receiving_payload:
-                    while n < size:
+                    while size - n >= DIRECT_MIN:
                         got = read(size - n, buf[n:])
                         if not got:
                             break
@@ -482,24 +489,45 @@ class TlsLink(LinkBase):
 
     # -- writing
     def send(self, frame: Frame) -> None:
-        if self.closed:
+        self.send_many([frame])
+
+    def send_many(self, frames: list[Frame]) -> None:
+        """Queue `frames`, then write what the socket takes: queued together, each frame's tail
+        shares a TLS record with the next frame's head."""
+        if self.closed or not frames:
             return
-        head, payload = encode_parts(frame, max_payload=self.max_payload)
         if not self._out:  # the send-stall timer runs from the moment something waits to be sent
             self.last_tx = self._loop.time()
         self._empty.clear()
-        view = memoryview(payload).cast("B")
-        # The head rides in one TLS record with the payload's first bytes: a record of its own
-        # would cost a write, a read and their Python calls on both sides for ~100 bytes.
-        lead = min(view.nbytes, TLS_RECORD - len(head))
-        first = memoryview(head + view[:lead]) if lead > 0 else memoryview(head)
-        self._out.append(first)
-        self._out_bytes += first.nbytes
-        if view.nbytes > lead:
-            self._out.append(view[lead:])
-            self._out_bytes += view.nbytes - lead
+        for frame in frames:
+            self._queue(frame)
         if not self._writer_on:
             self._flush()
+
+    def _queue(self, frame: Frame) -> None:
+        head, payload = encode_parts(frame, max_payload=self.max_payload)
+        view = memoryview(payload).cast("B")
+        out = self._out
+        if len(out) > 1 and out[-1].nbytes + len(head) < TLS_RECORD:
+            # The last queued chunk (not the head of the queue, which OpenSSL may be retrying) is
+            # small, e.g. the previous frame's tail: it shares this frame's first record.
+            carried = out.pop()
+            self._out_bytes -= carried.nbytes
+            head = bytes(carried) + head
+        # The head rides in one TLS record with the payload's first bytes: a record of its own
+        # would cost a write, a read and their Python calls on both sides for ~100 bytes. The rest
+        # is queued as whole records and a tail (a 64 KiB payload + its 113-byte head fill 4 records
+        # and 113 bytes): while the queue is backed up, the tail joins the next frame's first record.
+        lead = min(view.nbytes, TLS_RECORD - len(head))
+        first = memoryview(head + view[:lead]) if lead > 0 else memoryview(head)
+        out.append(first)
+        self._out_bytes += first.nbytes
+        rest = view[lead:]
+        whole = rest.nbytes - rest.nbytes % TLS_RECORD
+        for chunk in (rest[:whole], rest[whole:]):
+            if chunk.nbytes:
+                out.append(chunk)
+                self._out_bytes += chunk.nbytes
 
     def _queued_bytes(self) -> int:
         return self._out_bytes

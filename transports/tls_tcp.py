@@ -102,8 +102,7 @@ class _ServerConnection:
     def _carry_out(self, out: list[Frame]) -> None:
         """Send what the session returned, start its pulls, and follow its reading / closing state."""
         session, link = self.session, self.link
-        for frame in out:
-            link.send(frame)
+        link.send_many(out)
         for pull in session.take_pulls():
             self.cursors.append((pull, 0))
         self.server.peak_inflight = max(self.server.peak_inflight, len(session.active))

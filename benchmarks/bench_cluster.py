@@ -44,7 +44,7 @@ from fabric.config import ClusterConfig, Config, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
 
-LAYOUT = KVLayout.mha(8, 2, 64, "f16")   # 16 KiB per (block, layer) at 16 tokens: 128 KiB per block
+LAYOUT = KVLayout.mha(8, 2, 64, "f16")   # 8 KiB per (block, layer) at 16 tokens: 64 KiB per block
 
 
 def kv_of(ns: Namespace, hashes: Sequence[bytes]) -> np.ndarray:

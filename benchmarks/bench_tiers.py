@@ -46,7 +46,7 @@ from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import PutResult, Store
 from fabric.tiers.base import Tier
-from fabric.tiers.ssd import fsync_folder
+from fabric.tiers.sync import fsync_folder
 
 logger = logging.getLogger(__name__)
 

@@ -21,6 +21,7 @@ import os
 import random
 import time
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from cluster.planner import PullRun, plan_pulls
 from fabric.config import Config
 from fabric.events import EventKind
 from fabric.keys import BlockHash, Namespace, block_hashes
+from fabric.priority import lower_thread_priority
 from fabric.store import Store
 from fabric.tiers.base import Tier
 from transports.base import Peer
@@ -112,6 +114,9 @@ class NodeActor:
         self.metrics = ClusterMetrics(self.registry)
         self.kv_store = Store.open(kv, registry=self.registry)
         self.local = LocalFabric(self.kv_store, self.node_id)
+        # Mirroring pulled blocks is background work: one thread, at the store's lower priority.
+        self._mirror_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-mirror",
+                                               initializer=lower_thread_priority, initargs=(kv.background_nice,))
         tmetrics = TransportMetrics(self.registry)
         self.server = create_server(transport, self.kv_store, metrics=tmetrics)
         host, port = await self.server.start()
@@ -149,7 +154,9 @@ class NodeActor:
         await self.client.close()
         await self.server.close()
         self.http.shutdown()
-        await asyncio.get_running_loop().run_in_executor(None, self.kv_store.close)
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(None, self._mirror_pool.shutdown)   # a mirror in progress ends first
+        await loop.run_in_executor(None, self.kv_store.close)
         self._started = False
 
     # ---- directory upkeep --------------------------------------------------------------------------
@@ -334,7 +341,7 @@ class NodeActor:
     async def _mirror(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
                       digests: Sequence[Sequence[bytes]]) -> None:
         await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests))
+            self._mirror_pool, lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests))
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
                    pulls: bool = True) -> LoadReply:

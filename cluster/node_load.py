@@ -46,14 +46,21 @@ class LayerProgress:
     num_layers: int
     done: np.ndarray = field(init=False)
     layer_ready: list[asyncio.Event] = field(init=False)
+    _missing: list[int] = field(init=False)   # per layer, blocks not yet filled: O(1) per fill
 
     def __post_init__(self) -> None:
         self.done = np.zeros((self.num_blocks, self.num_layers), dtype=bool)
         self.layer_ready = [asyncio.Event() for _ in range(self.num_layers)]
+        self._missing = [self.num_blocks] * self.num_layers
+        for layer in range(self.num_layers) if self.num_blocks == 0 else ():
+            self.layer_ready[layer].set()
 
     def fill(self, block: int, layer: int) -> None:
+        if self.done[block, layer]:
+            return
         self.done[block, layer] = True
-        if self.done[:, layer].all():
+        self._missing[layer] -= 1
+        if self._missing[layer] == 0:
             self.layer_ready[layer].set()
 
     def complete_blocks(self) -> int:
@@ -106,6 +113,7 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
             continue
         slot = {BlockAddress(hashes[b], layer): (b, layer) for b, layer in missing}
         got_miss = False
+        source = f"peer:{node_id}"
         try:
             async with asyncio.timeout(timeout_s):
                 async for result in client.pull(peer, list(slot)):
@@ -124,7 +132,7 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                         continue
                     out[b, layer] = np.frombuffer(view, dtype=np.uint8)
                     digests[b][layer] = result.digest
-                    sources[b] = f"peer:{node_id}"
+                    sources[b] = source
                     outcome.num_bytes += nbytes
                     progress.fill(b, layer)
         except (TimeoutError, OSError, ProtocolError, CertificateError) as e:

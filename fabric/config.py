@@ -51,6 +51,7 @@ class KVConfig:
     ssd_low_water: float = 0.9           # SSD eviction trims down to ssd_gib * this
     frequency_half_life_s: float = 60.0  # decay of the access frequency behind prefetch
     event_queue_max: int = 100_000       # store events not yet taken; past it: cleared, overflowed=True
+    background_nice: int = 10            # write-behind flush, eviction, mirroring run this much nicer (0: off)
 
     def namespace(self, model_id: str, layout: KVLayout, *, weights_fingerprint: str = "", shard: int = 0,
                   num_shards: int = 1, tenant_salt: bytes = b"") -> Namespace:
@@ -150,6 +151,8 @@ class Config:
             value = getattr(kv, key)
             if not 0.0 < value <= 1.0:
                 raise ConfigError(f"{source}: kv.{key} must be in (0, 1], got {value}")
+        if not 0 <= kv.background_nice <= 19:
+            raise ConfigError(f"{source}: kv.background_nice must be in [0, 19], got {kv.background_nice}")
         if kv.ram_high_water < 1.0:
             raise ConfigError(f"{source}: kv.ram_high_water must be >= 1.0, got {kv.ram_high_water}")
         if not 1200 <= self.transport.max_datagram_size <= 65527:

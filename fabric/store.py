@@ -19,9 +19,11 @@ Crash consistency. A block is committed in this order (a write-through put, a `p
 group commit of the write-behind flusher, all through `Writer.commit`):
 
     1. temp file written and fdatasync'ed          crash here: a temp file, removed at open
+       (a batch: all written, then one syncfs)
     2. renamed to its final name, folder fsync'ed  crash here: a file without a row, removed at
                                                     open; its put had not returned, so nothing
-                                                    acknowledged is lost
+                                                    acknowledged is lost (a batch: all renamed,
+                                                    then one syncfs)
     3. index row(s) in one WriteBatch, WAL synced  from here on the block is acknowledged
     4. put returns OK / the RAM copy is unpinned
 

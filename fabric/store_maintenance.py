@@ -16,6 +16,7 @@ from collections.abc import Callable
 from fabric.eviction import MaintenancePlan, TierSnapshot
 from fabric.index import BlockMeta
 from fabric.keys import StorageKey
+from fabric.priority import lower_thread_priority
 from fabric.store_core import StoreCore
 from fabric.store_types import VerifyReport
 from fabric.store_writes import Writer
@@ -60,6 +61,7 @@ class Background:
 
     def _run(self) -> None:
         core, writer = self._core, self._writer
+        lower_thread_priority(core.config.background_nice)
         interval = core.config.eviction_interval_s
         next_tick = time.monotonic() + interval
         while not self._stop.is_set():

@@ -11,6 +11,7 @@ The commit path, for a batch whose stripes the caller holds (module docstring of
 gives the crash argument)::
 
     reserve SSD bytes (or FULL) -> write temp files, fdatasync -> rename -> folder fsync
+        (a batch of GROUP_SYNC_MIN+ files: write temp files -> syncfs -> rename -> syncfs)
         -> index rows in one WriteBatch, WAL synced -> catalog entries -> release the reservation
 """
 
@@ -29,7 +30,7 @@ from fabric.tiers.ssd import HEADER_SIZE, NO_SPACE_ERRNOS, SsdEntry, WriteItem
 
 logger = logging.getLogger(__name__)
 
-FLUSH_BATCH_BLOCKS = 32
+FLUSH_BATCH_BLOCKS = 128
 FLUSH_BATCH_BYTES = 64 << 20
 
 

@@ -23,7 +23,9 @@ Layout on disk::
 
 A write goes to a temp name in the block's folder, is fdatasync'ed, renamed over the final name,
 and the folder is fsync'ed (`durable`), so a crash leaves either the old state or the whole new
-file, plus at worst a stray temp file that `scan()` reports. A read checks the header digest,
+file, plus at worst a stray temp file that `scan()` reports. A batch of GROUP_SYNC_MIN files or
+more keeps that order with two `syncfs` calls instead (every temp file's bytes, then the renames;
+fabric/tiers/sync.py), ~10x less CPU than a sync per file on ext4. A read checks the header digest,
 key, layer, file length and the payload digest and raises `CorruptBlockError` on any mismatch:
 no byte of a block that does not verify is ever returned. Reads use O_DIRECT into page-aligned
 anonymous memory when the filesystem allows it (probed at open; otherwise a log line and
@@ -58,6 +60,7 @@ import blake3
 
 from fabric.keys import StorageKey
 from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier, TierStats
+from fabric.tiers.sync import fsync_folder, syncfs, syncfs_supported, try_fsync_folder
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +75,8 @@ _NAME_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.kvb$")
 _TEMP_RE = re.compile(r"^\.[0-9a-f]{16}-\d+\..*\.tmp$")
 # Errors that mean "the filesystem has no room for this write" (EFBIG: RLIMIT_FSIZE or a file-size cap).
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# A write-behind batch of at least this many files is made durable with syncfs (fabric.tiers.sync).
+GROUP_SYNC_MIN = 16
 
 
 @dataclass(slots=True)
@@ -255,33 +260,46 @@ class SsdTier:
 
     def write_file(self, item: WriteItem, *, sync_folder: bool = True) -> Path:
         """Write one block file atomically; returns its folder. Raises OSError (temp file removed)."""
-        folder = self.folder_for(item.key)
-        final = folder / file_name(item.key, item.layer)
-        temp = folder / f".{final.stem}.{os.getpid()}.{next(self._temp_ids)}.tmp"
-        header = encode_header(item.key, item.layer, item.payload.nbytes, item.digest, item.created_unix)
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        temp, final = self._write_temp(item, sync=self.durable)
         try:
-            try:
-                _write_all(fd, [header, item.payload])
-                if self.durable:
-                    os.fdatasync(fd)
-                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
             os.replace(temp, final)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
         if sync_folder and self.durable:
-            fsync_folder(folder)
-        return folder
+            fsync_folder(final.parent)
+        return final.parent
+
+    def _write_temp(self, item: WriteItem, *, sync: bool) -> tuple[Path, Path]:
+        """The block's bytes under a temp name (fdatasync'ed and dropped from the page cache when
+        `sync`); returns (temp, final). Raises OSError with the temp file removed."""
+        final = self.folder_for(item.key) / file_name(item.key, item.layer)
+        temp = final.parent / f".{final.stem}.{os.getpid()}.{next(self._temp_ids)}.tmp"
+        header = encode_header(item.key, item.layer, item.payload.nbytes, item.digest, item.created_unix)
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            try:
+                _write_all(fd, [header, item.payload])
+                if sync:
+                    os.fdatasync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        return temp, final
 
     def write_files(self, items: Sequence[WriteItem], pool: Executor) -> list[OSError | None]:
-        """Group commit: write every file in parallel on `pool`, then fsync each touched folder once.
+        """Group commit: write every file in parallel on `pool`, then make the batch durable.
 
         Returns one entry per item: None when the file is committed (durable if `durable`),
-        or the OSError that stopped it (its file is then removed).
+        or the OSError that stopped it (its file is then removed). Batches of GROUP_SYNC_MIN files
+        or more are synced with two `syncfs` calls (data, then names: see `fabric.tiers.sync`)
+        where the kernel reports writeback errors to it; smaller ones file by file.
         """
+        if self.durable and len(items) >= GROUP_SYNC_MIN and syncfs_supported():
+            return self._write_files_syncfs(items, pool)
         futures = [pool.submit(self.write_file, item, sync_folder=False) for item in items]
         results: list[OSError | None] = []
         folders: dict[Path, list[int]] = {}
@@ -292,11 +310,48 @@ class SsdTier:
             except OSError as e:
                 results.append(e)
         if self.durable:
-            synced = list(pool.map(_try_fsync_folder, folders))
+            synced = list(pool.map(try_fsync_folder, folders))
             for (_folder, indices), err in zip(folders.items(), synced, strict=True):
                 for i in indices if err is not None else ():
                     results[i] = err
                     self.unlink(items[i].key, items[i].layer)
+        return results
+
+    def _write_files_syncfs(self, items: Sequence[WriteItem], pool: Executor) -> list[OSError | None]:
+        # Unsynced writes land in the page cache (~10 us each): one thread, no hand-offs.
+        results: list[OSError | None] = []
+        written: list[tuple[int, Path, Path]] = []
+        for i, item in enumerate(items):
+            try:
+                temp, final = self._write_temp(item, sync=False)
+                written.append((i, temp, final))
+                results.append(None)
+            except OSError as e:
+                results.append(e)
+        if not written:
+            return results
+        try:
+            syncfs(self.root)                     # 1. every temp file's bytes are durable
+        except OSError as e:
+            for i, temp, _final in written:
+                results[i] = e
+                temp.unlink(missing_ok=True)
+            return results
+        renamed: list[tuple[int, Path]] = []
+        for i, temp, final in written:
+            try:
+                _drop_cached(temp)                # clean pages now: keep the tier out of the page cache
+                os.replace(temp, final)           # 2. the final name points at durable bytes
+                renamed.append((i, final))
+            except OSError as e:
+                results[i] = e
+                temp.unlink(missing_ok=True)
+        try:
+            syncfs(self.root)                     # 3. the new names are durable
+        except OSError as e:
+            for i, final in renamed:
+                results[i] = e
+                final.unlink(missing_ok=True)
         return results
 
     def read_file(self, key: StorageKey, layer: int, expected_digest: bytes | None = None) -> StoredBlock:
@@ -439,18 +494,9 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
             views[0] = views[0][n:]
 
 
-def fsync_folder(folder: Path) -> None:
-    """Make the folder's entries (renames, creations, unlinks) durable."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+def _drop_cached(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
-
-
-def _try_fsync_folder(folder: Path) -> OSError | None:
-    try:
-        fsync_folder(folder)
-    except OSError as e:
-        return e
-    return None

@@ -91,7 +91,9 @@ def _sample(prop: dict[str, Any]) -> Any:
     if kind == "boolean":
         return False
     if kind == "integer":
-        return max(prop.get("minimum", 1), 1200 if "maximum" in prop else 7)
+        if "maximum" in prop:   # ports and datagram sizes take 1200; small ranges their top
+            return min(prop["maximum"], max(prop.get("minimum", 1), 1200))
+        return max(prop.get("minimum", 1), 7)
     if kind == "number":
         return 0.75 if prop.get("maximum") == 1 else 1.5
     return "sample"

@@ -307,6 +307,7 @@ def test_a_flipped_byte_in_the_header_padding_is_corruption(tmp_path: Path) -> N
 def test_commit_order_is_fdatasync_rename_folder_fsync_then_synced_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                        write_through: bool, durable: bool) -> None:
     import fabric.tiers.ssd as ssd_module
+    import fabric.tiers.sync as sync_module
     from fabric.index import Index
 
     calls: list[tuple[str, str]] = []
@@ -333,6 +334,7 @@ def test_commit_order_is_fdatasync_rename_folder_fsync_then_synced_row(tmp_path:
     monkeypatch.setattr(os, "fdatasync", fdatasync)
     monkeypatch.setattr(os, "replace", replace)
     monkeypatch.setattr(ssd_module, "fsync_folder", fsync_folder)
+    monkeypatch.setattr(sync_module, "fsync_folder", fsync_folder)   # what try_fsync_folder calls
     monkeypatch.setattr(Index, "put_many", put_many)
     with Store.open(kv(tmp_path, write_through=write_through, durable=durable), background=False) as store:
         calls.clear()
@@ -355,3 +357,93 @@ def test_commit_order_is_fdatasync_rename_folder_fsync_then_synced_row(tmp_path:
         folder = str(Path(calls[renamed][1]).parent)
         folder_synced = next(i for i, (k, p) in enumerate(calls) if k == "fsync_folder" and p == folder)
         assert synced < renamed < folder_synced < rows_at < kinds.index(end), calls
+
+
+@pytest.mark.skipif(not __import__("fabric.tiers.sync", fromlist=["x"]).syncfs_supported(),
+                    reason="syncfs group commit needs Linux 5.8+ (elsewhere batches sync file by file)")
+@pytest.mark.parametrize("write_through", [True, False])
+def test_batch_commit_order_is_data_syncfs_rename_names_syncfs_then_synced_row(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, write_through: bool) -> None:
+    """A batch of GROUP_SYNC_MIN+ files is made durable with two syncfs calls instead of one
+    fdatasync per file and one fsync per folder: every temp file is written before the first
+    syncfs (their bytes), every rename falls between the two (a final name only ever points at
+    durable bytes), and the index row is written synced after the second (the names)."""
+    import fabric.tiers.ssd as ssd_module
+    from fabric.index import Index
+    from fabric.tiers.ssd import GROUP_SYNC_MIN
+
+    calls: list[tuple[str, str]] = []
+    real_replace, real_syncfs, real_write_temp = os.replace, ssd_module.syncfs, ssd_module.SsdTier._write_temp
+    real_put_many = Index.put_many
+
+    def write_temp(self: Any, item: Any, *, sync: bool) -> tuple[Path, Path]:
+        temp, final = real_write_temp(self, item, sync=sync)
+        calls.append(("written" if not sync else "written_synced", final.name))
+        return temp, final
+
+    def replace(src: Any, dst: Any) -> None:
+        calls.append(("rename", Path(dst).name))
+        real_replace(src, dst)
+
+    def syncfs(path: Path) -> None:
+        calls.append(("syncfs", str(path)))
+        real_syncfs(path)
+
+    def put_many(self: Index, rows: Any, *, sync: bool = True) -> None:
+        rows = list(rows)
+        calls.append(("row_synced" if sync else "row", str(len(rows))))
+        real_put_many(self, rows, sync=sync)
+
+    monkeypatch.setattr(ssd_module.SsdTier, "_write_temp", write_temp)
+    monkeypatch.setattr(os, "replace", replace)
+    monkeypatch.setattr(ssd_module, "syncfs", syncfs)
+    monkeypatch.setattr(Index, "put_many", put_many)
+    n = GROUP_SYNC_MIN + 4
+    with Store.open(kv(tmp_path, write_through=write_through), background=False) as store:
+        calls.clear()
+        assert store.put_many([(addr(i), os.urandom(KIB)) for i in range(n)]) == [PutResult.OK] * n
+        if not write_through:
+            assert store.flush() == 0
+        kinds = [kind for kind, _ in calls]
+        assert kinds.count("written") == n and "written_synced" not in kinds   # no per-file fdatasync
+        first, second = [i for i, k in enumerate(kinds) if k == "syncfs"]
+        assert max(i for i, k in enumerate(kinds) if k == "written") < first
+        renames = [i for i, k in enumerate(kinds) if k == "rename"]
+        assert len(renames) == n and first < min(renames) and max(renames) < second
+        assert kinds.index("row_synced") > second and calls[kinds.index("row_synced")][1] == str(n)
+    with Store.open(kv(tmp_path), background=False) as reopened:   # and every block is there
+        assert all(reopened.get(addr(i)) is not None for i in range(n))
+
+
+@pytest.mark.skipif(not __import__("fabric.tiers.sync", fromlist=["x"]).syncfs_supported(),
+                    reason="syncfs group commit needs Linux 5.8+ (elsewhere batches sync file by file)")
+@pytest.mark.parametrize("failing_call", [1, 2])
+def test_a_failed_batch_syncfs_commits_nothing_of_the_batch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            failing_call: int) -> None:
+    """A writeback error reported by syncfs (EIO from the disk: cannot be caused here, so the call
+    is replaced by one that raises on its `failing_call`-th use) fails every put of the batch with
+    IO_ERROR and leaves neither a temp file nor a final file nor a row behind; a later put works."""
+    import errno as errno_module
+
+    import fabric.tiers.ssd as ssd_module
+    from fabric.tiers.ssd import GROUP_SYNC_MIN
+
+    real_syncfs, seen = ssd_module.syncfs, [0]
+
+    def syncfs(path: Path) -> None:
+        seen[0] += 1
+        if seen[0] == failing_call:
+            raise OSError(errno_module.EIO, "syncfs: Input/output error")
+        real_syncfs(path)
+
+    monkeypatch.setattr(ssd_module, "syncfs", syncfs)
+    n = GROUP_SYNC_MIN
+    with Store.open(kv(tmp_path, write_through=True), background=False) as store:
+        assert store.put_many([(addr(i), os.urandom(KIB)) for i in range(n)]) == [PutResult.IO_ERROR] * n
+        assert all(store.get(addr(i)) is None for i in range(n))
+        leftovers = [p.name for p in (tmp_path / "ssd").rglob("*") if p.is_file() and not p.name.startswith(".o_")]
+        assert leftovers == []
+        assert store.put_many([(addr(100 + i), os.urandom(KIB)) for i in range(n)]) == [PutResult.OK] * n
+    with Store.open(kv(tmp_path), background=False) as reopened:
+        assert all(reopened.get(addr(i)) is None for i in range(n))
+        assert all(reopened.get(addr(100 + i)) is not None for i in range(n))

@@ -10,16 +10,15 @@
 
 This module only moves bytes and runs timers: every protocol rule (HELLO, request ids, the
 in-flight window, the total frame deadline, idle and send timeouts, what an oversize or unreadable
-block becomes) is the sessions'. Frames move over `tls_link.TlsLink` (decryption straight into
-payload buffers, payloads sent without copies); the RDMA transport reuses both connection classes
-over its own link (`_open_link`).
+block becomes) is the sessions'. Frames move over `tls_link.TlsLink` (decryption into payload
+buffers, payloads sent without copies); RDMA reuses both connection classes over its own link.
 
 Server: one pump per connection answers its pulls round-robin, BATCH_BYTES at a time, fetching the
 next batch only once under SERVER_WRITE_HIGH waits to be sent: a peer that does not read costs at most
 SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_per_peer` connections.
 Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
-Client: one pooled connection per peer; digests checked on the loop (in the session), metrics counted
-once per read; reading pauses while over RESULTS_HIGH bytes of results wait for their callers.
+Client: one pooled connection per peer, PULL_WINDOW PULLs of a pull in flight; digests checked on the
+loop; reading pauses while over RESULTS_HIGH bytes of results wait for their callers.
 """
 
 from __future__ import annotations
@@ -75,6 +74,7 @@ logger = logging.getLogger(__name__)
 
 TRANSPORT = "tls-tcp"
 ADDRESSES_PER_PULL = MAX_ADDRESSES_PER_PULL
+PULL_WINDOW = 2   # the server answers a connection's PULLs round-robin: 2 in flight keep a pull in order
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 RESULTS_HIGH = 64 * 1024 * 1024
 
@@ -486,25 +486,23 @@ class TlsTcpClient:
                    frame_timeout_s=config.frame_timeout_s, idle_timeout_s=config.idle_timeout_s, metrics=metrics)
 
     async def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]:
-        """One result per address, in the order asked; failures are misses, never exceptions.
-
-        A pooled connection that turns out to be gone before answering anything (the peer closed
-        it as idle, or restarted) is replaced once, transparently."""
+        """One result per address, in the order asked; failures are misses, never exceptions. A pooled
+        connection gone before answering anything (closed as idle, peer restarted) is replaced once."""
         if not addresses:
             return
         for attempt in range(2):
             conn, reason, reused = await self._connection(peer)
             if conn is None:
-                for address in addresses:
-                    miss = Miss(0, address, reason)
+                for miss in (Miss(0, address, reason) for address in addresses):
                     self.metrics.record(self.transport, miss)
                     yield miss
                 return
-            requests = [conn.submit(addresses[i:i + ADDRESSES_PER_PULL])
-                        for i in range(0, len(addresses), ADDRESSES_PER_PULL)]
+            chunks = [addresses[i:i + ADDRESSES_PER_PULL] for i in range(0, len(addresses), ADDRESSES_PER_PULL)]
+            requests = [conn.submit(chunk) for chunk in chunks[:PULL_WINDOW]]
             retry = False
             try:
-                for i, req in enumerate(requests):
+                for i in range(len(chunks)):
+                    req = requests[i]
                     results = req.results
                     while True:
                         while results:
@@ -525,6 +523,8 @@ class TlsTcpClient:
                         req.waiting = False
                     if retry:
                         break
+                    if i + PULL_WINDOW < len(chunks):
+                        requests.append(conn.submit(chunks[i + PULL_WINDOW]))
             finally:
                 for req in requests:
                     conn.abandon(req)

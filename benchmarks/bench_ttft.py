@@ -8,7 +8,10 @@ For each prompt size (1k, 2k, 4k tokens of prefix + a 16-token suffix), in one r
     layer-wise pull   node C: the same, but layer i computes as soon as layer i has arrived
 
 B and C swap order on every repetition. Every TTFT is measured inside the engine actor (lookup +
-load + suffix prefill up to the first token's logits). The break-even bandwidth is KV bytes per
+load + suffix prefill up to the first token's logits). Before each measured request the bench waits
+until no node has background work left (write-behind flushes, mirrors of pulled blocks, directory
+batches): the three "nodes" share this host's cores, and on a real cluster another node's mirror
+does not run on the measured node's CPU. The break-even bandwidth is KV bytes per
 token divided by prefill seconds per token: a pull slower than that loses to recomputing.
 
     python benchmarks/bench_ttft.py [--quick] [--reps N] [--sizes 1k,2k,4k]
@@ -23,7 +26,9 @@ import random
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -32,7 +37,7 @@ from benchmarks._common import emit_json, median, print_table
 SIZES = {"1k": 1024, "2k": 2048, "4k": 4096}
 QUICK_SIZES = {"256": 256, "512": 512}
 SUFFIX = 16
-BLOCK = 16
+BLOCK = 16   # tokens per block, vLLM's default; --block-size changes it
 PATHS = ("recompute", "local", "remote", "remote_layerwise")
 
 
@@ -44,10 +49,25 @@ def prompt_pair(num_prefix: int, seed: int, vocab: int) -> tuple[list[int], list
             prefix + [rng.randrange(100, vocab) for _ in range(SUFFIX)])
 
 
+def settle(nodes: Sequence[Any], timeout_s: float = 60.0) -> float:
+    """Wait until every NodeActor is idle (nothing to flush, mirror or tell the directory); seconds waited."""
+    import ray
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout_s:
+        stats = ray.get([n.stats.remote() for n in nodes])
+        if all(s["store"]["pending_writes"] == 0 and s["pending_mirrors"] == 0 and s["pending_directory_ops"] == 0
+               for s in stats):
+            return time.perf_counter() - start
+        time.sleep(0.1)
+    raise RuntimeError(f"the fabric nodes did not settle within {timeout_s:.0f} s")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256- and 512-token prompts (smoke test)")
-    parser.add_argument("--reps", type=int, default=1, help="repetitions per size (fresh prompts each)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions per size (fresh prompts; medians)")
+    parser.add_argument("--block-size", type=int, default=BLOCK, help="tokens per block (a frame per block, layer)")
     parser.add_argument("--sizes", default=",".join(SIZES), help=f"comma-separated subset of {', '.join(SIZES)}")
     args = parser.parse_args()
     unknown = set(args.sizes.split(",")) - set(SIZES)
@@ -61,6 +81,7 @@ def main() -> int:
     from cluster.engines.hf import SMOLLM2_ID, smollm2_checkpoint
     from cluster.engines.hf_actor import Answer, spawn_engines
     from cluster.launch import start_local_cluster
+    from cluster.node_actor import node_actor_name
     from fabric.config import Config, KVConfig
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
@@ -74,15 +95,16 @@ def main() -> int:
                                     object_store_bytes=1 << 30)
         try:
             a, b, c = sorted(local.node_ids())
+            nodes = [ray.get_actor(node_actor_name(n), namespace="kvfabric") for n in (a, b, c)]
             engines = spawn_engines([a, b, c], str(checkpoint), fingerprint=fingerprint, model_id=SMOLLM2_ID,
-                                    block_size=BLOCK, num_threads=2)
+                                    block_size=args.block_size, num_threads=2)
             ns = ray.get(engines[a].namespace.remote())
-            kv_bytes_per_token = ns.layout.bytes_per_block(BLOCK) / BLOCK
+            kv_bytes_per_token = ns.layout.bytes_per_block(args.block_size) / args.block_size
             # Warm-up at the smallest size: first calls pay for imports, TLS connections, page faults
             # and the allocator's first growth to these tensor sizes.
             warm_first, warm_second = prompt_pair(min(sizes.values()), seed=999, vocab=vocab)
             ray.get(engines[a].answer.remote(warm_first, 1))
-            time.sleep(0.5)
+            settle(nodes)
             for node, mode in ((b, "full"), (c, "layerwise")):
                 ray.get(engines[node].answer.remote(warm_second, 1, mode=mode, export=False))
             for rep in range(args.reps):
@@ -90,10 +112,11 @@ def main() -> int:
                     first, second = prompt_pair(num_prefix, seed=100 * rep + k, vocab=vocab)
                     cold: Answer = ray.get(engines[a].answer.remote(first, 1))
                     assert cold.num_reused_tokens == 0, "the recompute found cached blocks"
-                    time.sleep(0.5)   # the owner's register batch reaches the directory
+                    settle(nodes)   # A's blocks are flushed and listed in the directory
                     hit: Answer = ray.get(engines[a].answer.remote(second, 1, mode="full", export=False))
                     order = [(b, "full"), (c, "layerwise")]
                     for node, mode in order if rep % 2 == 0 else order[::-1]:
+                        settle(nodes)
                         got: Answer = ray.get(engines[node].answer.remote(second, 1, mode=mode, export=False))
                         if got.num_pulled_tokens < num_prefix:
                             raise RuntimeError(f"{mode} pull on {node[:8]} reused {got.num_reused_tokens} tokens, "
@@ -108,7 +131,8 @@ def main() -> int:
         finally:
             local.shutdown()
 
-    result: dict[str, object] = {"quick": args.quick, "reps": args.reps, "kv_bytes_per_token": kv_bytes_per_token}
+    result: dict[str, object] = {"quick": args.quick, "reps": args.reps, "block_size": args.block_size,
+                                 "kv_bytes_per_token": kv_bytes_per_token}
     rows = []
     for label, num_prefix in sizes.items():
         med = {p: median(samples[label][p]) for p in PATHS}

@@ -135,6 +135,7 @@ class NodeActor:
         self._resync_at = [0.0] * c.directory_shards
         self._epochs: dict[int, str] = {}
         self._pulls_inflight = 0
+        self._pending_mirrors = 0
         self._spawn(self._sync_loop())
         logger.info("node %s (incarnation %d) serving %s on %s:%d, metrics on :%d, %d blocks held",
                     self.node_id, self.incarnation, transport.kind, host, port, self.metrics_port,
@@ -327,6 +328,7 @@ class NodeActor:
             self.metrics.pull_failures.inc(outcome.num_failures)
             self.metrics.fallbacks.inc(outcome.num_fallbacks)
             if self.config.kv.mirror_pulls and complete > num_local:
+                self._pending_mirrors += 1
                 self._spawn(self._mirror(ns, hashes[num_local:complete], out[num_local:complete],
                                          digests[num_local:complete]))
         self.metrics.lookups.inc()
@@ -340,8 +342,15 @@ class NodeActor:
 
     async def _mirror(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
                       digests: Sequence[Sequence[bytes]]) -> None:
-        await asyncio.get_running_loop().run_in_executor(
-            self._mirror_pool, lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests))
+        # Off the critical path of the request that pulled: its engine is computing on this node's
+        # cores right now, and a mirror (verify, copy, write-behind flush, disk writeback) would
+        # compete with it. A copy is an optimisation; a node that dies first just has none.
+        try:
+            await asyncio.sleep(self.config.kv.mirror_delay_s)
+            await asyncio.get_running_loop().run_in_executor(
+                self._mirror_pool, lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests))
+        finally:
+            self._pending_mirrors -= 1
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
                    pulls: bool = True) -> LoadReply:
@@ -392,4 +401,5 @@ class NodeActor:
                 "hit_blocks_peer": peer, "hit_ratio": (local + peer) / requested if requested else 0.0,
                 "pulls": pulls, "pulled_bytes": count("kvfabric_pull_bytes_total", transport=self.address.transport),
                 "said_yes_owner_no": count("kvfabric_directory_said_yes_owner_said_no_total"),
-                "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows}
+                "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows,
+                "pending_mirrors": self._pending_mirrors}

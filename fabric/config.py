@@ -38,6 +38,7 @@ class KVConfig:
     ssd_ttl_s: float = 7 * 24 * 3600.0
     index_dir: str = str(_default_root() / "index")
     mirror_pulls: bool = True
+    mirror_delay_s: float = 1.0          # a pull's mirror starts this long after its load returned
     block_size: int = 16
     write_through: bool = False          # True: put() returns after the SSD copy is fsynced
     durable: bool = True                 # fsync SSD files and folders
@@ -151,6 +152,8 @@ class Config:
             value = getattr(kv, key)
             if not 0.0 < value <= 1.0:
                 raise ConfigError(f"{source}: kv.{key} must be in (0, 1], got {value}")
+        if kv.mirror_delay_s < 0:
+            raise ConfigError(f"{source}: kv.mirror_delay_s must be >= 0, got {kv.mirror_delay_s}")
         if not 0 <= kv.background_nice <= 19:
             raise ConfigError(f"{source}: kv.background_nice must be in [0, 19], got {kv.background_nice}")
         if kv.ram_high_water < 1.0:

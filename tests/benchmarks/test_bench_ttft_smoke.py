@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_run_prints_json_last_line() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ttft.py"), "--quick"],
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_ttft.py"), "--quick", "--reps", "1"],
                           cwd=ROOT, capture_output=True, text=True, timeout=280, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     lines = proc.stdout.strip().splitlines()

@@ -54,7 +54,7 @@ from transports.quic_base import (
     stop_reading,
 )
 from transports.quic_tls import QuicTlsMaterial, auth_failure, install_client_auth, peer_node
-from transports.serving import BATCH_BYTES, INLINE_FETCH_S, SLOW_SOURCE_HOLD_S, SLOW_STREAK, fetch
+from transports.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
 from transports.session import Fetched, ServerSession
 from transports.udp import UdpEndpoint, udp_socket
 
@@ -369,8 +369,10 @@ class _BoundedQuicServer(QuicServer):
         cast(_CidTable, self._protocols).forget(protocol)
 
 
-class QuicTransportServer:
+class QuicTransportServer(ServingServer):
     """Answers PULL streams from `source` on a UDP port, for clients with a cluster certificate."""
+
+    transport = TRANSPORT  # the metrics label
 
     def __init__(self, credentials: NodeCredentials, source: BlockSource, *, host: str = "127.0.0.1",
                  port: int = 0, tuning: QuicTuning | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
@@ -395,8 +397,6 @@ class QuicTransportServer:
         self.tls = QuicTlsMaterial(credentials, base_configuration(False, self.tuning, idle_timeout_s),
                                    ticket_lifetime_s)
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-quic-io") if io_threads else None
-        self.slow_until = 0.0
-        self.slow_streak = 0
         self.fetches: set[asyncio.Task[None]] = set()
         self._server: QuicServer | None = None
         self._connections: set[_ServerConnection] = set()
@@ -417,20 +417,6 @@ class QuicTransportServer:
     def peer_nodes(self) -> list[str]:
         """Authenticated node names of the open connections."""
         return sorted(c.node for c in self._connections if c.node is not None)
-
-    def note_fetch(self, slow: bool, now: float) -> None:
-        self.slow_streak = self.slow_streak + 1 if slow else 0
-        if self.slow_streak >= SLOW_STREAK and self.executor is not None:
-            self.slow_until = now + SLOW_SOURCE_HOLD_S
-            self.slow_streak = 0
-
-    def count_served(self, session: ServerSession) -> None:
-        stats, metrics = session.take_stats(), self.metrics
-        if stats.num_hits:
-            metrics.child(metrics.served, TRANSPORT, "hit").inc(stats.num_hits)
-            metrics.child(metrics.served_bytes, TRANSPORT).inc(stats.num_bytes)
-        for reason, count in stats.misses.items():
-            metrics.child(metrics.served, TRANSPORT, reason.value).inc(count)
 
     async def start(self) -> tuple[str, int]:
         if self._server is not None:

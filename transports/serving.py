@@ -11,11 +11,13 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import Executor
 from typing import Protocol
 
 from fabric.keys import BlockAddress
 from transports.base import BlockSource
-from transports.session import Fetched
+from transports.metrics import TransportMetrics
+from transports.session import Fetched, ServerSession
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +53,33 @@ class Watchdog:
 
 def watchdog_interval(frame_timeout_s: float, idle_timeout_s: float) -> float:
     return max(0.02, min(frame_timeout_s, idle_timeout_s) / 8)
+
+
+class ServingServer:
+    """What TLS-TCP and QUIC servers share: where store reads run, and counting what was served.
+    Subclasses set `executor` (a thread pool, or None: always on the loop), `metrics` and `transport`."""
+
+    executor: Executor | None
+    metrics: TransportMetrics
+    transport: str
+    slow_until: float = 0.0   # loop time until which store reads run in the thread pool
+    slow_streak: int = 0
+
+    def note_fetch(self, slow: bool, now: float) -> None:
+        """After SLOW_STREAK slow batches in a row, reads move to the pool for SLOW_SOURCE_HOLD_S."""
+        self.slow_streak = self.slow_streak + 1 if slow else 0
+        if self.slow_streak >= SLOW_STREAK and self.executor is not None:
+            self.slow_until = now + SLOW_SOURCE_HOLD_S
+            self.slow_streak = 0
+
+    def count_served(self, session: ServerSession) -> None:
+        """The session's answers since the last call: hits, bytes, and misses by reason."""
+        stats, metrics = session.take_stats(), self.metrics
+        if stats.num_hits:
+            metrics.child(metrics.served, self.transport, "hit").inc(stats.num_hits)
+            metrics.child(metrics.served_bytes, self.transport).inc(stats.num_bytes)
+        for reason, count in stats.misses.items():
+            metrics.child(metrics.served, self.transport, reason.value).inc(count)
 
 
 def fetch(source: BlockSource, addresses: Sequence[BlockAddress], budget: int,

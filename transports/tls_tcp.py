@@ -49,15 +49,7 @@ from transports.codec import (
     Pull,
 )
 from transports.metrics import TransportMetrics
-from transports.serving import (
-    BATCH_BYTES,
-    INLINE_FETCH_S,
-    SLOW_SOURCE_HOLD_S,
-    SLOW_STREAK,
-    Watchdog,
-    fetch,
-    watchdog_interval,
-)
+from transports.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, Watchdog, fetch, watchdog_interval
 from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession, ServerSession
 from transports.tls_link import (
     FrameLink,
@@ -169,7 +161,7 @@ class _ServerConnection:
             self._carry_out(session.handle_timer(now, blocked))
 
 
-class TlsTcpServer:
+class TlsTcpServer(ServingServer):
     """Answers PULLs from `source` over mutually authenticated TLS 1.3 on (host, port)."""
 
     transport = TRANSPORT  # the metrics label
@@ -192,8 +184,6 @@ class TlsTcpServer:
         self.metrics = metrics or TransportMetrics()
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-tls-io") if io_threads else None
         self.peak_inflight = 0
-        self.slow_until = 0.0   # loop time until which get_block runs in the thread pool
-        self.slow_streak = 0
         self.num_accept_errors = 0
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
@@ -212,20 +202,6 @@ class TlsTcpServer:
     @property
     def num_connections(self) -> int:
         return len(self._connections)
-
-    def note_fetch(self, slow: bool, now: float) -> None:
-        self.slow_streak = self.slow_streak + 1 if slow else 0
-        if self.slow_streak >= SLOW_STREAK and self.executor is not None:
-            self.slow_until = now + SLOW_SOURCE_HOLD_S
-            self.slow_streak = 0
-
-    def count_served(self, session: ServerSession) -> None:
-        stats, metrics, transport = session.take_stats(), self.metrics, self.transport
-        if stats.num_hits:
-            metrics.child(metrics.served, transport, "hit").inc(stats.num_hits)
-            metrics.child(metrics.served_bytes, transport).inc(stats.num_bytes)
-        if stats.misses:
-            metrics.child(metrics.served, transport, "miss").inc(sum(stats.misses.values()))
 
     async def start(self) -> tuple[str, int]:
         infos = await asyncio.get_running_loop().getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM)

@@ -495,8 +495,12 @@ def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:
 
 
 def _drop_cached(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    """Drop a synced file's pages from the page cache; a hint, so a failure is only logged."""
     try:
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        logger.debug("could not drop %s from the page cache: %s", path, e)

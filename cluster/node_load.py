@@ -52,8 +52,9 @@ class LayerProgress:
         self.done = np.zeros((self.num_blocks, self.num_layers), dtype=bool)
         self.layer_ready = [asyncio.Event() for _ in range(self.num_layers)]
         self._missing = [self.num_blocks] * self.num_layers
-        for layer in range(self.num_layers) if self.num_blocks == 0 else ():
-            self.layer_ready[layer].set()
+        if self.num_blocks == 0:   # nothing to wait for
+            for ready in self.layer_ready:
+                ready.set()
 
     def fill(self, block: int, layer: int) -> None:
         if self.done[block, layer]:

@@ -215,21 +215,12 @@ class Store:
         core = self._core
         with core.lock:
             self._check_open_locked()
-            block = core.ram.get(key)
-            if block is not None:
-                core.touch_locked(key, self._clock())
-                entry = None
-            else:
-                entry = core.ssd.entry(key)
-                self._num_inflight += entry is not None
-        if block is not None:
-            self.metrics.observe_hit(Tier.RAM, time.perf_counter() - start)
-            return block
+            block, entry = core.find_locked(key)
+            self._num_inflight += entry is not None   # only a file read outlives the lock
         if entry is None:
-            self.metrics.observe_miss(time.perf_counter() - start)
-            return None
+            return core.finish_get(key, block, None, promote, start)
         try:
-            return core.read_ssd(key, entry, promote, start)
+            return core.finish_get(key, None, entry, promote, start)
         finally:
             self._leave()
 

@@ -171,13 +171,17 @@ class StoreCore:
 
     # ---- reads -------------------------------------------------------------------------------------
 
-    def get_admitted(self, address: BlockAddress, promote: bool) -> StoredBlock | None:
-        """A get for a call the store has admitted (it counts as in flight): RAM, else the SSD file."""
-        start = time.perf_counter()
-        key = address.storage_key
-        with self.lock:
-            block = self.ram.get(key)
-            entry = None if block is not None else self.ssd.entry(key)
+    def find_locked(self, key: StorageKey) -> tuple[StoredBlock | None, SsdEntry | None]:
+        """(the RAM copy, touched, or None; else the SSD catalog entry or None). Caller holds the lock."""
+        block = self.ram.get(key)
+        if block is not None:
+            self.touch_locked(key, self.clock())
+            return block, None
+        return None, self.ssd.entry(key)
+
+    def finish_get(self, key: StorageKey, block: StoredBlock | None, entry: SsdEntry | None, promote: bool,
+                   start: float) -> StoredBlock | None:
+        """What `find_locked` found, counted; an SSD entry is read (outside the lock) and verified."""
         if block is not None:
             self.metrics.observe_hit(Tier.RAM, time.perf_counter() - start)
             return block
@@ -185,6 +189,14 @@ class StoreCore:
             self.metrics.observe_miss(time.perf_counter() - start)
             return None
         return self.read_ssd(key, entry, promote, start)
+
+    def get_admitted(self, address: BlockAddress, promote: bool) -> StoredBlock | None:
+        """A get for a call the store has admitted (it counts as in flight): RAM, else the SSD file."""
+        start = time.perf_counter()
+        key = address.storage_key
+        with self.lock:
+            block, entry = self.find_locked(key)
+        return self.finish_get(key, block, entry, promote, start)
 
     def read_ssd(self, key: StorageKey, entry: SsdEntry, promote: bool, start: float) -> StoredBlock | None:
         """Read and verify a catalogued file; promote it to RAM if asked and there is room."""

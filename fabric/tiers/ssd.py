@@ -75,7 +75,7 @@ _NAME_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.kvb$")
 _TEMP_RE = re.compile(r"^\.[0-9a-f]{16}-\d+\..*\.tmp$")
 # Errors that mean "the filesystem has no room for this write" (EFBIG: RLIMIT_FSIZE or a file-size cap).
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
-# A write-behind batch of at least this many files is made durable with syncfs (fabric.tiers.sync).
+# A batch of at least this many files is made durable with two syncfs calls (fabric.tiers.sync).
 GROUP_SYNC_MIN = 16
 
 
@@ -291,15 +291,15 @@ class SsdTier:
         return temp, final
 
     def write_files(self, items: Sequence[WriteItem], pool: Executor) -> list[OSError | None]:
-        """Group commit: write every file in parallel on `pool`, then make the batch durable.
+        """Group commit; returns one entry per item: None when the file is committed (durable if
+        `durable`), or the OSError that stopped it (its file is then removed).
 
-        Returns one entry per item: None when the file is committed (durable if `durable`),
-        or the OSError that stopped it (its file is then removed). Batches of GROUP_SYNC_MIN files
-        or more are synced with two `syncfs` calls (data, then names: see `fabric.tiers.sync`)
-        where the kernel reports writeback errors to it; smaller ones file by file.
+        Batches of GROUP_SYNC_MIN files or more, where the kernel reports writeback errors to
+        `syncfs`, are written in this thread and synced with two `syncfs` calls (data, then names);
+        smaller ones are written and fdatasync'ed in parallel on `pool`, then each folder fsync'ed.
         """
         if self.durable and len(items) >= GROUP_SYNC_MIN and syncfs_supported():
-            return self._write_files_syncfs(items, pool)
+            return self._write_files_syncfs(items)
         futures = [pool.submit(self.write_file, item, sync_folder=False) for item in items]
         results: list[OSError | None] = []
         folders: dict[Path, list[int]] = {}
@@ -317,7 +317,7 @@ class SsdTier:
                     self.unlink(items[i].key, items[i].layer)
         return results
 
-    def _write_files_syncfs(self, items: Sequence[WriteItem], pool: Executor) -> list[OSError | None]:
+    def _write_files_syncfs(self, items: Sequence[WriteItem]) -> list[OSError | None]:
         # Unsynced writes land in the page cache (~10 us each): one thread, no hand-offs.
         results: list[OSError | None] = []
         written: list[tuple[int, Path, Path]] = []

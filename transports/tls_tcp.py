@@ -380,7 +380,7 @@ class _ClientConnection:
         self._deliver(self.session.receive_frames(frames, self._loop.time()))
 
     def _deliver(self, out: list[tuple[int, list[PullResult], bool]], arrived: bool = True) -> None:
-        """Hand results to their requests; `arrived`: they come from frames (not from a lost connection)."""
+        """Hand results to their requests; `arrived`: they come from frames, not a lost connection."""
         hits = num_bytes = 0
         metrics, transport = self.client.metrics, self.client.transport
         for rid, results, done in out:
@@ -393,7 +393,9 @@ class _ClientConnection:
                     metrics.child(metrics.pulls, transport, r.reason.value).inc()
             if req is None:
                 continue
-            req.touched = req.touched or arrived
+            # Answered: a frame of its own arrived (a BYE read after the PULL went out is not one).
+            req.touched = req.touched or (arrived and any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE
+                                                          for r in results))
             req.results.extend(results)
             if done:
                 req.finished = True

@@ -596,6 +596,29 @@ def test_idle_connections_close_and_pulls_reconnect(cert_dir: Path, memory_sourc
     run(main())
 
 
+def test_a_pull_racing_the_servers_idle_close_reconnects(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    """The server closes an idle connection (BYE) just as the client sends a new PULL on it: the
+    client reads the BYE only after submitting. Nothing of the PULL was answered, so the pull is
+    made again on a new connection instead of failing as PEER_GONE (it used to, intermittently, in
+    `test_idle_connections_close_and_pulls_reconnect`). The race is forced by holding the client's
+    reading until the server has closed."""
+    source = memory_source(num_blocks=2, num_layers=1)
+
+    async def main() -> None:
+        async with serving(cert_dir, source, idle_timeout_s=0.3) as (server, peer), \
+                client_of(cert_dir, idle_timeout_s=30.0) as client:
+            assert_hits(await pull_all(client, peer, source.addresses), source, source.addresses)
+            conn = client._pool[peer]
+            conn.link.pause_reading()                      # the BYE stays unread ...
+            await wait_until(lambda: server.num_connections == 0)
+            assert not conn.link.closed                    # ... so the pooled connection looks alive
+            asyncio.get_running_loop().call_later(0.05, conn.link.resume_reading)
+            assert_hits(await pull_all(client, peer, source.addresses), source, source.addresses)
+            assert client.num_connects == 2
+
+    run(main())
+
+
 class FailingSource:
     """A source whose disk fails for one address."""
 

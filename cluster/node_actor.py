@@ -76,7 +76,13 @@ def node_name_for(node_id: str) -> str:
     return os.environ.get(NODE_NAME_ENV) or f"node-{node_id[:16]}"
 
 
-@ray.remote(num_cpus=0, max_restarts=-1)
+# Every method may run twice: reads are reads, and a store of the same tokens writes the same
+# content-addressed blocks. So a call caught by a restart is made again on the restarted actor
+# instead of failing with ActorUnavailableError.
+NODE_ACTOR_CALL_RETRIES = 3
+
+
+@ray.remote(num_cpus=0, max_restarts=-1, max_task_retries=NODE_ACTOR_CALL_RETRIES)
 class NodeActor:
     def __init__(self, config: Config, node_id: str) -> None:
         logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

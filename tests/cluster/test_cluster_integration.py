@@ -9,6 +9,7 @@ import asyncio
 import time
 import urllib.request
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -169,11 +170,27 @@ def test_a_restarted_node_reregisters_its_ssd_blocks_under_a_new_incarnation(fab
     wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 5, "A listed")
     ray.kill(ray.get_actor(node_actor_name(a), namespace="kvfabric"), no_restart=False)
     client_a = FabricClient.connect(node_id=a, timeout_s=60)
-    assert client_a.stats()["incarnation"] > old
+    wait_until(lambda: client_a.stats()["incarnation"] > old, 60, "A restarted")   # the kill is asynchronous
     wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 10, "A re-registered")
     reply = FabricClient.connect(node_id=head).load(NS, tokens)
     assert reply.num_blocks == 12 and np.array_equal(reply.payloads, data)
     assert set(reply.sources) == {f"peer:{a}"}
+
+
+def test_calls_in_flight_while_a_node_actor_restarts_are_answered_by_the_restarted_actor(fabric: LocalCluster) -> None:
+    b = nodes(fabric)[2]
+    client = FabricClient.connect(node_id=b)
+    old = client.stats()["incarnation"]
+    tokens, data = prompt(6, 8), kv_for(6, 8)
+    with ThreadPoolExecutor(8) as pool:
+        calls = [pool.submit(client.store, NS, tokens, data) for _ in range(200)]
+        ray.kill(ray.get_actor(node_actor_name(b), namespace="kvfabric"), no_restart=False)
+        calls += [pool.submit(client.stats) for _ in range(50)]
+        replies = [c.result(timeout=120) for c in calls]      # raises if a call was lost to the restart
+    assert all(r.num_stored == 8 for r in replies[:200])
+    wait_until(lambda: client.stats()["incarnation"] > old, 60, "B restarted")
+    reply = client.load(NS, tokens)
+    assert reply.num_blocks == 8 and np.array_equal(reply.payloads, data)
 
 
 def test_a_killed_directory_shard_answers_in_full_again_within_the_bound(fabric: LocalCluster) -> None:

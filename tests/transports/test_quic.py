@@ -225,6 +225,29 @@ def test_pool_reuses_the_connection_and_reconnects_after_restart_or_idle_drop(
     run(main())
 
 
+@pytest.mark.parametrize(("server_idle_s", "client_idle_s", "gap_s"),
+                         [(1.0, 30.0, 1.3), (30.0, 1.0, 1.3), (1.0, 1.0, 1.0), (1.0, 1.0, 1.005)])
+def test_a_pull_at_or_past_the_idle_timeout_is_answered_without_waiting_for_a_timeout(
+        cert_dir: Path, memory_source: Any, server_idle_s: float, client_idle_s: float, gap_s: float) -> None:
+    """QUIC's idle timeout is the smaller of the two sides' (RFC 9000 10.1), so neither side keeps
+    using a connection the other has dropped: a pull right at the boundary dials again at once
+    instead of stalling for frame_timeout_s (TLS-TCP had such a race: test_tls_tcp.py,
+    test_a_pull_racing_the_servers_idle_close_reconnects)."""
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=10_000)
+
+    async def main() -> None:
+        async with serving(cert_dir, source, idle_timeout_s=server_idle_s) as (_, peer), \
+                client_of(cert_dir, idle_timeout_s=client_idle_s, frame_timeout_s=3.0) as client:
+            await pull_all(client, peer, source.addresses)
+            await asyncio.sleep(gap_s)
+            start = asyncio.get_running_loop().time()
+            results = await pull_all(client, peer, source.addresses)
+            assert all(isinstance(r, Hit) for r in results)
+            assert asyncio.get_running_loop().time() - start < 1.0
+
+    run(main())
+
+
 def test_reconnect_resumes_the_session_and_keeps_the_client_identity(cert_dir: Path, memory_source: Any) -> None:
     source = memory_source(num_blocks=2, num_layers=1, payload_size=10_000)
 

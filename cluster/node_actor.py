@@ -363,6 +363,7 @@ class NodeActor:
         await self._ensure_started()
         return await self._load(ns, tokens, max_blocks, pulls)
 
+    @ray.method(max_task_retries=0)   # a stream is never stitched from two runs: a restart ends it
     async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None
                           ) -> AsyncIterator[Any]:
         """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order."""

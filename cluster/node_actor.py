@@ -58,6 +58,7 @@ from transports.certs import CA_KEY, issue_node
 from transports.codec import MissReason
 from transports.factory import create_client, create_server
 from transports.metrics import TransportMetrics
+from transports.tls_link import tune_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +117,9 @@ class NodeActor:
         cert_dir = Path(transport.cert_dir)
         if not (cert_dir / f"{self.node_name}.pem").exists() and (cert_dir / CA_KEY).exists():
             issue_node(cert_dir, self.node_name)  # the cluster CA is here: each node issues its own
+        # This Ray worker process runs only this actor: keep freed payload buffers in the heap, or
+        # every pull page-faults ~60 MB of them back in per 4k-token prefix (tls_link.tune_allocator).
+        tune_allocator()
         self.registry = CollectorRegistry()
         self.metrics = ClusterMetrics(self.registry)
         self.kv_store = Store.open(kv, registry=self.registry)
@@ -363,7 +367,8 @@ class NodeActor:
         await self._ensure_started()
         return await self._load(ns, tokens, max_blocks, pulls)
 
-    @ray.method(max_task_retries=0)   # a stream is never stitched from two runs: a restart ends it
+    # A layer stream is never stitched from two runs (the plans may differ): a restart ends it.
+    @ray.method(max_task_retries=0)  # type: ignore[untyped-decorator]  # ray.method is untyped
     async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None
                           ) -> AsyncIterator[Any]:
         """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order."""

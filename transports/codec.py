@@ -317,6 +317,10 @@ class _State(enum.Enum):
     PAYLOAD = 2
 
 
+_NO_PAYLOAD = bytearray()   # never written: the decoder's payload between frames
+_NO_PAYLOAD_VIEW = memoryview(_NO_PAYLOAD)
+
+
 class FrameDecoder:
     """Incremental decoder: accepts any split of the byte stream.
 
@@ -341,13 +345,16 @@ class FrameDecoder:
         self._buf = bytearray()            # partial preamble or header
         self._ftype = FrameType.BYE
         self._header_len = 0
-        self._payload: bytearray = bytearray()
-        self._payload_view = memoryview(self._payload)
+        self._payload = _NO_PAYLOAD
+        self._payload_view = _NO_PAYLOAD_VIEW
+        self._payload_len = 0
         self._payload_filled = 0
         self._header: dict[Any, Any] = {}
         self._error: ProtocolError | None = None
         self._staging = bytearray()  # allocated on first get_buffer(): feed()-only users never pay for it
-        self._into_payload = False
+        # True when the last `get_buffer()` returned (the rest of) a payload's own buffer: bytes
+        # read into it belong to that payload only.
+        self.receiving_payload = False
 
     @property
     def mid_frame(self) -> bool:
@@ -356,7 +363,7 @@ class FrameDecoder:
 
     @property
     def buffered_bytes(self) -> int:
-        return len(self._buf) + len(self._payload)
+        return len(self._buf) + self._payload_len
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
         if self._error is not None:
@@ -367,18 +374,12 @@ class FrameDecoder:
             self._error = e
             raise
 
-    @property
-    def receiving_payload(self) -> bool:
-        """True when the last `get_buffer()` returned (the rest of) a payload's own buffer: bytes read
-        into it belong to that payload only."""
-        return self._into_payload
-
     def get_buffer(self, sizehint: int = -1) -> memoryview:
         """A writable buffer for the next received bytes (BufferedProtocol contract)."""
-        if self._state is _State.PAYLOAD and len(self._payload) - self._payload_filled >= DIRECT_MIN:
-            self._into_payload = True
+        if self._state is _State.PAYLOAD and self._payload_len - self._payload_filled >= DIRECT_MIN:
+            self.receiving_payload = True
             return self._payload_view[self._payload_filled:]
-        self._into_payload = False
+        self.receiving_payload = False
         if not self._staging:
             self._staging = bytearray(STAGING_SIZE)
         return memoryview(self._staging)
@@ -386,17 +387,16 @@ class FrameDecoder:
     def buffer_updated(self, nbytes: int) -> list[Frame]:
         if self._error is not None:
             raise self._error
-        if not self._into_payload:
+        if not self.receiving_payload:
             return self.feed(memoryview(self._staging)[:nbytes])
         self._payload_filled += nbytes
-        frames: list[Frame] = []
+        if self._payload_filled != self._payload_len:
+            return []
         try:
-            if self._payload_filled == len(self._payload):
-                frames.append(self._finish_frame())
+            return [self._finish_frame()]
         except ProtocolError as e:
             self._error = e
             raise
-        return frames
 
     def close(self) -> None:
         """Declare end of stream; raises ProtocolError if a frame was cut short."""
@@ -409,41 +409,45 @@ class FrameDecoder:
 
     def _describe_progress(self) -> str:
         if self._state is _State.PAYLOAD:
-            return f"{self._payload_filled} of {len(self._payload)} payload bytes"
+            return f"{self._payload_filled} of {self._payload_len} payload bytes"
         return f"{len(self._buf)} bytes buffered"
 
     def _consume(self, data: memoryview) -> list[Frame]:
         frames: list[Frame] = []
         pos, end = 0, len(data)
         while pos < end:
-            if self._state is _State.PAYLOAD:
-                take = min(end - pos, len(self._payload) - self._payload_filled)
-                self._payload_view[self._payload_filled:self._payload_filled + take] = data[pos:pos + take]
-                self._payload_filled += take
+            state = self._state
+            if state is _State.PAYLOAD:
+                filled = self._payload_filled
+                take = min(end - pos, self._payload_len - filled)
+                self._payload_view[filled:filled + take] = data[pos:pos + take]
+                self._payload_filled = filled = filled + take
                 pos += take
-                if self._payload_filled == len(self._payload):
+                if filled == self._payload_len:
                     frames.append(self._finish_frame())
                 continue
-            size = PREAMBLE_SIZE if self._state is _State.PREAMBLE else self._header_len
-            chunk: bytearray | memoryview
-            if self._buf or end - pos < size:  # only part of it here: gather it in _buf
-                take = min(size - len(self._buf), end - pos)
-                self._buf += data[pos:pos + take]
-                pos += take
-                if len(self._buf) < size:
-                    break
-                chunk, self._buf = self._buf, bytearray()
-            else:  # all of it here: parse it in place
-                chunk = data[pos:pos + size]
+            size = PREAMBLE_SIZE if state is _State.PREAMBLE else self._header_len
+            if not self._buf and end - pos >= size:  # all of it here: parse it in place
+                if state is _State.PREAMBLE:
+                    self._parse_preamble(PREAMBLE.unpack_from(data, pos))
+                elif self._parse_header(data[pos:pos + size]):  # a frame without payload is complete here
+                    frames.append(self._finish_frame())
                 pos += size
-            if self._state is _State.PREAMBLE:
-                self._parse_preamble(chunk)
-            elif self._parse_header(chunk):  # a frame without payload is complete here
+                continue
+            take = min(size - len(self._buf), end - pos)  # only part of it here: gather it in _buf
+            self._buf += data[pos:pos + take]
+            pos += take
+            if len(self._buf) < size:
+                break
+            chunk, self._buf = self._buf, bytearray()
+            if state is _State.PREAMBLE:
+                self._parse_preamble(PREAMBLE.unpack(chunk))
+            elif self._parse_header(chunk):
                 frames.append(self._finish_frame())
         return frames
 
-    def _parse_preamble(self, chunk: bytearray | memoryview) -> None:
-        magic, version, ftype, flags, header_len, payload_len = PREAMBLE.unpack(chunk)
+    def _parse_preamble(self, fields: tuple[bytes, int, int, int, int, int]) -> None:
+        magic, version, ftype, flags, header_len, payload_len = fields
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r} (not a kvfabric peer?)")
         if version != VERSION:
@@ -455,31 +459,39 @@ class FrameDecoder:
         if flags != 0:
             raise ProtocolError(f"reserved flags must be zero, got {flags:#x}")
         if header_len == 0 or header_len > self.max_header:
-            raise ProtocolError(f"{self._ftype.name} header length {header_len} outside (0, {self.max_header}]")
+            raise ProtocolError(f"{frame_type.name} header length {header_len} outside (0, {self.max_header}]")
         if payload_len > self.max_payload:
-            raise ProtocolError(f"{self._ftype.name} payload of {payload_len} bytes exceeds the "
+            raise ProtocolError(f"{frame_type.name} payload of {payload_len} bytes exceeds the "
                                 f"{self.max_payload}-byte limit")
-        if payload_len and self._ftype is not FrameType.BLOCK:
-            raise ProtocolError(f"{self._ftype.name} frame must not carry a payload ({payload_len} bytes)")
+        if payload_len and frame_type is not FrameType.BLOCK:
+            raise ProtocolError(f"{frame_type.name} frame must not carry a payload ({payload_len} bytes)")
         self._header_len = header_len
-        self._payload = self._allocate(payload_len) if payload_len else bytearray()
-        if len(self._payload) != payload_len:
-            raise RuntimeError(f"payload allocator returned {len(self._payload)} bytes for {payload_len}")
-        self._payload_view = memoryview(self._payload)
+        if payload_len:
+            payload = self._allocate(payload_len)
+            if len(payload) != payload_len:
+                raise RuntimeError(f"payload allocator returned {len(payload)} bytes for {payload_len}")
+            self._payload = payload
+            self._payload_view = memoryview(payload)
+        self._payload_len = payload_len
         self._payload_filled = 0
         self._state = _State.HEADER
 
     def _parse_header(self, chunk: bytearray | memoryview) -> bool:
         """Parse the header; True when the frame has no payload and is therefore complete."""
-        self._header = unpack_map(chunk, f"{self._ftype.name} header")
+        try:  # the data path: a well-formed map, no error message built
+            header = msgpack.unpackb(chunk, raw=False, strict_map_key=True)
+        except Exception:
+            header = None
+        if type(header) is not dict:
+            header = unpack_map(chunk, f"{self._ftype.name} header")  # raises, saying what is wrong
+        self._header = header
         self._state = _State.PAYLOAD
-        return not self._payload
+        return not self._payload_len
 
     def _finish_frame(self) -> Frame:
-        frame = _build(self._ftype, self._header, self._payload)
+        frame = _build(self._ftype, self._header, self._payload if self._payload_len else bytearray())
         self._state = _State.PREAMBLE
         self._header = {}
-        self._payload = bytearray()
-        self._payload_view = memoryview(self._payload)
-        self._payload_filled = 0
+        # The payload is the frame's now: keep no reference (nor an export that would pin its size).
+        self._payload, self._payload_view, self._payload_len = _NO_PAYLOAD, _NO_PAYLOAD_VIEW, 0
         return frame

@@ -383,10 +383,14 @@ class ClientSession(_Session):
     def _on_frames(self, frames: list[Frame], out: list[tuple[int, list[PullResult], bool]], now: float) -> None:
         requests = self.requests
         for frame in frames:
-            if isinstance(frame, Block):   # the data path: one dict lookup, one hash
-                tracker = requests.get(frame.request_id)
+            if type(frame) is Block:   # the data path: one dict lookup; a run of one request's blocks is one entry
+                rid = frame.request_id
+                tracker = requests.get(rid)
                 if tracker is not None and self.hello_done:
-                    out.append((frame.request_id, [tracker.on_block(frame)], False))
+                    if out and out[-1][0] == rid and not out[-1][2]:
+                        out[-1][1].append(tracker.on_block(frame))
+                    else:
+                        out.append((rid, [tracker.on_block(frame)], False))
                 elif frame.request_id >= self.next_id or not self.hello_done:
                     raise ProtocolError(f"BLOCK for request {frame.request_id}, which was never sent")
                 continue   # a request we cancelled

@@ -404,7 +404,7 @@ class TlsLink(LinkBase):
     def _on_readable(self) -> None:
         budget = READ_BUDGET
         frames: list[Frame] = []
-        self._got_bytes = False
+        self._got_bytes = got_any = False
         decoder = self._decoder
         read = self._read
         while self._reading and not self.closed and budget > 0:
@@ -440,8 +440,7 @@ class TlsLink(LinkBase):
                 return
             try:
                 if n:
-                    self.last_rx = self._loop.time()
-                    self._got_bytes = True
+                    got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
                     budget -= n
                     if not self.batch_frames and frames:
@@ -461,6 +460,8 @@ class TlsLink(LinkBase):
         else:
             if budget <= 0:  # OpenSSL may hold decrypted bytes that the fd will not signal
                 self._loop.call_soon(self._on_readable)
+        if got_any:
+            self.last_rx = self._loop.time()   # once per callback: a callback reads at most READ_BUDGET
         self._deliver(frames)
         if self._write_wants_read:
             self._write_wants_read = False

@@ -394,8 +394,8 @@ class _ClientConnection:
             if req is None:
                 continue
             # Answered: a frame of its own arrived (a BYE read after the PULL went out is not one).
-            req.touched = req.touched or (arrived and any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE
-                                                          for r in results))
+            if not req.touched and arrived:
+                req.touched = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
             req.results.extend(results)
             if done:
                 req.finished = True
@@ -486,12 +486,13 @@ class TlsTcpClient:
                         while results:
                             r = results.popleft()
                             if isinstance(r, Hit):
-                                conn.consumed(len(r.payload))
+                                conn.buffered -= len(r.payload)   # out of the window; `consumed` resumes below
                             elif (i == 0 and attempt == 0 and reused and not req.touched
                                   and r.reason is MissReason.PEER_GONE):
                                 retry = True  # the pooled connection was gone before answering anything
                                 break
                             yield r
+                        conn.consumed(0)
                         if retry or (req.finished and not results):
                             break
                         req.wakeup.clear()

@@ -7,8 +7,8 @@ END, lazily (kept for callers that answer from a source directly; sessions use
 Client side, `PullTracker` follows one request: it accepts the frames of that request id,
 checks every payload against its announced BLAKE3 digest and turns a mismatch into a
 `Miss(DIGEST_MISMATCH)`, and on END, ERROR, a timeout or a lost peer reports every address not
-yet answered as a miss. Pending addresses are a count per address (the same address may be
-asked twice): O(1) per frame.
+yet answered as a miss. Answers come in the order asked, so the pending addresses are a cursor
+into the request: O(1) per frame, no hashing, and an answer out of turn is a ProtocolError.
 """
 
 from __future__ import annotations
@@ -44,61 +44,61 @@ def verify(frame: Block) -> bool:
 
 
 class PullTracker:
-    """Client-side state of one PULL request."""
+    """Client-side state of one PULL request.
 
-    __slots__ = ("_pending", "done", "num_bytes", "num_digest_mismatches", "num_pending", "request_id")
+    A server answers a PULL's addresses in the order asked (one BLOCK or MISS each, then END), so
+    the tracker is a cursor: each answer must be for the next address, checked without hashing."""
+
+    __slots__ = ("_addresses", "_next", "done", "num_bytes", "num_digest_mismatches", "request_id")
 
     def __init__(self, request_id: int, addresses: Sequence[BlockAddress]) -> None:
         self.request_id = request_id
-        self._pending: dict[BlockAddress, int] = {}
-        for a in addresses:  # the same address may be asked twice; answer each ask
-            self._pending[a] = self._pending.get(a, 0) + 1
-        self.num_pending = len(addresses)
+        self._addresses = tuple(addresses)
+        self._next = 0          # index of the next address to be answered
         self.num_digest_mismatches = 0
         self.num_bytes = 0
         self.done = not addresses
 
-    def _take(self, address: BlockAddress) -> bool:
-        left = self._pending.get(address, 0)
-        if left == 0:
-            return False
-        if left == 1:
-            del self._pending[address]
-        else:
-            self._pending[address] = left - 1
-        self.num_pending -= 1
-        return True
+    @property
+    def num_pending(self) -> int:
+        return len(self._addresses) - self._next
+
+    def _take(self, address: BlockAddress, kind: str) -> None:
+        """Advance past `address`, which must be the next one asked for."""
+        i = self._next
+        expected = self._addresses[i] if not self.done and i < len(self._addresses) else None
+        if expected is None or (address is not expected and address != expected):
+            raise ProtocolError(f"{kind} for {address} which request {self.request_id} did not ask for next "
+                                f"(answers come in the order asked; expected {expected or 'none: it ended'})")
+        self._next = i + 1
 
     def on_block(self, frame: Block) -> PullResult:
         """The result of a BLOCK of this request: a Hit when its payload matches its digest."""
-        address, pending = frame.address, self._pending
-        left = pending.get(address, 0)   # `_take`, inlined: this runs once per block received
-        if self.done or left == 0:
-            raise ProtocolError(f"BLOCK for {address} which request {self.request_id} did not ask for "
-                                "(or after it ended)")
-        if left == 1:
-            del pending[address]
+        address, i = frame.address, self._next
+        if i < len(self._addresses) and not self.done:   # `_take`, inlined: this runs once per block received
+            expected = self._addresses[i]
+            if address is not expected and (address.hash != expected.hash or address.layer != expected.layer):
+                self._take(address, "BLOCK")   # raises, naming what was expected
+            self._next = i + 1
         else:
-            pending[address] = left - 1
-        self.num_pending -= 1
+            self._take(address, "BLOCK")
         payload = frame.payload
         if blake3.blake3(payload).digest() != frame.digest:
             self.num_digest_mismatches += 1
-            return Miss(self.request_id, frame.address, MissReason.DIGEST_MISMATCH)
+            return Miss(self.request_id, address, MissReason.DIGEST_MISMATCH)
         self.num_bytes += payload.nbytes if isinstance(payload, memoryview) else len(payload)
-        return Hit(frame.address, payload, frame.digest)
+        return Hit(address, payload, frame.digest)
 
     def on_frame(self, frame: Frame) -> list[PullResult]:
         """Results produced by one frame of this request; raises ProtocolError on a frame that
-        does not belong to it (an address never asked for, a frame after END)."""
+        does not belong to it (an address not asked for next, a frame after END)."""
         if self.done:
             raise ProtocolError(f"frame {frame.TYPE.name} for request {self.request_id} after it ended")
         match frame:
             case Block(request_id=rid) if rid == self.request_id:
                 return [self.on_block(frame)]
             case Miss(request_id=rid, address=address) if rid == self.request_id:
-                if not self._take(address):
-                    raise ProtocolError(f"MISS for {address} which request {rid} did not ask for")
+                self._take(address, "MISS")
                 return [frame]
             case End(request_id=rid) if rid == self.request_id:
                 return self.fail(MissReason.PEER_ERROR)
@@ -108,10 +108,8 @@ class PullTracker:
 
     def fail(self, reason: MissReason) -> list[PullResult]:
         """End the request: every address still pending becomes a miss for `reason`."""
-        out: list[PullResult] = []
-        for address, count in self._pending.items():
-            out.extend(Miss(self.request_id, address, reason) for _ in range(count))
-        self._pending.clear()
-        self.num_pending = 0
+        out: list[PullResult] = [Miss(self.request_id, address, reason)
+                                 for address in self._addresses[self._next:]]
+        self._next = len(self._addresses)
         self.done = True
         return out

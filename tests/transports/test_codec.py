@@ -102,6 +102,32 @@ def test_large_payload_lands_in_its_own_buffer() -> None:
     assert isinstance(frame, Block) and bytes(frame.payload) == payload
 
 
+def _received(wire: bytes, dec: FrameDecoder) -> list[Frame]:
+    """`wire` through get_buffer / buffer_updated, as a socket would deliver it."""
+    frames: list[Frame] = []
+    pos = 0
+    while pos < len(wire):
+        buf = dec.get_buffer()
+        n = min(len(buf), len(wire) - pos)
+        buf[:n] = wire[pos:pos + n]
+        pos += n
+        frames += dec.buffer_updated(n)
+    return frames
+
+
+def test_a_returned_payload_is_the_callers_alone() -> None:
+    """The decoder keeps no export of a payload it handed out: the caller may resize it (a
+    bytearray with a live memoryview raises BufferError), and it is freed with the caller's last
+    reference, not held until the next frame. Both ways of driving the decoder."""
+    addr = BlockAddress(BlockHash(os.urandom(32)), 1)
+    wire = encode(Block(7, addr, os.urandom(32), os.urandom(64 * 1024)))
+    for decode in (lambda: FrameDecoder().feed(wire), lambda: _received(wire, FrameDecoder())):
+        (frame,) = decode()
+        assert isinstance(frame, Block) and isinstance(frame.payload, bytearray)
+        frame.payload.extend(b"x")
+        assert len(frame.payload) == 64 * 1024 + 1
+
+
 @settings(max_examples=400)
 @given(st.binary(max_size=300))
 def test_random_bytes_only_raise_protocol_error(blob: bytes) -> None:

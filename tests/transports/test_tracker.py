@@ -91,6 +91,23 @@ def test_frames_that_do_not_belong_are_protocol_errors() -> None:
         t.on_frame(End(5))
 
 
+def test_an_answer_out_of_the_order_asked_is_a_protocol_error() -> None:
+    """Servers answer a PULL's addresses in order, and the client hands results out in that order:
+    an answer for any address but the next one is refused, not slotted in."""
+    payload = b"p"
+    digest = blake3.blake3(payload).digest()
+    t = PullTracker(5, [_addr(1), _addr(2)])
+    with pytest.raises(ProtocolError, match="did not ask for next"):
+        t.on_frame(Block(5, _addr(2), digest, payload))
+    t = PullTracker(5, [_addr(1), _addr(2)])
+    with pytest.raises(ProtocolError, match="did not ask for next"):
+        t.on_frame(Miss(5, _addr(2), MissReason.NOT_FOUND))
+    t = PullTracker(5, [_addr(1), _addr(2)])
+    assert isinstance(t.on_frame(Block(5, _addr(1), digest, payload))[0], Hit)
+    assert t.on_frame(Miss(5, _addr(2), MissReason.NOT_FOUND)) == [Miss(5, _addr(2), MissReason.NOT_FOUND)]
+    assert t.num_pending == 0
+
+
 def test_duplicate_addresses_are_each_answered() -> None:
     source = DictSource()
     source.add(_addr(1), b"p")

@@ -63,25 +63,27 @@ class PullTracker:
     def num_pending(self) -> int:
         return len(self._addresses) - self._next
 
+    def _out_of_turn(self, address: BlockAddress, kind: str) -> ProtocolError:
+        i = self._next
+        expected = self._addresses[i] if not self.done and i < len(self._addresses) else None
+        return ProtocolError(f"{kind} for {address} which request {self.request_id} did not ask for next "
+                             f"(answers come in the order asked; expected {expected or 'none: it ended'})")
+
     def _take(self, address: BlockAddress, kind: str) -> None:
         """Advance past `address`, which must be the next one asked for."""
         i = self._next
-        expected = self._addresses[i] if not self.done and i < len(self._addresses) else None
-        if expected is None or (address is not expected and address != expected):
-            raise ProtocolError(f"{kind} for {address} which request {self.request_id} did not ask for next "
-                                f"(answers come in the order asked; expected {expected or 'none: it ended'})")
+        if self.done or i >= len(self._addresses) or self._addresses[i] != address:
+            raise self._out_of_turn(address, kind)
         self._next = i + 1
 
     def on_block(self, frame: Block) -> PullResult:
         """The result of a BLOCK of this request: a Hit when its payload matches its digest."""
-        address, i = frame.address, self._next
-        if i < len(self._addresses) and not self.done:   # `_take`, inlined: this runs once per block received
-            expected = self._addresses[i]
-            if address is not expected and (address.hash != expected.hash or address.layer != expected.layer):
-                self._take(address, "BLOCK")   # raises, naming what was expected
-            self._next = i + 1
-        else:
-            self._take(address, "BLOCK")
+        address, addresses, i = frame.address, self._addresses, self._next
+        # `_take`, inlined with a field-wise compare: this runs once per block received
+        if self.done or i >= len(addresses) or (address is not (expected := addresses[i]) and (
+                address.hash != expected.hash or address.layer != expected.layer)):
+            raise self._out_of_turn(address, "BLOCK")
+        self._next = i + 1
         payload = frame.payload
         if blake3.blake3(payload).digest() != frame.digest:
             self.num_digest_mismatches += 1

@@ -116,9 +116,9 @@ def _received(wire: bytes, dec: FrameDecoder) -> list[Frame]:
 
 
 def test_a_returned_payload_is_the_callers_alone() -> None:
-    """The decoder keeps no export of a payload it handed out: the caller may resize it (a
-    bytearray with a live memoryview raises BufferError), and it is freed with the caller's last
-    reference, not held until the next frame. Both ways of driving the decoder."""
+    """The decoder keeps no view of a payload it handed out (its own view is how it fills one), so
+    the caller may resize it: a bytearray with a live memoryview raises BufferError. Both ways of
+    driving the decoder."""
     addr = BlockAddress(BlockHash(os.urandom(32)), 1)
     wire = encode(Block(7, addr, os.urandom(32), os.urandom(64 * 1024)))
     for decode in (lambda: FrameDecoder().feed(wire), lambda: _received(wire, FrameDecoder())):

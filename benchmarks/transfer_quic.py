@@ -37,7 +37,7 @@ from benchmarks._common import emit_json, median, print_table
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
 from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
-from transports.codec import FrameDecoder, MissReason, Pull, encode, encode_parts
+from transports.codec import FrameDecoder, MissReason, Pull, encode, encode_parts, payload_pieces
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer, QuicTuning
 from transports.session import PullTracker, answer_pull
 
@@ -116,8 +116,9 @@ async def _stock_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     for frame in answer_pull(source, pull):
         head, payload = encode_parts(frame, max_payload=max_payload)
         writer.write(head)
-        if payload:
-            writer.write(payload)
+        for piece in payload_pieces(payload):
+            if piece:
+                writer.write(piece)
     writer.write_eof()
 
 

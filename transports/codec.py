@@ -8,8 +8,10 @@ Wire layout of one frame (all integers little-endian):
     +------+---+---+-------+-----------+-------------------+----------------+-------------+
       magic u8  u8   u16       u32            u64            header_len B    payload_len B
 
-The header is a msgpack map whose schema depends on the frame type; only BLOCK frames carry a
-payload. Limits are checked on the preamble, before anything is buffered, so a peer cannot make
+The header is a msgpack map whose schema depends on the frame type; only BLOCK and BLOCKS frames
+carry a payload. A BLOCKS frame answers a run of consecutive addresses of one PULL that are all
+hits: one header and one payload (the parts back to back) instead of a frame per part, each part
+with its own digest. Limits are checked on the preamble, before anything is buffered, so a peer cannot make
 us allocate more than `max_header` + `max_payload` bytes per connection.
 
 Error strategy (one place): anything malformed raises `ProtocolError` with a message saying what
@@ -51,6 +53,7 @@ class FrameType(enum.IntEnum):
     END = 5
     ERROR = 6
     BYE = 7
+    BLOCKS = 8
 
 
 _FRAME_TYPES = {int(t): t for t in FrameType}
@@ -91,6 +94,9 @@ class LocalProtocolError(RuntimeError):
     """We broke the protocol: a transport called a session out of turn (a bug of ours)."""
 
 
+Payload = bytes | bytearray | memoryview
+
+
 @dataclass(frozen=True, slots=True)
 class Hello:
     """First frame on a connection: who is speaking and what it accepts."""
@@ -119,6 +125,28 @@ class Block:
     address: BlockAddress
     digest: bytes
     payload: bytes | bytearray | memoryview = field(repr=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Blocks:
+    """Payloads of the PULL's addresses `first`, `first + 1`, … (one per digest), back to back in
+    `payload`: part i is `sizes[i]` bytes and must match `digests[32 * i: 32 * (i + 1)]`.
+
+    Servers send one for a run of consecutive hits (the per-frame work on both ends is then paid
+    once per run); the address of each part is the one the PULL asked for at that position. A
+    frame to send may carry its parts as a tuple of buffers (never joined: transports write them
+    one after another); a received one carries one buffer."""
+
+    TYPE: ClassVar[FrameType] = FrameType.BLOCKS
+    request_id: int
+    first: int
+    digests: bytes            # DIGEST_SIZE bytes per part, concatenated
+    sizes: tuple[int, ...]
+    payload: Payload | tuple[Payload, ...] = field(repr=False)
+
+    @property
+    def num_parts(self) -> int:
+        return len(self.sizes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,7 +181,13 @@ class Bye:
     reason: str = ""
 
 
-Frame = Hello | Pull | Block | Miss | End | Error | Bye
+Frame = Hello | Pull | Block | Blocks | Miss | End | Error | Bye
+_PAYLOAD_TYPES = (FrameType.BLOCK, FrameType.BLOCKS)
+
+
+def payload_pieces(payload: Payload | tuple[Payload, ...]) -> tuple[Payload, ...]:
+    """The buffers of what `encode_parts` returned as payload, in the order they are sent."""
+    return payload if isinstance(payload, tuple) else (payload,)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -168,6 +202,8 @@ def _header(frame: Frame) -> dict[str, Any]:
             return {"rid": rid, "addrs": [[a.hash, a.layer] for a in addrs]}
         case Block(request_id=rid, address=a, digest=digest):
             return {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
+        case Blocks(request_id=rid, first=first, digests=digests, sizes=sizes):
+            return {"rid": rid, "first": first, "digests": digests, "sizes": list(sizes)}
         case Miss(request_id=rid, address=a, reason=reason):
             return {"rid": rid, "hash": a.hash, "layer": a.layer, "reason": reason.value}
         case End(request_id=rid):
@@ -183,8 +219,9 @@ _BLOCK_TYPE = int(FrameType.BLOCK)
 
 
 def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[bytes, bytes | bytearray | memoryview]:
-    """Preamble + header as one bytes object, and the payload unchanged (for vectored writes)."""
+                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[bytes, Payload | tuple[Payload, ...]]:
+    """Preamble + header as one bytes object, and the payload unchanged (for vectored writes): one
+    buffer, or a BLOCKS frame's tuple of part buffers, to be written in order after the head."""
     if type(frame) is Block:  # the data path, once per block sent: the same checks, no pattern matching
         body = frame.payload
         size = len(body) if type(body) is bytes else memoryview(body).nbytes
@@ -199,14 +236,18 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
             raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
         return PREAMBLE.pack(MAGIC, VERSION, _BLOCK_TYPE, 0, len(header), size) + header, body
     header = msgpack.packb(_header(frame), use_bin_type=True)
-    payload: bytes | bytearray | memoryview = frame.payload if isinstance(frame, Block) else b""
-    payload_len = memoryview(payload).nbytes
+    payload: Payload | tuple[Payload, ...] = frame.payload if isinstance(frame, Block | Blocks) else b""
+    payload_len = sum(memoryview(p).nbytes for p in payload_pieces(payload))
     if len(header) > max_header:
         raise ValueError(f"{frame.TYPE.name} header is {len(header)} bytes, over the {max_header}-byte limit")
     if payload_len > max_payload:
         raise ValueError(f"{frame.TYPE.name} payload is {payload_len} bytes, over the {max_payload}-byte limit")
     if isinstance(frame, Block) and len(frame.digest) != DIGEST_SIZE:
         raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
+    if isinstance(frame, Blocks):
+        _check_parts(frame.digests, frame.sizes, payload_len, ValueError)
+        if isinstance(payload, tuple) and tuple(memoryview(p).nbytes for p in payload) != frame.sizes:
+            raise ValueError("BLOCKS part buffers do not have the sizes the header announces")
     preamble = PREAMBLE.pack(MAGIC, VERSION, int(frame.TYPE), 0, len(header), payload_len)
     return preamble + header, payload
 
@@ -214,7 +255,7 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
 def encode(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
     """The complete wire bytes of one frame."""
     head, payload = encode_parts(frame, max_header, max_payload)
-    return head + payload if payload else head
+    return b"".join((head, *payload_pieces(payload)))
 
 
 def encode_many(frames: Iterable[Frame]) -> bytes:
@@ -269,6 +310,20 @@ def _enum(enum_type: type[enum.StrEnum], value: str, ftype: FrameType) -> Any:
         raise ProtocolError(f"{ftype.name} carries unknown {enum_type.__name__} {value!r}") from None
 
 
+def _check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Exception]) -> int:
+    """The number of parts of a BLOCKS frame whose `digests` and `sizes` describe `payload_len`
+    bytes; anything inconsistent raises `error`."""
+    if type(digests) is not bytes or not digests or len(digests) % DIGEST_SIZE:
+        raise error(f"BLOCKS digests must be a non-empty multiple of {DIGEST_SIZE} bytes")
+    num_parts = len(digests) // DIGEST_SIZE
+    if type(sizes) not in (list, tuple) or len(sizes) != num_parts:
+        counted = len(sizes) if type(sizes) in (list, tuple) else "no"
+        raise error(f"BLOCKS carries {num_parts} digests but {counted} sizes")
+    if set(map(type, sizes)) != {int} or min(sizes) < 0 or sum(sizes) != payload_len:
+        raise error(f"BLOCKS part sizes must be non-negative integers adding up to the {payload_len}-byte payload")
+    return num_parts
+
+
 def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes) -> Frame:
     if ftype is FrameType.BLOCK:  # the data path: a well-formed BLOCK is checked in one expression
         rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
@@ -279,7 +334,7 @@ def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes)
 
 
 def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes) -> Frame:
-    if ftype is not FrameType.BLOCK and payload:
+    if ftype not in _PAYLOAD_TYPES and payload:
         raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
     if ftype is FrameType.HELLO:
         return Hello(_field(header, "node", str, ftype), _u64(header, "version", ftype),
@@ -299,6 +354,11 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
             raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
         addr = _address(header.get("hash"), header.get("layer"), ftype)
         return Block(_u64(header, "rid", ftype), addr, digest, payload)
+    if ftype is FrameType.BLOCKS:
+        rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
+        digests, sizes = header.get("digests"), header.get("sizes")
+        _check_parts(digests, sizes, len(payload), ProtocolError)
+        return Blocks(rid, first, bytes(digests or b""), tuple(sizes or ()), payload)
     if ftype is FrameType.MISS:
         addr = _address(header.get("hash"), header.get("layer"), ftype)
         reason = _enum(MissReason, _field(header, "reason", str, ftype), ftype)
@@ -463,7 +523,7 @@ class FrameDecoder:
         if payload_len > self.max_payload:
             raise ProtocolError(f"{frame_type.name} payload of {payload_len} bytes exceeds the "
                                 f"{self.max_payload}-byte limit")
-        if payload_len and frame_type is not FrameType.BLOCK:
+        if payload_len and frame_type not in _PAYLOAD_TYPES:
             raise ProtocolError(f"{frame_type.name} frame must not carry a payload ({payload_len} bytes)")
         self._header_len = header_len
         if payload_len:

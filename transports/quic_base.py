@@ -26,7 +26,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from fabric.config import TransportConfig
-from transports.codec import Frame, encode_parts
+from transports.codec import Frame, encode_parts, payload_pieces
 
 ALPN = "kvfabric/1"
 TRANSPORT = "quic"
@@ -75,11 +75,11 @@ def send_frame(quic: QuicConnection, stream_id: int, frame: Frame, max_payload: 
                end_stream: bool = False) -> int:
     """Queue one whole frame on a stream (header and payload without joining them); bytes queued."""
     head, payload = encode_parts(frame, max_payload=max_payload)
-    quic.send_stream_data(stream_id, head, end_stream=end_stream and not payload)
-    size = memoryview(payload).nbytes
-    if size:  # aioquic copies into its send buffer: hand it the payload's own memory
-        quic.send_stream_data(stream_id, cast(bytes, memoryview(payload).cast("B")), end_stream=end_stream)
-    return len(head) + size
+    pieces = [v for v in (memoryview(p).cast("B") for p in payload_pieces(payload)) if v.nbytes]
+    quic.send_stream_data(stream_id, head, end_stream=end_stream and not pieces)
+    for i, view in enumerate(pieces):  # aioquic copies into its send buffer: hand it the payload's own memory
+        quic.send_stream_data(stream_id, cast(bytes, view), end_stream=end_stream and i == len(pieces) - 1)
+    return len(head) + sum(v.nbytes for v in pieces)
 
 
 def stop_reading(quic: QuicConnection, stream_id: int, code: int) -> None:

@@ -25,7 +25,15 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from transports.codec import DEFAULT_MAX_PAYLOAD, Frame, FrameDecoder, MissReason, ProtocolError, encode_parts
+from transports.codec import (
+    DEFAULT_MAX_PAYLOAD,
+    Frame,
+    FrameDecoder,
+    MissReason,
+    ProtocolError,
+    encode_parts,
+    payload_pieces,
+)
 from transports.metrics import TransportMetrics
 from transports.rdma_control import MTU_CODES, ControlError, RdmaParams, gid_text
 from transports.rdma_device import RdmaDeviceError, _Device, _RegisteredSlabs
@@ -166,7 +174,7 @@ class RdmaLink(LinkBase):
         if not self.write_pending:  # the send-stall timer runs from the moment something waits
             self.last_tx = self._loop.time()
         self._empty.clear()
-        for part in (memoryview(head), memoryview(payload).cast("B")):
+        for part in (memoryview(head), *(memoryview(p).cast("B") for p in payload_pieces(payload))):
             if part.nbytes:
                 self._backlog.append(part)
                 self._backlog_bytes += part.nbytes

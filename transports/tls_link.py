@@ -53,6 +53,7 @@ from transports.codec import (
     MissReason,
     ProtocolError,
     encode_parts,
+    payload_pieces,
 )
 from transports.metrics import TransportMetrics
 
@@ -507,28 +508,40 @@ class TlsLink(LinkBase):
 
     def _queue(self, frame: Frame) -> None:
         head, payload = encode_parts(frame, max_payload=self.max_payload)
-        view = memoryview(payload).cast("B")
         out = self._out
+        short: bytes | memoryview = head   # under a record: topped up by what follows
         if len(out) > 1 and out[-1].nbytes + len(head) < TLS_RECORD:
             # The last queued chunk (not the head of the queue, which OpenSSL may be retrying) is
             # small, e.g. the previous frame's tail: it shares this frame's first record.
             carried = out.pop()
             self._out_bytes -= carried.nbytes
-            head = bytes(carried) + head
+            short = bytes(carried) + head
         # The head rides in one TLS record with the payload's first bytes: a record of its own
-        # would cost a write, a read and their Python calls on both sides for ~100 bytes. The rest
-        # is queued as whole records and a tail (a 64 KiB payload + its 113-byte head fill 4 records
-        # and 113 bytes): while the queue is backed up, the tail joins the next frame's first record.
-        lead = min(view.nbytes, TLS_RECORD - len(head))
-        first = memoryview(head + view[:lead]) if lead > 0 else memoryview(head)
-        out.append(first)
-        self._out_bytes += first.nbytes
-        rest = view[lead:]
-        whole = rest.nbytes - rest.nbytes % TLS_RECORD
-        for chunk in (rest[:whole], rest[whole:]):
-            if chunk.nbytes:
-                out.append(chunk)
-                self._out_bytes += chunk.nbytes
+        # would cost a write, a read and their Python calls on both sides for ~100 bytes. Each
+        # payload buffer (a BLOCKS frame has one per part) is queued as whole records without a
+        # copy; only a piece shorter than a record is joined with the next buffer's lead (a 64 KiB
+        # payload + its 113-byte head fill 4 records and 113 bytes). The frame's last short piece
+        # is queued as it is: while the queue is backed up, it joins the next frame's first record.
+        for piece in payload_pieces(payload):
+            view = memoryview(piece).cast("B")
+            if short:
+                room = TLS_RECORD - len(short)
+                if view.nbytes < room:   # the whole piece fits in the record being filled
+                    short = bytes(short) + view
+                    continue
+                lead = max(0, room)
+                self._append(memoryview(bytes(short) + view[:lead]))
+                short, view = b"", view[lead:]
+            whole = view.nbytes - view.nbytes % TLS_RECORD
+            if whole:
+                self._append(view[:whole])
+            short = view[whole:]
+        if short:
+            self._append(memoryview(short))
+
+    def _append(self, chunk: memoryview) -> None:
+        self._out.append(chunk)
+        self._out_bytes += chunk.nbytes
 
     def _queued_bytes(self) -> int:
         return self._out_bytes

@@ -19,7 +19,19 @@ import blake3
 
 from fabric.keys import BlockAddress
 from transports.base import BlockSource, Hit, PullResult
-from transports.codec import Block, End, Error, Frame, Miss, MissReason, ProtocolError, Pull
+from transports.codec import (
+    DIGEST_SIZE,
+    Block,
+    Blocks,
+    End,
+    Error,
+    Frame,
+    Miss,
+    MissReason,
+    ProtocolError,
+    Pull,
+    payload_pieces,
+)
 
 # One PULL header holds ~40 bytes per address; 1024 keeps it (~41 KiB) under the codec's 64 KiB
 # header limit. Transports split longer requests into several PULLs.
@@ -91,6 +103,34 @@ class PullTracker:
         self.num_bytes += payload.nbytes if isinstance(payload, memoryview) else len(payload)
         return Hit(address, payload, frame.digest)
 
+    def on_blocks(self, frame: Blocks) -> list[PullResult]:
+        """The results of a BLOCKS frame of this request: one per part, each a Hit when the part
+        matches its digest. The parts must be the next addresses asked for. A Hit's payload is a
+        view of the frame's one buffer (the buffer lives as long as any of its parts)."""
+        first, addresses, n = frame.first, self._addresses, len(frame.sizes)
+        if self.done or first != self._next or first + n > len(addresses):
+            raise ProtocolError(f"BLOCKS for addresses {first}..{first + n - 1} of request {self.request_id}, "
+                                f"which expects {'nothing: it ended' if self.done else f'address {self._next} next'} "
+                                f"of {len(addresses)}")
+        self._next = first + n
+        pieces = payload_pieces(frame.payload)   # a received frame has one buffer; one built in memory may have parts
+        view = memoryview(pieces[0] if len(pieces) == 1 else b"".join(pieces)).cast("B")
+        digests = frame.digests
+        out: list[PullResult] = []
+        rid, hasher = self.request_id, blake3.blake3
+        offset = 0
+        for i, size in enumerate(frame.sizes):
+            part = view[offset:offset + size]
+            digest = digests[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE]
+            offset += size
+            if hasher(part).digest() == digest:
+                out.append(Hit(addresses[first + i], part, digest))
+                self.num_bytes += size
+            else:
+                self.num_digest_mismatches += 1
+                out.append(Miss(rid, addresses[first + i], MissReason.DIGEST_MISMATCH))
+        return out
+
     def on_frame(self, frame: Frame) -> list[PullResult]:
         """Results produced by one frame of this request; raises ProtocolError on a frame that
         does not belong to it (an address not asked for next, a frame after END)."""
@@ -99,6 +139,8 @@ class PullTracker:
         match frame:
             case Block(request_id=rid) if rid == self.request_id:
                 return [self.on_block(frame)]
+            case Blocks(request_id=rid) if rid == self.request_id:
+                return self.on_blocks(frame)
             case Miss(request_id=rid, address=address) if rid == self.request_id:
                 self._take(address, "MISS")
                 return [frame]

@@ -17,6 +17,7 @@ from transports.codec import (
     PREAMBLE_SIZE,
     VERSION,
     Block,
+    Blocks,
     Bye,
     End,
     Error,
@@ -36,7 +37,17 @@ from transports.codec import (
 hashes = st.binary(min_size=32, max_size=32).map(BlockHash)
 addresses = st.builds(BlockAddress, hashes, st.integers(0, 2**32 - 1))
 rids = st.integers(0, 2**64 - 1)
+
+
+def _blocks(rid: int, first: int, parts: list[bytes], digests: bytes) -> Blocks:
+    return Blocks(rid, first, digests[:32 * len(parts)], tuple(len(p) for p in parts), b"".join(parts))
+
+
+blocks_frames = st.builds(_blocks, rids, st.integers(0, 2**32), st.lists(st.binary(max_size=3000), min_size=1,
+                                                                          max_size=6),
+                          st.binary(min_size=32 * 6, max_size=32 * 6))
 frames: st.SearchStrategy[Frame] = st.one_of(
+    blocks_frames,
     st.builds(Hello, st.text(max_size=40), st.integers(0, 2**32), st.integers(0, 2**40)),
     st.builds(Pull, rids, st.lists(addresses, max_size=20).map(tuple)),
     st.builds(Block, rids, addresses, st.binary(min_size=32, max_size=32), st.binary(max_size=5000)),
@@ -51,6 +62,9 @@ def _same(a: Frame, b: Frame) -> bool:
     if isinstance(a, Block) and isinstance(b, Block):
         return (a.request_id, a.address, a.digest, bytes(a.payload)) == (
             b.request_id, b.address, b.digest, bytes(b.payload))
+    if isinstance(a, Blocks) and isinstance(b, Blocks):
+        return (a.request_id, a.first, a.digests, a.sizes, bytes(a.payload)) == (
+            b.request_id, b.first, b.digests, b.sizes, bytes(b.payload))
     return a == b
 
 
@@ -236,6 +250,38 @@ def test_bad_block_headers_are_named(change: dict[str, object], message: str) ->
     raw = msgpack.packb(missing, use_bin_type=True)
     with pytest.raises(ProtocolError):
         FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw)) + raw)
+
+
+GOOD_BLOCKS = {"rid": 1, "first": 0, "digests": b"d" * 64, "sizes": [1, 2]}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"digests": b"d" * 63}, "multiple of 32 bytes"), ({"digests": b""}, "non-empty multiple"),
+    ({"digests": "d" * 64}, "multiple of 32 bytes"), ({"sizes": [3]}, "2 digests but 1 sizes"),
+    ({"sizes": 3}, "2 digests but no sizes"), ({"sizes": [1, 1]}, "adding up to the 3-byte payload"),
+    ({"sizes": [4, -1]}, "non-negative integers"), ({"sizes": [True, 2]}, "non-negative integers"),
+    ({"sizes": [1.0, 2]}, "non-negative integers"), ({"first": -1}, "out of range"), ({"first": None}, "NoneType"),
+    ({"rid": "1"}, "has type str"),
+])
+def test_bad_blocks_headers_are_named(change: dict[str, object], message: str) -> None:
+    """A BLOCKS header must describe its payload exactly: one 32-byte digest and one size per part,
+    the sizes adding up to the payload, so that no part can be read from another's bytes."""
+    raw = msgpack.packb(GOOD_BLOCKS | change, use_bin_type=True)
+    wire = _preamble(ftype=FrameType.BLOCKS, header_len=len(raw), payload_len=3) + raw + b"abc"
+    with pytest.raises(ProtocolError, match=message):
+        FrameDecoder().feed(wire)
+
+
+def test_blocks_parts_are_sent_unjoined_and_received_as_one_buffer() -> None:
+    parts = (b"a" * 10, bytearray(b"b" * 20000), memoryview(b"c" * 7))
+    frame = Blocks(3, 5, b"d" * 96, (10, 20000, 7), parts)
+    (got,) = FrameDecoder().feed(encode(frame))
+    assert isinstance(got, Blocks) and (got.request_id, got.first, got.sizes) == (3, 5, (10, 20000, 7))
+    assert bytes(got.payload) == b"".join(parts) and got.num_parts == 3
+    with pytest.raises(ValueError, match="sizes the header announces"):
+        encode(Blocks(3, 5, b"d" * 96, (10, 7, 20000), parts))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        encode(Blocks(3, 5, b"d" * 95, (10, 20000, 7), parts))
 
 
 def test_truncated_stream_reported_on_close() -> None:

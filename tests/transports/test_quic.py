@@ -32,6 +32,7 @@ from transports.codec import (
     PREAMBLE,
     VERSION,
     Block,
+    Blocks,
     End,
     Error,
     ErrorCode,
@@ -81,6 +82,21 @@ def test_pull_of_many_blocks_returns_verified_payloads_in_the_order_asked(cert_d
             hits = client.metrics.registry.get_sample_value("kvfabric_pulls_total",
                                                             {"transport": "quic", "outcome": "hit"})
             assert hits == len(source.addresses)
+
+    run(main())
+
+
+def test_runs_of_small_blocks_arrive_byte_exact_over_quic(cert_dir: Path, memory_source: Any) -> None:
+    """A run of hits is one BLOCKS frame, its parts queued on the stream one after another."""
+    source = memory_source(num_blocks=40, num_layers=3, payload_size=24 * 1024)
+    source.put(BlockAddress(BlockHash(b"b" * 32), 0), b"")   # an empty part inside a run
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            results = await pull_all(client, peer, source.addresses)
+            assert [r.address for r in results] == source.addresses
+            assert all(isinstance(r, Hit) and bytes(r.payload) == source.blocks[r.address].payload
+                       for r in results)
 
     run(main())
 
@@ -346,7 +362,9 @@ def test_bad_frames_close_only_their_stream(cert_dir: Path, memory_source: Any, 
             assert protocol_errors(server) == 1
             # Another stream on the same connection, and another client, still work.
             good = await exchange(raw, encode(Pull(9, tuple(source.addresses))))
-            assert [type(f) for f in good] == [Block, Block, End]
+            # Both hits in one BLOCKS frame (a run of hits is framed together), then END.
+            assert [type(f) for f in good] == [Blocks, End]
+            assert good[0].first == 0 and len(good[0].sizes) == 2 and len(good[0].payload) == 60_000
             assert all(isinstance(r, Hit) for r in await pull_all(other, peer, source.addresses))
 
     run(main())

@@ -14,10 +14,12 @@ from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, PullResult
 from transports.codec import (
     Block,
+    Blocks,
     Bye,
     Error,
     ErrorCode,
     Frame,
+    FrameDecoder,
     Hello,
     LocalProtocolError,
     Miss,
@@ -25,7 +27,7 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.session import ClientSession, Fetched, ServerSession
+from transports.session import GROUP_BYTES, GROUP_PART_MAX, ClientSession, Fetched, ServerSession
 
 TIMEOUT_S = 10.0
 
@@ -104,6 +106,77 @@ def test_oversize_and_failed_blocks_are_misses_with_a_reason_and_the_rest_is_ser
     stats = pair.server.take_stats()
     assert (stats.num_hits, stats.num_bytes) == (1, 100)
     assert stats.misses == {MissReason.TOO_LARGE: 1, MissReason.SOURCE_ERROR: 1}
+
+
+def answer_frames(store: dict[BlockAddress, Fetched], asked: list[BlockAddress], client_max_payload: int = 1 << 26
+                  ) -> list[Frame]:
+    """What a server sends for one PULL of `asked`, decoded as the client sees it."""
+    server = ServerSession("server-1", "client-1", 0.0)
+    server.receive(wire([Hello("client-1", max_payload=client_max_payload), Pull(1, tuple(asked))]), 0.0)
+    assert [p.request_id for p in server.take_pulls()] == [1]
+    half = len(asked) // 2   # answered in two fetch batches, as adapters do
+    out = server.answer(1, asked[:half], [store.get(a) for a in asked[:half]])
+    out += server.answer(1, asked[half:], [store.get(a) for a in asked[half:]])
+    return FrameDecoder().feed(wire(out + server.finish(1, 0.0)))
+
+
+def test_a_run_of_small_hits_travels_as_few_blocks_frames_each_part_verified() -> None:
+    """Per-frame work (header, decode, buffer, wake-ups) was paid once per 64 KiB block; a run of
+    hits now shares one BLOCKS frame of at most GROUP_BYTES, and each part is still checked
+    against its own digest and lands on the address asked at its position."""
+    small = {addr(i): Stored(os.urandom(64 * 1024)) for i in range(40)}
+    big = {addr(100): Stored(os.urandom(GROUP_PART_MAX + 1))}
+    asked = [*list(small)[:20], addr(99), *big, *list(small)[20:]]   # a miss and a big block break the runs
+    frames = answer_frames(small | big, asked)
+    kinds = [type(f).__name__ for f in frames]
+    # 1 MiB of 64 KiB parts per frame; the answer's second fetch batch starts at the miss (address 20)
+    assert kinds == ["Blocks", "Blocks", "Miss", "Block", "Blocks", "Blocks", "End"]
+    assert [(f.first, f.num_parts) for f in frames if isinstance(f, Blocks)] == [(0, 16), (16, 4), (22, 16), (38, 4)]
+    assert all(len(f.payload) <= GROUP_BYTES for f in frames if isinstance(f, Blocks))
+    pair = Pair(small | big)
+    rid = pair.pull(asked)
+    pair.run()
+    got = pair.results[rid]
+    assert [r.address for r in got] == asked
+    assert isinstance(got[20], Miss) and got[20].reason is MissReason.NOT_FOUND
+    store = small | big
+    assert all(isinstance(r, Hit) and bytes(r.payload) == store[r.address].payload
+               for i, r in enumerate(got) if i != 20)
+
+
+def test_blocks_frames_respect_the_clients_payload_limit() -> None:
+    store = {addr(i): Stored(os.urandom(30_000)) for i in range(10)}
+    frames = answer_frames(store, list(store), client_max_payload=100_000)
+    parts = [f.num_parts if isinstance(f, Blocks) else 1 for f in frames if isinstance(f, Block | Blocks)]
+    assert sum(parts) == 10 and max(parts) == 3
+    assert all(len(f.payload) <= 100_000 for f in frames if isinstance(f, Block | Blocks))
+
+
+def test_a_corrupt_part_is_a_digest_mismatch_for_its_address_only() -> None:
+    client = ClientSession("client-1", "server-1", 0.0)
+    asked = [addr(i) for i in range(3)]
+    rid, _ = client.submit(asked, 0.0)
+    parts = [os.urandom(1000) for _ in asked]
+    digests = [blake3.blake3(p).digest() for p in parts]
+    digests[1] = blake3.blake3(b"something else").digest()   # the server lies about one part
+    out = client.receive(wire([Hello("server-1"), Blocks(rid, 0, b"".join(digests), (1000,) * 3, b"".join(parts))]),
+                         0.0)
+    flat = [r for _, res, _ in out for r in res]
+    assert [type(r).__name__ for r in flat] == ["Hit", "Miss", "Hit"]
+    assert flat[1].reason is MissReason.DIGEST_MISMATCH and flat[1].address == asked[1]
+    assert bytes(flat[0].payload) == parts[0] and bytes(flat[2].payload) == parts[2]
+    assert not client.closing
+
+
+@pytest.mark.parametrize(("first", "count", "why"), [(1, 1, "skips the first address"), (0, 3, "runs past the end")])
+def test_blocks_out_of_turn_or_past_the_request_is_a_protocol_error(first: int, count: int, why: str) -> None:
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1), addr(2)], 0.0)
+    part = b"p" * 10
+    frame = Blocks(rid, first, blake3.blake3(part).digest() * count, (10,) * count, part * count)
+    out = client.receive(wire([Hello("server-1"), frame]), 0.0)
+    assert client.closing and client.error is not None and "BLOCKS" in str(client.error), why
+    assert [[r.reason for r in res] for _, res, _ in out] == [[MissReason.PEER_ERROR] * 2]
 
 
 def test_hello_must_come_first_and_name_the_certificates_node() -> None:

@@ -47,6 +47,7 @@ from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, pull_prefix
 from cluster.node_sync import Batch, DirectorySync
 from cluster.planner import PullRun, plan_pulls
+from cluster.reply_buffers import ReplyBuffers
 from fabric.config import Config
 from fabric.events import EventKind
 from fabric.keys import BlockHash, Namespace, block_hashes
@@ -94,6 +95,7 @@ class NodeActor:
         self._start_lock = asyncio.Lock()
         self._started = False
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._replies = ReplyBuffers(int(config.kv.reply_pool_gib * (1 << 30)))
 
     # ---- life cycle --------------------------------------------------------------------------------
 
@@ -316,7 +318,7 @@ class NodeActor:
         t0 = time.perf_counter()
         hashes, tiers, owners, runs, peers = await self._plan(ns, tokens, max_blocks, pulls=pulls)
         planned = len(tiers) + sum(r.end - r.start for r in runs)
-        out = np.empty(payload_shape(ns, planned), dtype=np.uint8)
+        out = self._replies.take(payload_shape(ns, planned))
         sources = [""] * planned
         num_local = await self._read_local(hashes[:len(tiers)], out, sources)
         if num_local < len(tiers):

@@ -53,6 +53,7 @@ class KVConfig:
     frequency_half_life_s: float = 60.0  # decay of the access frequency behind prefetch
     event_queue_max: int = 100_000       # store events not yet taken; past it: cleared, overflowed=True
     background_nice: int = 10            # write-behind flush, eviction, mirroring run this much nicer (0: off)
+    reply_pool_gib: float = 0.5          # load reply arrays a NodeActor keeps for reuse (0: a fresh one per load)
 
     def namespace(self, model_id: str, layout: KVLayout, *, weights_fingerprint: str = "", shard: int = 0,
                   num_shards: int = 1, tenant_salt: bytes = b"") -> Namespace:
@@ -154,6 +155,8 @@ class Config:
                 raise ConfigError(f"{source}: kv.{key} must be in (0, 1], got {value}")
         if kv.mirror_delay_s < 0:
             raise ConfigError(f"{source}: kv.mirror_delay_s must be >= 0, got {kv.mirror_delay_s}")
+        if kv.reply_pool_gib < 0:
+            raise ConfigError(f"{source}: kv.reply_pool_gib must be >= 0, got {kv.reply_pool_gib}")
         if not 0 <= kv.background_nice <= 19:
             raise ConfigError(f"{source}: kv.background_nice must be in [0, 19], got {kv.background_nice}")
         if kv.ram_high_water < 1.0:

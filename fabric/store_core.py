@@ -42,6 +42,9 @@ from fabric.tiers.ssd import SsdEntry, SsdTier
 logger = logging.getLogger(__name__)
 
 _NUM_STRIPES = 256
+# An index row's last-seen time is refreshed once it is this much older than the block's: TTL
+# expiry (days) and the LRU order after a restart do not need it finer.
+LAST_SEEN_RESOLUTION_S = 60.0
 
 
 class StoreCore:
@@ -106,8 +109,11 @@ class StoreCore:
 
     def touch_locked(self, key: StorageKey, now: float) -> None:
         self.freq.touch(key, now)
-        if self.ssd.contains(key):
-            self.ssd.touch(key, now)
+        entry = self.ssd.touch(key, now)
+        # Its index row is rewritten at the next tick only once the time it holds is
+        # LAST_SEEN_RESOLUTION_S old: a pull that reads 7,680 (block, layer) rows again and again
+        # rewrote all of them every second. The in-memory LRU order stays exact.
+        if entry is not None and entry.last_seen_unix - entry.row_seen_unix >= LAST_SEEN_RESOLUTION_S:
             self.touched_rows.add(key)
 
     def ssd_entry_locked(self, key: StorageKey) -> SsdEntry:

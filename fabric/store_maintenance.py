@@ -129,7 +129,8 @@ def prefetch(core: StoreCore, plan: MaintenancePlan) -> int:
 
 
 def persist_last_seen(core: StoreCore) -> int:
-    """Write the last-seen time and tier of blocks touched since the last tick (no sync: advisory)."""
+    """Write the last-seen time and tier of blocks whose row is LAST_SEEN_RESOLUTION_S behind (no
+    sync: advisory)."""
     with core.lock:
         live = {k: e for k in core.touched_rows if (e := core.ssd.entry(k)) is not None}
         core.touched_rows.clear()
@@ -142,6 +143,10 @@ def persist_last_seen(core: StoreCore) -> int:
                                   Tier.RAM if core.ram.contains(k) else Tier.SSD, e.block_hash))
                     for k, e in live.items() if core.ssd.entry(k) is e]
         core.index.put_many(rows, sync=False)
+        with core.lock:
+            for k, meta in rows:
+                if (e := core.ssd.entry(k)) is not None:
+                    e.row_seen_unix = max(e.row_seen_unix, meta.last_seen_unix)
     return len(rows)
 
 

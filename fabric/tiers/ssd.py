@@ -90,6 +90,10 @@ class SsdEntry:
     created_unix: float
     last_seen_unix: float
     block_hash: bytes = b""     # b"" for a block loaded from a row older than the hash field
+    row_seen_unix: float = field(init=False)   # the last_seen_unix its index row holds
+
+    def __post_init__(self) -> None:
+        self.row_seen_unix = self.last_seen_unix
 
     @property
     def file_bytes(self) -> int:
@@ -202,11 +206,13 @@ class SsdTier:
             self._used -= entry.file_bytes
         return entry
 
-    def touch(self, key: StorageKey, now_unix: float) -> None:
+    def touch(self, key: StorageKey, now_unix: float) -> SsdEntry | None:
+        """Mark `key` seen at `now_unix` (most recent in the LRU order); its entry, or None."""
         entry = self._catalog.get(key)
         if entry is not None:
             entry.last_seen_unix = max(entry.last_seen_unix, now_unix)
             self._catalog.move_to_end(key)
+        return entry
 
     def expired(self, cutoff_unix: float) -> list[StorageKey]:
         """Keys last seen before `cutoff_unix` (oldest first)."""

@@ -18,6 +18,7 @@ from fabric.events import BlockEvicted, BlockStored
 from fabric.index import IndexUnavailableError
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import PutResult, Store
+from fabric.store_core import LAST_SEEN_RESOLUTION_S
 from fabric.tiers.base import Tier
 from fabric.tiers.device import UnknownEventError
 from fabric.tiers.ssd import HEADER_SIZE
@@ -192,6 +193,30 @@ def test_ssd_blocks_expire_after_ttl_since_last_seen(tmp_path: Path) -> None:
         assert store.get(addr(1)) is None              # file and row gone for good
         assert store.get(addr(2)) == b"kept alive"
         assert store.reconciled["row_without_file"] == 0
+
+
+def test_reads_rewrite_last_seen_rows_only_once_they_are_a_minute_old(tmp_path: Path) -> None:
+    """A peer pulling a 4k-token prefix reads 7,680 (block, layer) rows; every maintenance tick
+    after each pull rewrote all of them in the index (~12% of the owner's CPU while serving). A row
+    is now refreshed once the time it holds is LAST_SEEN_RESOLUTION_S old, and a restart still
+    knows when each block was last seen to that resolution."""
+    clock = Clock()
+    cfg = kv(tmp_path, write_through=True, ssd_ttl_s=150.0)
+    with Store.open(cfg, background=False, clock=clock) as store:
+        for i in range(20):
+            store.put(addr(i), b"x" * 100)
+        for _ in range(3):                                 # read again and again within the minute
+            clock.now += 10
+            assert all(store.get(addr(i)) == b"x" * 100 for i in range(20))
+            assert store.run_maintenance()["rows_refreshed"] == 0
+        clock.now += LAST_SEEN_RESOLUTION_S
+        assert all(store.get(addr(i)) == b"x" * 100 for i in range(10))
+        assert store.run_maintenance()["rows_refreshed"] == 10
+        assert store.run_maintenance()["rows_refreshed"] == 0
+    clock.now += 100          # rows 0-9 were last seen 100 s ago, rows 10-19 160 s ago: past the TTL
+    with Store.open(cfg, background=False, clock=clock) as store:
+        store.run_maintenance()
+        assert [store.get(addr(i)) is not None for i in (0, 9, 10, 19)] == [True, True, False, False]
 
 
 def test_ssd_capacity_refuses_then_evicts_least_recently_seen(tmp_path: Path) -> None:

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import os
 import shutil
@@ -91,6 +92,7 @@ def creds(cert_dir: Path, node: str) -> NodeCredentials:
     return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
 
 
+@functools.cache   # an engine names its blocks once per prompt; the pull loop should not time hashing them
 def address(block_size: int, i: int) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"bench-transfer-%d-%d" % (block_size, i)).digest()), 0)
 

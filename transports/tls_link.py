@@ -516,13 +516,19 @@ class TlsLink(LinkBase):
             carried = out.pop()
             self._out_bytes -= carried.nbytes
             short = bytes(carried) + head
-        # The head rides in one TLS record with the payload's first bytes: a record of its own
+        # A BLOCK's head rides in one TLS record with the payload's first bytes: a record of its own
         # would cost a write, a read and their Python calls on both sides for ~100 bytes. Each
         # payload buffer (a BLOCKS frame has one per part) is queued as whole records without a
         # copy; only a piece shorter than a record is joined with the next buffer's lead (a 64 KiB
         # payload + its 113-byte head fill 4 records and 113 bytes). The frame's last short piece
         # is queued as it is: while the queue is backed up, it joins the next frame's first record.
-        for piece in payload_pieces(payload):
+        pieces = payload_pieces(payload)
+        if isinstance(payload, tuple) and short:
+            # A BLOCKS frame (~1 MiB) can afford its head a record of its own; its parts then start
+            # on record boundaries, and parts of a multiple of 16 KiB are queued without any copy.
+            self._append(memoryview(short))
+            short = b""
+        for piece in pieces:
             view = memoryview(piece).cast("B")
             if short:
                 room = TLS_RECORD - len(short)

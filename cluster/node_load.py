@@ -1,9 +1,13 @@
 """Pulling the missing part of a prefix from peers: runs per owner, concurrently, with fallback.
 
     hashes[start:]  ──directory──► owners per block ──plan_pulls──► runs [(node, start, end, alternates)]
-    each run: pull every (block, layer) of the run from its node, layer-major (layer 0 of every
-    block first, so a layer-wise consumer can start early); a MISS, an error or a timeout moves the
-    blocks still incomplete to the next alternate; when none is left they stay missing.
+    each run: pull every (block, layer) of the run from its node; a MISS, an error or a timeout moves
+    the blocks still incomplete to the next alternate; when none is left they stay missing.
+
+For a layer-wise consumer a run is asked layer-major (layer 0 of every block first, so it can start
+early). Otherwise it is asked block-major: the run's slots in `out` ([blocks, layers, bytes]) are
+then one contiguous region in the order asked, handed to the transport as `into`, and TLS-TCP
+receives runs of hits straight into their slots (no copy of the pulled bytes on this side).
 
 The transport has already checked every payload against the digest its authenticated peer
 announced; here a result is also checked to be an address we asked for and of the exact size
@@ -73,7 +77,7 @@ class LayerProgress:
 async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash],
                       owners: Sequence[Sequence[str]], start: int, out: np.ndarray, digests: list[list[bytes]],
                       progress: LayerProgress, sources: list[str], *, timeout_s: float,
-                      max_rounds: int = 3) -> PullOutcome:
+                      max_rounds: int = 3, layer_major: bool = True) -> PullOutcome:
     """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
 
     Each round plans runs over the owners not yet seen failing, from the first incomplete block,
@@ -91,21 +95,28 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
         if not runs:
             break
         await asyncio.gather(*(_pull_run(client, peers, hashes, run, out, digests, progress, sources, outcome,
-                                         bad, timeout_s) for run in runs))
+                                         bad, timeout_s, layer_major) for run in runs))
         outcome.num_fallbacks += bool(bad)
     return outcome
 
 
 async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash], run: PullRun,
                     out: np.ndarray, digests: list[list[bytes]], progress: LayerProgress, sources: list[str],
-                    outcome: PullOutcome, bad: set[str], timeout_s: float) -> None:
+                    outcome: PullOutcome, bad: set[str], timeout_s: float, layer_major: bool) -> None:
     num_layers, nbytes = out.shape[1], out.shape[2]
     for attempt, node_id in enumerate((run.node_id, *run.alternates)):
         peer = peers.get(node_id)
-        missing = [(b, layer) for layer in range(num_layers) for b in range(run.start, run.end)
-                   if not progress.done[b, layer]]
+        if layer_major:
+            missing = [(b, layer) for layer in range(num_layers) for b in range(run.start, run.end)
+                       if not progress.done[b, layer]]
+        else:
+            missing = [(b, layer) for b in range(run.start, run.end) for layer in range(num_layers)
+                       if not progress.done[b, layer]]
         if not missing:
             return
+        # Every slot of the run still missing, block-major: they are `out[run.start:run.end]` in order.
+        flat = out[run.start:run.end].reshape(-1) if not layer_major and \
+            len(missing) == (run.end - run.start) * num_layers and out.flags.c_contiguous else None
         if peer is None:
             continue
         if attempt:
@@ -117,7 +128,8 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
         source = f"peer:{node_id}"
         try:
             async with asyncio.timeout(timeout_s):
-                async for result in client.pull(peer, list(slot)):
+                into = None if flat is None else memoryview(flat)  # type: ignore[arg-type]  # numpy's buffer stubs
+                async for result in client.pull(peer, list(slot), into=into):
                     where = slot.get(result.address)
                     if where is None:
                         logger.warning("peer %s answered an address it was not asked for; ignored", node_id)
@@ -131,7 +143,8 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                         logger.warning("peer %s sent %d bytes for a %d-byte block; ignored", node_id,
                                        view.nbytes, nbytes)
                         continue
-                    out[b, layer] = np.frombuffer(view, dtype=np.uint8)
+                    if flat is None or view.obj is not flat:   # type: ignore[comparison-overlap]  # not received in its slot: copied there
+                        out[b, layer] = np.frombuffer(view, dtype=np.uint8)
                     digests[b][layer] = result.digest
                     sources[b] = source
                     outcome.num_bytes += nbytes

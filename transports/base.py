@@ -56,5 +56,9 @@ class TransportServer(Protocol):
 
 
 class TransportClient(Protocol):
-    def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]: ...
+    def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
+             into: memoryview | None = None) -> AsyncIterator[PullResult]:
+        """`into`: optional equal-size slots, one per address, that a transport may receive hits
+        straight into (a Hit whose payload is its slot); one that does not copies nothing there."""
+        ...
     async def close(self) -> None: ...

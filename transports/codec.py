@@ -324,7 +324,7 @@ def _check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Excepti
     return num_parts
 
 
-def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes) -> Frame:
+def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
     if ftype is FrameType.BLOCK:  # the data path: a well-formed BLOCK is checked in one expression
         rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
         if (type(rid) is int and 0 <= rid < 2**64 and type(hash_) is bytes and len(hash_) == HASH_SIZE
@@ -333,7 +333,7 @@ def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes)
     return _build_checked(ftype, header, payload)   # every other frame, or a BLOCK with what is wrong named
 
 
-def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | bytes) -> Frame:
+def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
     if ftype not in _PAYLOAD_TYPES and payload:
         raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
     if ftype is FrameType.HELLO:
@@ -405,9 +405,14 @@ class FrameDecoder:
         self._buf = bytearray()            # partial preamble or header
         self._ftype = FrameType.BYE
         self._header_len = 0
-        self._payload = _NO_PAYLOAD
+        self._payload: bytearray | memoryview = _NO_PAYLOAD
         self._payload_view = _NO_PAYLOAD_VIEW
         self._payload_len = 0
+        # Optional: (frame type, parsed header, payload size) -> a writable buffer of exactly that
+        # size to receive the payload into (a client placing pulled blocks where they belong), or
+        # None for a new buffer. Called before any payload byte is received.
+        self.payload_target: Callable[[FrameType, dict[Any, Any], int], memoryview | None] | None = None
+        self.placed_rid: Any = None   # the request whose target the payload being received goes to
         self._payload_filled = 0
         self._header: dict[Any, Any] = {}
         self._error: ProtocolError | None = None
@@ -526,15 +531,24 @@ class FrameDecoder:
         if payload_len and frame_type not in _PAYLOAD_TYPES:
             raise ProtocolError(f"{frame_type.name} frame must not carry a payload ({payload_len} bytes)")
         self._header_len = header_len
-        if payload_len:
-            payload = self._allocate(payload_len)
-            if len(payload) != payload_len:
-                raise RuntimeError(f"payload allocator returned {len(payload)} bytes for {payload_len}")
-            self._payload = payload
-            self._payload_view = memoryview(payload)
-        self._payload_len = payload_len
+        self._payload_len = payload_len   # its buffer is chosen once the header is known
         self._payload_filled = 0
         self._state = _State.HEADER
+
+    def _place_payload(self, header: dict[Any, Any]) -> None:
+        """The buffer the payload is received into: where `payload_target` says, else a new one."""
+        size = self._payload_len
+        target = self.payload_target(self._ftype, header, size) if self.payload_target is not None else None
+        if target is not None:
+            if target.nbytes != size or target.readonly or target.format != "B":
+                raise RuntimeError(f"payload target is not a writable {size}-byte buffer")
+            self._payload, self._payload_view = target, target
+            self.placed_rid = header.get("rid")
+            return
+        payload = self._allocate(size)
+        if len(payload) != size:
+            raise RuntimeError(f"payload allocator returned {len(payload)} bytes for {size}")
+        self._payload, self._payload_view = payload, memoryview(payload)
 
     def _parse_header(self, chunk: bytearray | memoryview) -> bool:
         """Parse the header; True when the frame has no payload and is therefore complete."""
@@ -546,7 +560,18 @@ class FrameDecoder:
             header = unpack_map(chunk, f"{self._ftype.name} header")  # raises, saying what is wrong
         self._header = header
         self._state = _State.PAYLOAD
+        if self._payload_len:
+            self._place_payload(header)
         return not self._payload_len
+
+    def detach_payload(self) -> None:
+        """Receive the rest of the current payload into a buffer of its own instead of the target
+        it was placed in (whose owner gave up on it and may reuse that memory)."""
+        if self.placed_rid is None:
+            return
+        own = self._allocate(self._payload_len)
+        own[:self._payload_filled] = self._payload_view[:self._payload_filled]
+        self._payload, self._payload_view, self.placed_rid = own, memoryview(own), None
 
     def _finish_frame(self) -> Frame:
         frame = _build(self._ftype, self._header, self._payload if self._payload_len else bytearray())
@@ -554,4 +579,5 @@ class FrameDecoder:
         self._header = {}
         # The payload is the frame's now: keep no reference (nor an export that would pin its size).
         self._payload, self._payload_view, self._payload_len = _NO_PAYLOAD, _NO_PAYLOAD_VIEW, 0
+        self.placed_rid = None
         return frame

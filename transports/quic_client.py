@@ -217,8 +217,10 @@ class QuicTransportClient:
         return ConnectionInfo(peer.node, self._num_connects.get(peer.node, 0), conn.session_resumed,
                               not conn.closed)
 
-    async def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]:
-        """One result per address; the results of each block's layers come in the order asked."""
+    async def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
+                   into: memoryview | None = None) -> AsyncIterator[PullResult]:
+        """One result per address; the results of each block's layers come in the order asked.
+        `into` is accepted and unused: aioquic hands stream data over in its own buffers."""
         for start in range(0, len(addresses), MAX_ADDRESSES_PER_STREAM):
             async for result in self._pull_stream(peer, addresses[start:start + MAX_ADDRESSES_PER_STREAM]):
                 self.metrics.record(TRANSPORT, result)

@@ -34,6 +34,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from fabric.keys import BlockAddress
 from transports.base import PullResult, SourceBlock
@@ -48,6 +49,7 @@ from transports.codec import (
     ErrorCode,
     Frame,
     FrameDecoder,
+    FrameType,
     Hello,
     LocalProtocolError,
     Miss,
@@ -67,8 +69,8 @@ Fetched = SourceBlock | None | Exception   # what a store read gave: a block, no
 # buffer, event-loop hops, ~15 us) is then paid once per ~1 MiB instead of once per block, which
 # matters for small blocks (a 16-token layer of a small model is 24-64 KiB). A block larger than
 # GROUP_PART_MAX goes alone, as a BLOCK frame: there the per-frame work is already a few percent.
-GROUP_BYTES = 1024 * 1024
 GROUP_PART_MAX = 128 * 1024
+GROUP_BYTES = 1024 * 1024 + GROUP_PART_MAX   # one store fetch batch (1 MiB and the block crossing it)
 MAX_PARTS = 256   # keeps a BLOCKS header (~36 bytes per part) far below the 64 KiB header limit
 
 
@@ -373,12 +375,26 @@ class ClientSession(_Session):
         self.paused_since: float | None = None
         self.num_digest_mismatches = 0
         self._init_session(decoder or FrameDecoder(max_payload=max_payload), now)
+        self.decoder.payload_target = self._payload_target
+
+    def _payload_target(self, ftype: FrameType, header: dict[Any, Any], size: int) -> memoryview | None:
+        # Before HELLO is checked too: a slot is only ever written by a frame for an address of a
+        # live request not answered yet, and counts once its own part is verified.
+        if ftype is not FrameType.BLOCKS:
+            return None
+        tracker = self.requests.get(header.get("rid"))   # type: ignore[arg-type]  # any key: a miss is None
+        return None if tracker is None else tracker.place(header.get("first"), header.get("sizes"), size)
 
     def hello(self) -> list[Frame]:
         return [Hello(self.node, VERSION, self.max_payload)]
 
-    def submit(self, addresses: Sequence[BlockAddress], now: float) -> tuple[int, list[Frame]]:
-        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL): its id and PULL frame."""
+    def submit(self, addresses: Sequence[BlockAddress], now: float,
+               into: memoryview | None = None) -> tuple[int, list[Frame]]:
+        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL): its id and PULL frame.
+
+        `into` (optional): one equal-size slot per address, back to back. Runs of slot-sized hits
+        are then received straight into their slots (no copy); each Hit's payload is its slot,
+        written only by that address's verified answer. Unverified slots may hold anything."""
         if self.state is not State.OPEN:
             raise LocalProtocolError("submit on a session that is closing")
         if len(addresses) > MAX_ADDRESSES_PER_PULL:
@@ -387,12 +403,15 @@ class ClientSession(_Session):
         self.next_id += 1
         if not self.requests:
             self.last_rx = now   # the answer timer starts now
-        self.requests[rid] = PullTracker(rid, addresses)
+        self.requests[rid] = PullTracker(rid, addresses, into)
         return rid, [Pull(rid, tuple(addresses))]
 
     def cancel(self, request_id: int) -> None:
-        """The caller gave up on a request; its late frames are dropped."""
+        """The caller gave up on a request; its late frames are dropped, and a payload being
+        received into its slots goes on in a buffer of its own (the caller may reuse them now)."""
         self.requests.pop(request_id, None)
+        if self.decoder.placed_rid == request_id:
+            self.decoder.detach_payload()
 
     # -- input
     def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[tuple[int, list[PullResult], bool]]:

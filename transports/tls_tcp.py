@@ -348,13 +348,13 @@ class _ClientConnection:
     def attach(self, link: FrameLink) -> None:
         self.link = link
 
-    def submit(self, addresses: Sequence[BlockAddress]) -> _Request:
+    def submit(self, addresses: Sequence[BlockAddress], into: memoryview | None = None) -> _Request:
         if self.link.closed or self.session.closing:
             req = _Request(0)
             req.results.extend(Miss(0, a, MissReason.PEER_GONE) for a in addresses)
             req.finished = True
             return req
-        rid, frames = self.session.submit(addresses, self._loop.time())
+        rid, frames = self.session.submit(addresses, self._loop.time(), into)
         req = self.requests[rid] = _Request(rid)
         for frame in frames:
             self.link.send(frame)
@@ -463,11 +463,20 @@ class TlsTcpClient:
         return cls(credentials, max_payload=config.max_payload_bytes, connect_timeout_s=config.connect_timeout_s,
                    frame_timeout_s=config.frame_timeout_s, idle_timeout_s=config.idle_timeout_s, metrics=metrics)
 
-    async def pull(self, peer: Peer, addresses: Sequence[BlockAddress]) -> AsyncIterator[PullResult]:
+    async def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
+                   into: memoryview | None = None) -> AsyncIterator[PullResult]:
         """One result per address, in the order asked; failures are misses, never exceptions. A pooled
-        connection gone before answering anything (closed as idle, peer restarted) is replaced once."""
+        connection gone before answering anything (closed as idle, peer restarted) is replaced once.
+
+        `into` (optional): one equal-size slot per address, back to back: runs of slot-sized hits
+        are received straight into their slots and each such Hit's payload is its slot (see
+        `ClientSession.submit`). The caller must not read a slot before its Hit came."""
         if not addresses:
             return
+        slots = None if into is None else into.cast("B")
+        part = 0 if slots is None else slots.nbytes // len(addresses)
+        if slots is not None and part * len(addresses) != slots.nbytes:
+            raise ValueError(f"{slots.nbytes} bytes do not split into {len(addresses)} equal slots")
         for attempt in range(2):
             conn, reason, reused = await self._connection(peer)
             if conn is None:
@@ -475,8 +484,11 @@ class TlsTcpClient:
                     self.metrics.record(self.transport, miss)
                     yield miss
                 return
-            chunks = [addresses[i:i + ADDRESSES_PER_PULL] for i in range(0, len(addresses), ADDRESSES_PER_PULL)]
-            requests = [conn.submit(chunk) for chunk in chunks[:PULL_WINDOW]]
+            starts = range(0, len(addresses), ADDRESSES_PER_PULL)
+            chunks = [addresses[i:i + ADDRESSES_PER_PULL] for i in starts]
+            regions = [None if slots is None else slots[i * part:(i + len(c)) * part]
+                       for i, c in zip(starts, chunks, strict=True)]
+            requests = [conn.submit(chunks[i], regions[i]) for i in range(min(PULL_WINDOW, len(chunks)))]
             retry = False
             try:
                 for i in range(len(chunks)):
@@ -503,7 +515,7 @@ class TlsTcpClient:
                     if retry:
                         break
                     if i + PULL_WINDOW < len(chunks):
-                        requests.append(conn.submit(chunks[i + PULL_WINDOW]))
+                        requests.append(conn.submit(chunks[i + PULL_WINDOW], regions[i + PULL_WINDOW]))
             finally:
                 for req in requests:
                     conn.abandon(req)

@@ -61,15 +61,37 @@ class PullTracker:
     A server answers a PULL's addresses in the order asked (one BLOCK or MISS each, then END), so
     the tracker is a cursor: each answer must be for the next address, checked without hashing."""
 
-    __slots__ = ("_addresses", "_next", "done", "num_bytes", "num_digest_mismatches", "request_id")
+    __slots__ = ("_addresses", "_into", "_next", "_part_size", "_placed", "done", "num_bytes",
+                 "num_digest_mismatches", "request_id")
 
-    def __init__(self, request_id: int, addresses: Sequence[BlockAddress]) -> None:
+    def __init__(self, request_id: int, addresses: Sequence[BlockAddress], into: memoryview | None = None) -> None:
+        """`into`: optional, one equal-size slot per address back to back; BLOCKS parts of that size
+        are then received straight into their slots (see `place`)."""
         self.request_id = request_id
         self._addresses = tuple(addresses)
         self._next = 0          # index of the next address to be answered
         self.num_digest_mismatches = 0
         self.num_bytes = 0
         self.done = not addresses
+        self._into = None if into is None or not addresses else into.cast("B")
+        self._part_size = 0 if self._into is None else self._into.nbytes // len(self._addresses)
+        if self._into is not None and self._part_size * len(self._addresses) != self._into.nbytes:
+            raise ValueError(f"{self._into.nbytes} bytes do not split into {len(self._addresses)} equal slots")
+        self._placed = 0        # slots below this were handed to the decoder already
+
+    def place(self, first: object, sizes: object, size: int) -> memoryview | None:
+        """Where a BLOCKS frame of this request announcing parts `first`.. of `sizes` should be
+        received: its slots, when every part is slot-sized and none of them was answered or handed
+        out before; else None (a buffer of its own; `on_blocks` then judges the frame)."""
+        into, part = self._into, self._part_size
+        if into is None or type(first) is not int or type(sizes) is not list or not sizes:
+            return None
+        end = first + len(sizes)
+        if first < self._next or first < self._placed or end > len(self._addresses) or size != part * len(sizes) \
+                or sizes.count(part) != len(sizes):
+            return None
+        self._placed = end
+        return into[first * part:end * part]
 
     @property
     def num_pending(self) -> int:

@@ -129,9 +129,9 @@ def test_a_run_of_small_hits_travels_as_few_blocks_frames_each_part_verified() -
     asked = [*list(small)[:20], addr(99), *big, *list(small)[20:]]   # a miss and a big block break the runs
     frames = answer_frames(small | big, asked)
     kinds = [type(f).__name__ for f in frames]
-    # 1 MiB of 64 KiB parts per frame; the answer's second fetch batch starts at the miss (address 20)
+    # 18 parts of 64 KiB fit GROUP_BYTES; the answer's second fetch batch starts at the miss (address 20)
     assert kinds == ["Blocks", "Blocks", "Miss", "Block", "Blocks", "Blocks", "End"]
-    assert [(f.first, f.num_parts) for f in frames if isinstance(f, Blocks)] == [(0, 16), (16, 4), (22, 16), (38, 4)]
+    assert [(f.first, f.num_parts) for f in frames if isinstance(f, Blocks)] == [(0, 18), (18, 2), (22, 18), (40, 2)]
     assert all(len(f.payload) <= GROUP_BYTES for f in frames if isinstance(f, Blocks))
     pair = Pair(small | big)
     rid = pair.pull(asked)
@@ -177,6 +177,55 @@ def test_blocks_out_of_turn_or_past_the_request_is_a_protocol_error(first: int, 
     out = client.receive(wire([Hello("server-1"), frame]), 0.0)
     assert client.closing and client.error is not None and "BLOCKS" in str(client.error), why
     assert [[r.reason for r in res] for _, res, _ in out] == [[MissReason.PEER_ERROR] * 2]
+
+
+def placed_run(num: int, size: int) -> tuple[ClientSession, int, bytearray, list[bytes], bytes]:
+    """A client that asked for `num` addresses into `num` slots of `size`, and the wire of a server
+    answering them all in one BLOCKS frame."""
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(b"?" * (num * size))
+    rid, _ = client.submit([addr(i) for i in range(num)], 0.0, into=memoryview(slots))
+    parts = [os.urandom(size) for _ in range(num)]
+    frame = Blocks(rid, 0, b"".join(blake3.blake3(p).digest() for p in parts), (size,) * num, b"".join(parts))
+    return client, rid, slots, parts, wire([Hello("server-1"), frame])
+
+
+def test_blocks_are_received_straight_into_the_callers_slots() -> None:
+    """A NodeActor pulls into its reply array: each hit's payload is its slot (no copy), written by
+    that address's answer and verified there."""
+    client, _rid, slots, parts, data = placed_run(4, 5000)
+    out = client.receive(data, 0.0)
+    hits = [r for _, res, _ in out for r in res]
+    assert all(isinstance(h, Hit) for h in hits) and bytes(slots) == b"".join(parts)
+    assert all(h.payload.obj is slots for h in hits if isinstance(h, Hit))
+
+
+def test_a_lying_part_in_a_slot_is_a_miss_and_answered_slots_are_never_rewritten() -> None:
+    client, rid, slots, parts, data = placed_run(3, 1000)
+    client.receive(data, 0.0)
+    before = bytes(slots)
+    # A second BLOCKS for addresses already answered: refused before any byte lands in their slots.
+    again = Blocks(rid, 0, blake3.blake3(b"x" * 1000).digest() * 2, (1000, 1000), b"x" * 2000)
+    client.receive(encode(again), 0.0)
+    assert bytes(slots) == before and client.closing and "BLOCKS" in str(client.error)
+    client, rid, slots, parts, _ = placed_run(2, 1000)
+    lie = Blocks(rid, 0, blake3.blake3(parts[0]).digest() + blake3.blake3(b"other").digest(), (1000, 1000),
+                 b"".join(parts))
+    out = client.receive(wire([Hello("server-1"), lie]), 0.0)
+    kinds = [type(r).__name__ for _, res, _ in out for r in res]
+    assert kinds == ["Hit", "Miss"]
+
+
+def test_a_request_cancelled_mid_frame_stops_writing_into_its_slots() -> None:
+    """The caller gave up (timeout) and may refill those slots from another peer: the rest of a
+    payload that was being received into them goes to a buffer of its own."""
+    client, rid, slots, _parts, data = placed_run(2, 30_000)
+    cut = len(data) - 20_000
+    assert client.receive(data[:cut], 0.0) == []
+    client.cancel(rid)
+    slots[:] = b"!" * len(slots)            # the caller writes its slots again
+    client.receive(data[cut:], 0.0)
+    assert bytes(slots) == b"!" * len(slots) and not client.closing
 
 
 def test_hello_must_come_first_and_name_the_certificates_node() -> None:

@@ -181,6 +181,37 @@ def test_blocks_of_mixed_sizes_and_misses_arrive_byte_exact(cert_dir: Path, memo
     run(main())
 
 
+def test_a_pull_into_slots_receives_hits_in_place(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    """`pull(..., into=slots)`: payloads land in their slots over real TLS, no copy on the client
+    (a store fetch batch, 1 MiB and the block crossing it, is one BLOCKS frame)."""
+    source = memory_source(num_blocks=40, num_layers=3, payload_size=24 * 1024)
+    asked = source.addresses
+    missing = BlockAddress(BlockHash(os.urandom(32)), 0)
+    asked = [*asked[:50], missing, *asked[50:]]
+    slots = bytearray(len(asked) * 24 * 1024)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            results = await pull_all_into(client, peer, asked, memoryview(slots))
+            placed = []
+            for i, r in enumerate(results):
+                if r.address == missing:
+                    assert isinstance(r, Miss)
+                    continue
+                assert isinstance(r, Hit) and bytes(r.payload) == source.blocks[r.address].payload
+                if isinstance(r.payload, memoryview) and r.payload.obj is slots:
+                    placed.append(i)
+                    assert bytes(slots[i * 24 * 1024:(i + 1) * 24 * 1024]) == source.blocks[r.address].payload
+            assert sorted(set(range(len(asked))) - set(placed)) == [50]   # all but the miss
+
+    run(main())
+
+
+async def pull_all_into(client: TlsTcpClient, peer: Peer, addresses: list[BlockAddress],
+                        into: memoryview) -> list[PullResult]:
+    return [r async for r in client.pull(peer, addresses, into=into)]
+
+
 def test_uninitialised_payload_buffers_hold_exactly_the_received_bytes() -> None:
     # Dirty the heap with freed 0xff-filled buffers of the payload size, so that unzeroed
     # allocations likely reuse them; every decoded payload must still be exactly what was sent.

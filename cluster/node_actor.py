@@ -56,11 +56,11 @@ from fabric.priority import lower_thread_priority
 from fabric.store import Store
 from fabric.tiers.base import Tier
 from transports.base import Peer
+from transports.buffers import tune_allocator
 from transports.certs import CA_KEY, issue_node
 from transports.codec import MissReason
 from transports.factory import create_client, create_server
 from transports.metrics import TransportMetrics
-from transports.tls_link import tune_allocator
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ class NodeActor:
         if not (cert_dir / f"{self.node_name}.pem").exists() and (cert_dir / CA_KEY).exists():
             issue_node(cert_dir, self.node_name)  # the cluster CA is here: each node issues its own
         # This Ray worker process runs only this actor: keep freed payload buffers in the heap, or
-        # every pull page-faults ~60 MB of them back in per 4k-token prefix (tls_link.tune_allocator).
+        # every pull page-faults ~60 MB of them back in per 4k-token prefix (buffers.tune_allocator).
         tune_allocator()
         # Likewise for the cycle collector: a 4k-token pull makes ~100k short-lived objects (results,
         # views, addresses), and at the default threshold (700) its young-generation passes kept

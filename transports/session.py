@@ -380,9 +380,10 @@ class ClientSession(_Session):
     def _payload_target(self, ftype: FrameType, header: dict[Any, Any], size: int) -> memoryview | None:
         # Before HELLO is checked too: a slot is only ever written by a frame for an address of a
         # live request not answered yet, and counts once its own part is verified.
-        if ftype is not FrameType.BLOCKS:
+        rid = header.get("rid")
+        if ftype is not FrameType.BLOCKS or type(rid) is not int:   # a malformed header is judged later
             return None
-        tracker = self.requests.get(header.get("rid"))   # type: ignore[arg-type]  # any key: a miss is None
+        tracker = self.requests.get(rid)
         return None if tracker is None else tracker.place(header.get("first"), header.get("sizes"), size)
 
     def hello(self) -> list[Frame]:

@@ -36,6 +36,7 @@ from typing import Self
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.base import BlockSource, Hit, Peer, PullResult
+from transports.buffers import tune_allocator, uninitialised_bytearray
 from transports.certs import CertificateError, NodeCredentials
 from transports.codec import (
     DEFAULT_MAX_PAYLOAD,
@@ -58,8 +59,6 @@ from transports.tls_link import (
     auth_failure_reason,
     open_tls,
     peer_node,
-    tune_allocator,
-    uninitialised_bytearray,
 )
 
 logger = logging.getLogger(__name__)
@@ -442,7 +441,7 @@ class TlsTcpClient:
     def __init__(self, credentials: NodeCredentials, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  connect_timeout_s: float = 5.0, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
                  metrics: TransportMetrics | None = None, tune_malloc: bool = False) -> None:
-        """`tune_malloc`: opt in to `tls_link.tune_allocator()` (process-wide glibc thresholds: faster large pulls)."""
+        """`tune_malloc`: opt in to `buffers.tune_allocator()` (process-wide glibc thresholds: faster large pulls)."""
         if tune_malloc:
             tune_allocator()
         self.credentials = credentials

@@ -8,11 +8,15 @@ from __future__ import annotations
 import os
 
 import blake3
+import msgpack
 import pytest
 
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, PullResult
 from transports.codec import (
+    MAGIC,
+    PREAMBLE,
+    VERSION,
     Block,
     Blocks,
     Bye,
@@ -20,10 +24,12 @@ from transports.codec import (
     ErrorCode,
     Frame,
     FrameDecoder,
+    FrameType,
     Hello,
     LocalProtocolError,
     Miss,
     MissReason,
+    ProtocolError,
     Pull,
     encode,
 )
@@ -214,6 +220,22 @@ def test_a_lying_part_in_a_slot_is_a_miss_and_answered_slots_are_never_rewritten
     out = client.receive(wire([Hello("server-1"), lie]), 0.0)
     kinds = [type(r).__name__ for _, res, _ in out for r in res]
     assert kinds == ["Hit", "Miss"]
+
+
+@pytest.mark.parametrize("header", [
+    {"rid": [1], "first": 0, "digests": b"d" * 32, "sizes": [10]},       # unhashable request id
+    {"rid": 1, "first": [0], "digests": b"d" * 32, "sizes": [10]},
+    {"rid": 1, "first": 0, "digests": b"d" * 32, "sizes": {"10": 1}},
+])
+def test_a_malformed_blocks_header_for_a_placed_request_is_a_protocol_error(header: dict[str, object]) -> None:
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(10)
+    client.submit([addr(1)], 0.0, into=memoryview(slots))
+    raw = msgpack.packb(header, use_bin_type=True)
+    data = PREAMBLE.pack(MAGIC, VERSION, FrameType.BLOCKS, 0, len(raw), 10) + raw + b"x" * 10
+    out = client.receive(wire([Hello("server-1")]) + data, 0.0)
+    assert client.closing and isinstance(client.error, ProtocolError) and bytes(slots) == bytes(10)
+    assert [[r.reason for r in res] for _, res, _ in out] == [[MissReason.PEER_ERROR]]
 
 
 def test_a_request_cancelled_mid_frame_stops_writing_into_its_slots() -> None:

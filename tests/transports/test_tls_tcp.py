@@ -22,6 +22,7 @@ from support import closing, creds, filled_store, pull_all, run, started, wait_u
 from fabric.keys import BlockAddress, BlockHash
 from transports import tls_tcp
 from transports.base import Hit, Peer, PullResult
+from transports.buffers import uninitialised_bytearray
 from transports.certs import issue_node
 from transports.codec import (
     MAGIC,
@@ -42,7 +43,7 @@ from transports.codec import (
 )
 from transports.metrics import TransportMetrics
 from transports.serving import SLOW_STREAK
-from transports.tls_link import READ_BUDGET, open_tls, uninitialised_bytearray
+from transports.tls_link import READ_BUDGET, open_tls
 from transports.tls_tcp import ADDRESSES_PER_PULL, TRANSPORT, TlsTcpClient, TlsTcpServer
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

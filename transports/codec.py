@@ -11,8 +11,8 @@ Wire layout of one frame (all integers little-endian):
 The header is a msgpack map whose schema depends on the frame type; only BLOCK and BLOCKS frames
 carry a payload. A BLOCKS frame answers a run of consecutive addresses of one PULL that are all
 hits: one header and one payload (the parts back to back) instead of a frame per part, each part
-with its own digest. Limits are checked on the preamble, before anything is buffered, so a peer cannot make
-us allocate more than `max_header` + `max_payload` bytes per connection.
+with its own digest. Limits are checked on the preamble, before anything is buffered, so a peer
+cannot make us allocate more than `max_header` + `max_payload` bytes per connection.
 
 Error strategy (one place): anything malformed raises `ProtocolError` with a message saying what
 was wrong. The decoder is then poisoned (every later call raises the same error): the transport
@@ -26,7 +26,7 @@ import enum
 import struct
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, cast
 
 import msgpack
 
@@ -237,7 +237,8 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
         return PREAMBLE.pack(MAGIC, VERSION, _BLOCK_TYPE, 0, len(header), size) + header, body
     header = msgpack.packb(_header(frame), use_bin_type=True)
     payload: Payload | tuple[Payload, ...] = frame.payload if isinstance(frame, Block | Blocks) else b""
-    payload_len = sum(memoryview(p).nbytes for p in payload_pieces(payload))
+    piece_sizes = tuple(memoryview(p).nbytes for p in payload_pieces(payload))
+    payload_len = sum(piece_sizes)
     if len(header) > max_header:
         raise ValueError(f"{frame.TYPE.name} header is {len(header)} bytes, over the {max_header}-byte limit")
     if payload_len > max_payload:
@@ -246,7 +247,7 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
         raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
     if isinstance(frame, Blocks):
         _check_parts(frame.digests, frame.sizes, payload_len, ValueError)
-        if isinstance(payload, tuple) and tuple(memoryview(p).nbytes for p in payload) != frame.sizes:
+        if isinstance(payload, tuple) and piece_sizes != frame.sizes:
             raise ValueError("BLOCKS part buffers do not have the sizes the header announces")
     preamble = PREAMBLE.pack(MAGIC, VERSION, int(frame.TYPE), 0, len(header), payload_len)
     return preamble + header, payload
@@ -357,8 +358,8 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
     if ftype is FrameType.BLOCKS:
         rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
         digests, sizes = header.get("digests"), header.get("sizes")
-        _check_parts(digests, sizes, len(payload), ProtocolError)
-        return Blocks(rid, first, bytes(digests or b""), tuple(sizes or ()), payload)
+        _check_parts(digests, sizes, len(payload), ProtocolError)   # bytes and a list of ints from here on
+        return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload)
     if ftype is FrameType.MISS:
         addr = _address(header.get("hash"), header.get("layer"), ftype)
         reason = _enum(MissReason, _field(header, "reason", str, ftype), ftype)

@@ -17,14 +17,16 @@ _allocator_tuned = False
 
 
 def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 20) -> bool:
-    """Keep freed payload buffers in the heap instead of handing them back to the kernel.
+    """Keep freed buffers in the heap instead of handing them back to the kernel.
 
     Every received payload is a fresh buffer. With glibc's defaults, buffers of 128 KiB and more
     come from mmap or from a heap top that is trimmed as soon as 2 MiB are free, so each new
     buffer page-faults and is zeroed by the kernel: ~0.3 ms per MiB, a third of the client's CPU
     per pulled byte (measured with perf on 1 MiB pulls). Raising both thresholds (process-wide,
     glibc only, once) lets freed buffers be reused; the heap keeps up to `trim_threshold` spare
-    bytes. Returns True when the allocator was tuned (now or before)."""
+    bytes. An engine's process has the same pattern with its KV cache: every request allocates
+    and frees one (`HFEngineActor` tunes it). The first call wins; returns True when the
+    allocator was tuned (now or before)."""
     global _allocator_tuned
     if _allocator_tuned:
         return True
@@ -35,7 +37,7 @@ def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 
         return False  # not glibc: nothing to tune
     mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
     if mallopt(_M_MMAP_THRESHOLD, mmap_threshold) != 1 or mallopt(_M_TRIM_THRESHOLD, trim_threshold) != 1:
-        logger.warning("mallopt refused the payload buffer thresholds; pulls will page-fault more")
+        logger.warning("mallopt refused the buffer thresholds; large buffers will page-fault more")
         return False
     _allocator_tuned = True
     logger.debug("glibc mmap threshold %d, trim threshold %d bytes", mmap_threshold, trim_threshold)

@@ -100,9 +100,9 @@ def main() -> int:
                                     block_size=args.block_size, num_threads=2)
             ns = ray.get(engines[a].namespace.remote())
             kv_bytes_per_token = ns.layout.bytes_per_block(args.block_size) / args.block_size
-            # Warm-up at the smallest size: first calls pay for imports, TLS connections, page faults
-            # and the allocator's first growth to these tensor sizes.
-            warm_first, warm_second = prompt_pair(min(sizes.values()), seed=999, vocab=vocab)
+            # Warm-up at the largest size: first calls pay for imports, TLS connections, page faults
+            # and each process's first growth to these tensor and reply sizes (smaller ones then fit).
+            warm_first, warm_second = prompt_pair(max(sizes.values()), seed=999, vocab=vocab)
             ray.get(engines[a].answer.remote(warm_first, 1))
             settle(nodes)
             for node, mode in ((b, "full"), (c, "layerwise")):

@@ -138,12 +138,16 @@ def main(argv: list[str] | None = None) -> int:
                         cluster=ClusterConfig(heartbeat_s=1.0, lease_s=5.0))
         local = start_local_cluster(3, Path(tmp), config, object_store_bytes=512 << 20)
         try:
-            return measure(local.node_ids(), args)
+            result = measure(local.node_ids(), args)
         finally:
             local.shutdown()
+    # After the shutdown: Ray reports the NodeActors it kills there on this stdout, which must end
+    # with the JSON line.
+    emit_json(result)
+    return 0
 
 
-def measure(node_ids: list[str], args: argparse.Namespace) -> int:
+def measure(node_ids: list[str], args: argparse.Namespace) -> dict[str, object]:
     engines = [Engine.options(  # type: ignore[attr-defined]
         scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(n)
                for n in node_ids]
@@ -184,14 +188,13 @@ def measure(node_ids: list[str], args: argparse.Namespace) -> int:
                   percentile([r["load_s"] * 1e3 for r in local_only], 99)]])
     print_table("engine -> NodeActor handoff (32 MiB arrays through the object store)", ["path", "MB/s"],
                 [["FabricClient.store (incl. store put)", handoff_mb_s], ["ray.put + actor ray.get", object_mb_s]])
-    emit_json({"hit_ratio": round(hit, 4), "ideal_hit_ratio": round(ideal_ratio, 4),
-               "local_only_hit_ratio": round(local_ratio, 4), "hit_over_ideal": round(hit / ideal_ratio, 4),
-               "pull_mb_s": round(pull_mb_s, 1), "load_p50_ms": round(percentile(loads_ms, 50), 2),
-               "load_p99_ms": round(percentile(loads_ms, 99), 2), "handoff_mb_s": round(handoff_mb_s, 1),
-               "object_store_mb_s": round(object_mb_s, 1),
-               "handoff_over_object_store": round(handoff_mb_s / object_mb_s, 3),
-               "requests": len(requests), "nodes": 3})
-    return 0
+    return {"hit_ratio": round(hit, 4), "ideal_hit_ratio": round(ideal_ratio, 4),
+            "local_only_hit_ratio": round(local_ratio, 4), "hit_over_ideal": round(hit / ideal_ratio, 4),
+            "pull_mb_s": round(pull_mb_s, 1), "load_p50_ms": round(percentile(loads_ms, 50), 2),
+            "load_p99_ms": round(percentile(loads_ms, 99), 2), "handoff_mb_s": round(handoff_mb_s, 1),
+            "object_store_mb_s": round(object_mb_s, 1),
+            "handoff_over_object_store": round(handoff_mb_s / object_mb_s, 3),
+            "requests": len(requests), "nodes": 3}
 
 
 if __name__ == "__main__":

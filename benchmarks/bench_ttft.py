@@ -6,6 +6,7 @@ For each prompt size (1k, 2k, 4k tokens of prefix + a 16-token suffix), in one r
     local RAM hit     node A again, another suffix: the prefix comes from A's own RAM tier
     pull              node B: the prefix is pulled from A over TLS, then the suffix is computed
     layer-wise pull   node C: the same, but layer i computes as soon as layer i has arrived
+                      (the overlap: compute done while later layers were still arriving)
 
 B and C swap order on every repetition. Every TTFT is measured inside the engine actor (lookup +
 load + suffix prefill up to the first token's logits). Before each measured request the bench waits
@@ -13,6 +14,11 @@ until no node has background work left (write-behind flushes, mirrors of pulled 
 batches): the three "nodes" share this host's cores, and on a real cluster another node's mirror
 does not run on the measured node's CPU. The break-even bandwidth is KV bytes per
 token divided by prefill seconds per token: a pull slower than that loses to recomputing.
+
+Around every measured request the bench also reads the CPU time (user + system, /proc) of the six
+processes that serve it: the three NodeActors and the three engine actors. On a host with few cores
+that figure bounds the TTFT from below (CPU-seconds / cores): a pull costs the owner's and the
+puller's CPU on top of the engine's, where a local hit costs one store read.
 
     python benchmarks/bench_ttft.py [--quick] [--reps N] [--sizes 1k,2k,4k]
 """
@@ -63,6 +69,27 @@ def settle(nodes: Sequence[Any], timeout_s: float = 60.0) -> float:
     raise RuntimeError(f"the fabric nodes did not settle within {timeout_s:.0f} s")
 
 
+def actor_pids(actors: Sequence[Any]) -> list[int]:
+    """The process ids of Ray actors (all on this host: the cluster is local)."""
+    import ray
+
+    return [int(pid) for pid in ray.get([a.__ray_call__.remote(lambda _self: os.getpid()) for a in actors])]
+
+
+def cpu_seconds(pids: Sequence[int]) -> float:
+    """User + system CPU seconds the processes have used so far (Linux /proc; 0 for one that is gone)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])   # utime, stime (fields 14 and 15 of stat)
+    return total / tick
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256- and 512-token prompts (smoke test)")
@@ -87,6 +114,8 @@ def main() -> int:
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     sizes = QUICK_SIZES if args.quick else {k: v for k, v in SIZES.items() if k in args.sizes.split(",")}
     samples: dict[str, dict[str, list[float]]] = {label: {p: [] for p in PATHS} for label in sizes}
+    cpu: dict[str, dict[str, list[float]]] = {label: {p: [] for p in PATHS} for label in sizes}
+    overlap: dict[str, list[float]] = {label: [] for label in sizes}   # layer-wise: compute while layers arrive
     pull_mb_s: list[float] = []
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-ttft-") as tmp:
         checkpoint, fingerprint = smollm2_checkpoint()
@@ -99,6 +128,15 @@ def main() -> int:
             engines = spawn_engines([a, b, c], str(checkpoint), fingerprint=fingerprint, model_id=SMOLLM2_ID,
                                     block_size=args.block_size, num_threads=2)
             ns = ray.get(engines[a].namespace.remote())
+            pids = actor_pids([*nodes, *engines.values()])
+
+            def measured(label: str, path: str, node: str, tokens: list[int], **kwargs: Any) -> Answer:
+                """One request on `node`'s engine, its CPU seconds across the six actors recorded."""
+                before = cpu_seconds(pids)
+                answer: Answer = ray.get(engines[node].answer.remote(tokens, 1, **kwargs))
+                cpu[label][path].append(cpu_seconds(pids) - before)
+                return answer
+
             kv_bytes_per_token = ns.layout.bytes_per_block(args.block_size) / args.block_size
             # Warm-up at the largest size: first calls pay for imports, TLS connections, page faults
             # and each process's first growth to these tensor and reply sizes (smaller ones then fit).
@@ -110,20 +148,22 @@ def main() -> int:
             for rep in range(args.reps):
                 for k, (label, num_prefix) in enumerate(sizes.items()):
                     first, second = prompt_pair(num_prefix, seed=100 * rep + k, vocab=vocab)
-                    cold: Answer = ray.get(engines[a].answer.remote(first, 1))
+                    cold = measured(label, "recompute", a, first)
                     assert cold.num_reused_tokens == 0, "the recompute found cached blocks"
                     settle(nodes)   # A's blocks are flushed and listed in the directory
-                    hit: Answer = ray.get(engines[a].answer.remote(second, 1, mode="full", export=False))
+                    hit = measured(label, "local", a, second, mode="full", export=False)
                     order = [(b, "full"), (c, "layerwise")]
                     for node, mode in order if rep % 2 == 0 else order[::-1]:
                         settle(nodes)
-                        got: Answer = ray.get(engines[node].answer.remote(second, 1, mode=mode, export=False))
+                        path = "remote" if mode == "full" else "remote_layerwise"
+                        got = measured(label, path, node, second, mode=mode, export=False)
                         if got.num_pulled_tokens < num_prefix:
                             raise RuntimeError(f"{mode} pull on {node[:8]} reused {got.num_reused_tokens} tokens, "
                                                f"pulled {got.num_pulled_tokens}; expected the {num_prefix}-token "
                                                "prefix from a peer")
-                        path = "remote" if mode == "full" else "remote_layerwise"
                         samples[label][path].append(got.ttft_s)
+                        if mode == "layerwise":
+                            overlap[label].append(got.overlap_s)
                         if mode == "full" and got.load_s > 0:
                             pull_mb_s.append(got.pulled_bytes / got.load_s / 1e6)
                     samples[label]["recompute"].append(cold.ttft_s)
@@ -143,6 +183,16 @@ def main() -> int:
         result[f"remote_over_local_{label}"] = round(best_remote / med["local"], 4)
         rows.append([label, num_prefix + SUFFIX, med["recompute"], med["local"], med["remote"],
                      med["remote_layerwise"], best_remote / med["recompute"], best_remote / med["local"]])
+    cores = os.cpu_count() or 1
+    result["cores"] = cores
+    cpu_rows = []
+    for label in sizes:
+        med_cpu = {p: median(cpu[label][p]) for p in PATHS}
+        for p in PATHS:
+            result[f"cpu_{p}_{label}_s"] = round(med_cpu[p], 4)
+        result[f"overlap_layerwise_{label}_s"] = round(median(overlap[label]), 4)
+        cpu_rows.append([label, *(med_cpu[p] for p in PATHS), med_cpu["remote"] / med_cpu["local"],
+                         med_cpu["remote"] / cores])
     largest, largest_tokens = list(sizes.items())[-1]
     prefill_s_per_token = median(samples[largest]["recompute"]) / (largest_tokens + SUFFIX)
     result["breakeven_mb_s"] = round(kv_bytes_per_token / prefill_s_per_token / 1e6, 2)
@@ -150,6 +200,13 @@ def main() -> int:
     print_table("TTFT, SmolLM2-135M-Instruct (f32) on a local 3-node Ray cluster, medians in seconds",
                 ["prompt", "tokens", "recompute", "local RAM hit", "pull", "layer-wise pull",
                  "best remote / recompute", "best remote / local"], rows)
+    print_table(f"CPU seconds per request, the 3 NodeActors + 3 engines together (medians; {cores} cores here; "
+                "recompute includes exporting its blocks)",
+                ["prompt", "recompute", "local RAM hit", "pull", "layer-wise pull", "pull / local",
+                 "pull's TTFT floor (CPU / cores)"], cpu_rows)
+    overlaps = [f"{label} {result[f'overlap_layerwise_{label}_s']:.3f} s of "
+                f"{result[f'ttft_remote_layerwise_{label}_s']:.3f} s" for label in sizes]
+    print(f"layer-wise pull, compute done while later layers were still arriving (medians): {', '.join(overlaps)}")
     print(f"break-even pull bandwidth ({largest}): {result['breakeven_mb_s']} MB/s "
           f"(KV {kv_bytes_per_token / 1e3:.1f} KB per token, prefill {prefill_s_per_token * 1e3:.2f} ms per token); "
           f"measured pull (full load, {largest} and smaller): {result['pull_mb_s']} MB/s")

@@ -66,6 +66,7 @@ class Prefill:
     load_s: float                   # of which waiting for the fabric before compute (0 when layer-wise)
     num_stored_blocks: int          # new full blocks exported after the prefill
     fell_back: bool                 # a layer-wise load broke and was redone as a plain load
+    overlap_s: float = 0.0          # layer-wise: compute done while later layers were still arriving
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +113,10 @@ class HFEngine:
             loaded = time.perf_counter()
             logits, cache = self._forward(prompt[reused:], cache)
         ttft = time.perf_counter() - start
+        overlap = cache.overlap_s(loaded) if isinstance(cache, LayerwiseCache) else 0.0
         stored = self.export(prompt, cache, reused // self.block_size) if export else 0
         return Prefill(logits, cache, len(prompt), reused, self._pulled_tokens(sources), pulled, sources, ttft,
-                       loaded - start, stored, fell_back)
+                       loaded - start, stored, fell_back, overlap)
 
     def _load(self, prompt: list[int], mode: LoadMode, max_blocks: int,
               ) -> tuple[DynamicCache | None, int, int, tuple[str, ...]]:

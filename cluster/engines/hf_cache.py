@@ -93,6 +93,7 @@ class StreamedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transform
         self.feed = feed
         self.layer = layer
         self.consumed_s: float | None = None   # perf_counter when the forward pass reached this layer
+        self.waited_s = 0.0                    # of the forward pass, blocked until this layer had arrived
 
     def get_seq_length(self) -> int:
         if not self.is_initialized:
@@ -104,6 +105,7 @@ class StreamedLayer(DynamicLayer):  # type: ignore[no-untyped-call]  # transform
         if not self.is_initialized:
             self.consumed_s = time.perf_counter()
             keys, values = self.feed.wait(self.layer)
+            self.waited_s = time.perf_counter() - self.consumed_s
             self.lazy_initialization(key_states, value_states)
             self.keys, self.values = keys.to(key_states.dtype), values.to(value_states.dtype)
         return super().update(key_states, value_states, *args, **kwargs)
@@ -116,6 +118,16 @@ class LayerwiseCache(DynamicCache):
         self.feed = feed
         self.streamed = [StreamedLayer(feed, i) for i in range(feed.num_layers)]
         Cache.__init__(self, layers=list(self.streamed))
+
+    def overlap_s(self, forward_start: float) -> float:
+        """Seconds the forward pass (started at perf_counter `forward_start`) computed while layers
+        were still arriving: from its start to the last layer's arrival, less the time it sat
+        waiting for a layer. 0 when every layer was there before it started."""
+        arrived = [t for t in self.feed.arrived_s if t is not None]
+        if not arrived:
+            return 0.0
+        waited = sum(layer.waited_s for layer in self.streamed)
+        return max(0.0, max(arrived) - forward_start - waited)
 
 
 def cache_from_payloads(payloads: np.ndarray, ns: Namespace, config: PretrainedConfig,

@@ -27,5 +27,9 @@ def test_quick_run_prints_json_last_line() -> None:
         for path in ("recompute", "local", "remote", "remote_layerwise"):
             assert result[f"ttft_{path}_{size}_s"] > 0
         assert result[f"ratio_remote_{size}"] > 0 and result[f"remote_over_local_{size}"] > 0
+        # A pull runs on two NodeActors and an engine: it cannot cost less CPU than its TTFT's share.
+        assert result[f"cpu_remote_{size}_s"] > 0 and result[f"cpu_local_{size}_s"] > 0
+        assert 0 <= result[f"overlap_layerwise_{size}_s"] <= result[f"ttft_remote_layerwise_{size}_s"]
+        assert result[f"cpu_recompute_{size}_s"] >= result[f"ttft_recompute_{size}_s"] * 0.25
     assert result["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4   # K and V, 30 layers, 3 KV heads, f32
     assert result["breakeven_mb_s"] > 0 and result["pull_mb_s"] > 0

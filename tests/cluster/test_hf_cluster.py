@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.client import FabricClient
 from cluster.engines.hf import HFEngine, LoadMode, save_checkpoint
-from cluster.engines.hf_actor import Answer, spawn_engines
+from cluster.engines.hf_actor import OMP_SPIN_COUNT, Answer, spawn_engines
 from cluster.engines.hf_kv import fingerprint_state_dict
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import node_name_for
@@ -54,6 +54,11 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
         yield local, engines
     finally:
         local.shutdown()
+
+
+def test_engine_actors_start_with_a_short_openmp_spin(cluster: Cluster) -> None:
+    _, engines = cluster
+    assert ray.get([e.omp_spin_count.remote() for e in engines.values()]) == [str(OMP_SPIN_COUNT)] * len(engines)
 
 
 def chat(seed: int, num_system: int = 150) -> tuple[list[int], list[int]]:

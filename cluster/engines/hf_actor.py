@@ -15,10 +15,11 @@ size (8.5k in the other).
 Its OpenMP threads (torch's CPU kernels, libgomp) also spin for less time when they run out of work
 (`omp_spin_count`): by default an idle worker thread busy-waits ~300k iterations before sleeping,
 which in an engine is every wait for a layer, for the fabric and between requests, on the same
-cores as the node's NodeActor. Measured on a 2-core host (bench_ttft --sizes 4k, one run each):
-CPU per 4k request pull 1.15 -> 0.88 s, layer-wise pull 1.84 -> 1.35 s, local hit 0.82 -> 0.62 s,
-and TTFT pull 0.65 -> 0.52 s, layer-wise 1.02 -> 0.77 s, local 0.49 -> 0.44 s. libgomp reads the
-setting when it loads, so it travels in the actor's `runtime_env`, not through `__init__`.
+cores as the node's NodeActor (perf: ~44 % of a layer-wise engine's CPU). Measured on a 2-core host,
+two paired bench_ttft --sizes 4k runs, libgomp's default -> 10k: CPU per layer-wise pull 2.40 -> 1.90 s
+and 2.67 -> 1.67 s, its TTFT 1.33 -> 1.13 s and 1.53 -> 0.98 s; a plain pull's TTFT 0.79 -> 0.76 s and
+0.82 -> 0.65 s. libgomp reads the setting when it loads, so it travels in the actor's `runtime_env`,
+not through `__init__`.
 
 Results cross back as an `Answer` (small: token ids, the first token's logits and counters), never
 as a cache.

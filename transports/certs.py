@@ -2,6 +2,7 @@
 
     <dir>/ca.pem, ca.key            cluster CA (EC P-256, self-signed, pathlen 0)
     <dir>/<node>.pem, <node>.key    node certificate; its DNS SAN is the node name
+    <dir>/crl.pem                   revocation list signed by the CA (`revoke`), when any
 
 A node's identity is the DNS name in its certificate's SAN. Node certificates carry both the
 serverAuth and clientAuth usages because every node dials and answers. Private keys are written
@@ -28,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
+CRL = "crl.pem"   # the CA's revocation list, read by every node beside ca.pem
 
 
 class CertificateError(Exception):
@@ -87,14 +89,7 @@ def issue_node(cert_dir: str | os.PathLike[str], node: str, days: int = 365,
     d = Path(cert_dir)
     if not node or "/" in node or node.startswith("."):
         raise CertificateError(f"invalid node name {node!r}")
-    try:
-        ca_cert = x509.load_pem_x509_certificate((d / CA_CERT).read_bytes())
-        ca_key = serialization.load_pem_private_key((d / CA_KEY).read_bytes(), password=None)
-    except FileNotFoundError as e:
-        raise CertificateError(f"no cluster CA in {d} ({e.filename} missing); "
-                               "run `kvfabric certs init` first") from None
-    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
-        raise CertificateError(f"{d / CA_KEY} is not an EC private key")
+    ca_cert, ca_key = _load_ca(d)
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or (_now() - dt.timedelta(minutes=5))
     sans: list[x509.GeneralName] = [x509.DNSName(node)]
@@ -121,6 +116,39 @@ def issue_node(cert_dir: str | os.PathLike[str], node: str, days: int = 365,
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
     logger.info("issued certificate for node %s in %s", node, d)
     return cert_path, key_path
+
+
+def _load_ca(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    try:
+        ca_cert = x509.load_pem_x509_certificate((d / CA_CERT).read_bytes())
+        ca_key = serialization.load_pem_private_key((d / CA_KEY).read_bytes(), password=None)
+    except FileNotFoundError as e:
+        raise CertificateError(f"no cluster CA in {d} ({e.filename} missing); "
+                               "run `kvfabric certs init` first") from None
+    if not isinstance(ca_key, ec.EllipticCurvePrivateKey):
+        raise CertificateError(f"{d / CA_KEY} is not an EC private key")
+    return ca_cert, ca_key
+
+
+def revoke(cert_dir: str | os.PathLike[str], serials: set[int], days: int = 30) -> Path:
+    """Add `serials` to the CA's revocation list `<cert_dir>/crl.pem` (signed with the CA key, so
+    only the operator can write it) and return its path. Earlier revocations are kept."""
+    d = Path(cert_dir)
+    ca_cert, ca_key = _load_ca(d)
+    crl_path = d / CRL
+    revoked: set[int] = set(serials)
+    if crl_path.exists():
+        revoked |= {r.serial_number for r in x509.load_pem_x509_crl(crl_path.read_bytes())}
+    now = _now()
+    builder = (x509.CertificateRevocationListBuilder().issuer_name(ca_cert.subject)
+               .last_update(now - dt.timedelta(minutes=5)).next_update(now + dt.timedelta(days=days)))
+    for serial in sorted(revoked):
+        builder = builder.add_revoked_certificate(
+            x509.RevokedCertificateBuilder().serial_number(serial).revocation_date(now).build())
+    crl = builder.sign(ca_key, hashes.SHA256())
+    _write(crl_path, crl.public_bytes(serialization.Encoding.PEM), private=False)
+    logger.info("revocation list %s now names %d certificate(s)", crl_path, len(revoked))
+    return crl_path
 
 
 def node_name_of(cert: x509.Certificate) -> str:

@@ -7,10 +7,13 @@
 
 Each call is one Ray actor call to the NodeActor on the caller's own Ray node, so payloads move
 through that node's shared-memory object store. `a*` methods are the same calls for asyncio code.
+Every call waits at most `call_timeout_s` for the NodeActor and then raises `FabricTimeoutError`:
+a NodeActor that is stalled never blocks its engine for longer (the engine recomputes instead).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -20,25 +23,33 @@ import ray
 
 from cluster.api import IncompleteLoadError, LoadReply, LookupReply, StoreReply, Tokens
 from cluster.node_actor import node_actor_name
+from fabric.config import ClusterConfig
 from fabric.keys import Namespace
 
 DEFAULT_NAMESPACE = "kvfabric"
+DEFAULT_CALL_TIMEOUT_S = ClusterConfig().client_timeout_s
 
 
 class FabricUnavailableError(RuntimeError):
     """No NodeActor serves this Ray node (the fabric is not started here, or not yet)."""
 
 
+class FabricTimeoutError(TimeoutError):
+    """The node's NodeActor did not answer a call within the client's `call_timeout_s`."""
+
+
 class FabricClient:
-    def __init__(self, actor: ray.actor.ActorHandle, node_id: str) -> None:
+    def __init__(self, actor: ray.actor.ActorHandle, node_id: str, *,
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
         self.actor = actor
         self.node_id = node_id
+        self.call_timeout_s = call_timeout_s
 
     @classmethod
     def connect(cls, *, node_id: str | None = None, namespace: str = DEFAULT_NAMESPACE,
-                timeout_s: float = 30.0) -> FabricClient:
+                timeout_s: float = 30.0, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> FabricClient:
         """The client of this process's Ray node (or of `node_id`); waits up to `timeout_s` for the
-        supervisor to start its NodeActor."""
+        supervisor to start its NodeActor. Each later call waits at most `call_timeout_s`."""
         if not ray.is_initialized():
             raise FabricUnavailableError("Ray is not initialised: call ray.init(address=...) first")
         node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -47,7 +58,7 @@ class FabricClient:
             try:
                 actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
                 ray.get(actor.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                return cls(actor, node_id)
+                return cls(actor, node_id, call_timeout_s=call_timeout_s)
             except (ValueError, ray.exceptions.RayError) as e:
                 if time.monotonic() >= deadline:
                     raise FabricUnavailableError(
@@ -58,56 +69,74 @@ class FabricClient:
     # ---- synchronous -------------------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        reply: LookupReply = ray.get(self.actor.lookup.remote(ns, _tokens(tokens)))
+        reply: LookupReply = self._get("lookup", self.actor.lookup.remote(ns, _tokens(tokens)))
         return reply
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
              pulls: bool = True) -> LoadReply:
-        reply: LoadReply = ray.get(self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls))
+        reply: LoadReply = self._get("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls))
         return reply
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> RayLayerStream:
-        return RayLayerStream(self.actor.load_layers.remote(ns, _tokens(tokens), max_blocks))
+        return RayLayerStream(self.actor.load_layers.remote(ns, _tokens(tokens), max_blocks), self)
 
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
-        reply: StoreReply = ray.get(self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))
+        reply: StoreReply = self._get("store", self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))
         return reply
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = ray.get(self.actor.stats.remote())
+        out: dict[str, Any] = self._get("stats", self.actor.stats.remote())
         return out
+
+    def _get(self, call: str, ref: Any) -> Any:
+        try:
+            return ray.get(ref, timeout=self.call_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            raise self._timeout(call) from None
+
+    def _timeout(self, call: str) -> FabricTimeoutError:
+        return FabricTimeoutError(f"kvfabric NodeActor of Ray node {self.node_id} did not answer {call} within "
+                                  f"{self.call_timeout_s:g} s; recompute instead, or raise call_timeout_s")
 
     # ---- asyncio -----------------------------------------------------------------------------------
 
     async def alookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        reply: LookupReply = await self.actor.lookup.remote(ns, _tokens(tokens))
+        reply: LookupReply = await self._aget("lookup", self.actor.lookup.remote(ns, _tokens(tokens)))
         return reply
 
     async def aload(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
                     pulls: bool = True) -> LoadReply:
-        reply: LoadReply = await self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls)
+        reply: LoadReply = await self._aget("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls))
         return reply
 
     async def astore(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *,
                      first_block: int = 0) -> StoreReply:
-        reply: StoreReply = await self.actor.store.remote(ns, _tokens(tokens), payloads, first_block)
+        reply: StoreReply = await self._aget("store",
+                                             self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))
         return reply
+
+    async def _aget(self, call: str, ref: Any) -> Any:
+        try:
+            return await asyncio.wait_for(ref, self.call_timeout_s)
+        except TimeoutError:
+            raise self._timeout(call) from None
 
 
 class RayLayerStream:
     """`LayerStream` over the NodeActor's streaming generator: the plan first, then layer by layer."""
 
-    def __init__(self, gen: Any) -> None:
+    def __init__(self, gen: Any, client: FabricClient) -> None:
         self._gen = gen
+        self._client = client
         try:
-            self.num_blocks, self.sources = ray.get(next(gen))
+            self.num_blocks, self.sources = client._get("load_layers", next(gen))
         except StopIteration:
             raise RuntimeError("load_layers ended before sending its plan") from None
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         for layer, ref in enumerate(self._gen):
             try:
-                yield layer, ray.get(ref)
+                yield layer, self._client._get("load_layers", ref)
             except ray.exceptions.RayTaskError as e:
                 if isinstance(e.cause, IncompleteLoadError):
                     raise e.cause from None

@@ -8,13 +8,19 @@ it holds for that shard, so the directory is rebuilt from the nodes, the source 
     shard k  =  actor f"{directory_name}-{k}" in Ray namespace `[cluster] namespace`
 
 `DirectoryClient` is what a NodeActor holds: it routes hashes to shards (`shard_of`), merges their
-answers, and turns a dead or restarting shard into "no owners" (a hint that is missing is a miss,
-never an error for the engine).
+answers, and turns a dead, restarting or stalled shard into "no owners" (a hint that is missing is a
+miss, never an error for the engine). A lookup waits at most `[cluster] directory_lookup_timeout_s`
+for a shard; after a timeout that shard's `CircuitBreaker` opens and lookups answer local-only at
+once, while one probe at a time checks whether the shard answers again.
+
+The shards are placed by the Ray resource `[cluster] directory_resource`, the head node by default:
+the directory's latency then does not depend on which worker node Ray happened to pick.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import time
@@ -24,6 +30,7 @@ from typing import Any
 
 import ray
 
+from cluster.breaker import BreakerState, CircuitBreaker
 from cluster.directory import ApplyOutcome, DirectoryShard, LocateReply, NodeAddress, NodeInfo, shard_of
 from fabric.config import ClusterConfig
 
@@ -49,6 +56,10 @@ class DirectoryActor:
 
     def ping(self) -> str:
         return self.epoch
+
+    def probe(self) -> tuple[str, bool]:
+        """A breaker's probe: answers (epoch, True) as soon as the shard serves calls."""
+        return self.epoch, True
 
     def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress,
                   acked_seq: int | None = None) -> tuple[str, ApplyOutcome]:
@@ -86,10 +97,11 @@ class DirectoryActor:
 def start_directory(config: ClusterConfig) -> list[ray.actor.ActorHandle]:
     """Create (or find) every shard actor; idempotent, so `kvfabric start` may run twice."""
     handles = []
+    placement = {"resources": {config.directory_resource: 0.001}} if config.directory_resource else {}
     for k in range(config.directory_shards):
         handles.append(DirectoryActor.options(  # type: ignore[attr-defined]
             name=shard_actor_name(config, k), namespace=config.namespace, lifetime="detached",
-            get_if_exists=True).remote(k, config.directory_shards, config.lease_s))
+            get_if_exists=True, **placement).remote(k, config.directory_shards, config.lease_s))
     ray.get([h.ping.remote() for h in handles])
     return handles
 
@@ -105,12 +117,16 @@ class Located:
 class DirectoryClient:
     """A node's view of the sharded directory: routing, merging, and epoch tracking."""
 
-    def __init__(self, config: ClusterConfig, *, call_timeout_s: float = 5.0) -> None:
+    def __init__(self, config: ClusterConfig) -> None:
         self.config = config
         self.num_shards = config.directory_shards
-        self.call_timeout_s = call_timeout_s
+        self.call_timeout_s = config.directory_call_timeout_s
+        self.lookup_timeout_s = config.directory_lookup_timeout_s
         self._handles: dict[int, ray.actor.ActorHandle] = {}
         self.epochs: dict[int, str] = {}
+        self.breakers = [CircuitBreaker(config.directory_probe_s) for _ in range(self.num_shards)]
+        self.num_skipped = 0     # lookups of a shard answered local-only because its breaker was open
+        self._probes: set[asyncio.Task[None]] = set()
 
     def handle(self, shard: int) -> ray.actor.ActorHandle:
         h = self._handles.get(shard)
@@ -126,19 +142,45 @@ class DirectoryClient:
             out.setdefault(shard_of(h, self.num_shards), []).append(i)
         return out
 
-    async def call(self, shard: int, method: str, *args: Any) -> Any:
-        """Call one shard; returns the answer and records its epoch. Raises one of SHARD_DOWN."""
+    async def call(self, shard: int, method: str, *args: Any, timeout_s: float | None = None) -> Any:
+        """Call one shard; returns the answer and records its epoch. Raises one of SHARD_DOWN.
+        A shard that does not answer within `timeout_s` (default `directory_call_timeout_s`) opens its
+        breaker; any answer closes it."""
+        breaker = self.breakers[shard]
         try:
             handle = self.handle(shard)
         except ValueError:  # get_actor: the shard has not been created (yet)
+            breaker.failure(time.monotonic())
             raise ray.exceptions.RayActorError() from None
         try:
-            epoch, *answer = await asyncio.wait_for(getattr(handle, method).remote(*args), self.call_timeout_s)
+            epoch, *answer = await asyncio.wait_for(getattr(handle, method).remote(*args),
+                                                    timeout_s or self.call_timeout_s)
         except SHARD_DOWN:
             self._handles.pop(shard, None)
+            if breaker.state is BreakerState.CLOSED:
+                logger.warning("directory shard %d did not answer %s in time: lookups answer local-only "
+                               "until it does", shard, method)
+            breaker.failure(time.monotonic())
             raise
+        if breaker.state is not BreakerState.CLOSED:
+            logger.info("directory shard %d answers again", shard)
+        breaker.success()
         self.epochs[shard] = epoch
         return answer[0] if len(answer) == 1 else tuple(answer)
+
+    def _probe_if_due(self, shard: int) -> None:
+        """Send the one probe of an open breaker, off the request path."""
+        if not self.breakers[shard].take_probe(time.monotonic()):
+            return
+
+        async def probe() -> None:
+            # On failure call() re-opens the breaker; the next lookup after probe_s probes again.
+            with contextlib.suppress(*SHARD_DOWN):
+                await self.call(shard, "probe")
+
+        task = asyncio.get_running_loop().create_task(probe())
+        self._probes.add(task)
+        task.add_done_callback(self._probes.discard)
 
     async def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> Located:
         """Live owners per hash; a shard that does not answer contributes no owners."""
@@ -147,8 +189,13 @@ class DirectoryClient:
         parts = self.split(hashes)
 
         async def one(shard: int, positions: list[int]) -> None:
+            if not self.breakers[shard].allow():
+                self.num_skipped += 1
+                self._probe_if_due(shard)
+                return
             try:
-                reply, addrs = await self.call(shard, "locate", [hashes[i] for i in positions], list(exclude))
+                reply, addrs = await self.call(shard, "locate", [hashes[i] for i in positions], list(exclude),
+                                               timeout_s=self.lookup_timeout_s)
             except SHARD_DOWN as e:
                 logger.info("directory shard %d did not answer a lookup (%s): treating as no owners",
                             shard, type(e).__name__)
@@ -159,6 +206,11 @@ class DirectoryClient:
 
         await asyncio.gather(*(one(s, pos) for s, pos in parts.items()))
         return Located(tuple(owners), addresses)
+
+    def breaker_stats(self) -> dict[str, Any]:
+        return {"breaker_states": [b.state.name.lower() for b in self.breakers],
+                "breaker_opened": sum(b.num_opened for b in self.breakers),
+                "lookups_answered_local_only": self.num_skipped}
 
     async def stats(self) -> list[dict[str, Any]]:
         out = []

@@ -5,7 +5,7 @@ All live in the node's own `CollectorRegistry`, served on `[cluster] metrics_por
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 
 class ClusterMetrics:
@@ -34,3 +34,6 @@ class ClusterMetrics:
                                ["reason"], registry=registry)
         self.batches = Counter("kvfabric_directory_batches_total", "Register/unregister batches by outcome",
                                ["outcome"], registry=registry)
+        self.breaker_state = Gauge("kvfabric_directory_breaker_state",
+                                   "Each directory shard's breaker: 0 closed, 1 open (lookups answer local-only), "
+                                   "2 probing", ["shard"], registry=registry)

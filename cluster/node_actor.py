@@ -23,6 +23,7 @@ import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ from cluster.api import (
     check_payloads,
     payload_shape,
 )
+from cluster.breaker import CircuitBreaker
 from cluster.directory import ApplyOutcome, NodeAddress
 from cluster.directory_actor import SHARD_DOWN, DirectoryClient
 from cluster.local import WHERE_OF_TIER, LocalFabric
@@ -65,6 +67,10 @@ from transports.metrics import TransportMetrics
 logger = logging.getLogger(__name__)
 
 GC_THRESHOLD = 50_000   # young-generation allocations between cycle-collector passes (CPython: 700)
+
+def _breaker_value(breaker: CircuitBreaker) -> float:
+    return float(breaker.state.value)
+
 
 def node_actor_name(node_id: str) -> str:
     return f"kvfabric-node-{node_id}"
@@ -150,6 +156,8 @@ class NodeActor:
         self.metrics_port = int(self.http.server_port)
         c = cfg.cluster
         self.directory = DirectoryClient(c)
+        for k, breaker in enumerate(self.directory.breakers):
+            self.metrics.breaker_state.labels(str(k)).set_function(partial(_breaker_value, breaker))
         self.sync = DirectorySync(c.directory_shards, flush_s=c.flush_ms / 1000, flush_blocks=c.flush_blocks,
                                   queue_max=c.queue_max)
         self.sync.mark_all_resync()   # a new incarnation starts by telling the directory all it holds
@@ -426,4 +434,4 @@ class NodeActor:
                 "pulls": pulls, "pulled_bytes": count("kvfabric_pull_bytes_total", transport=self.address.transport),
                 "said_yes_owner_no": count("kvfabric_directory_said_yes_owner_said_no_total"),
                 "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows,
-                "pending_mirrors": self._pending_mirrors}
+                "pending_mirrors": self._pending_mirrors, "directory": self.directory.breaker_stats()}

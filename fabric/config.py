@@ -96,6 +96,11 @@ class ClusterConfig:
     resync_batch: int = 4096                     # hashes per resync call
     resync_jitter_s: float = 0.5                 # nodes spread their resyncs after a directory restart
     pull_timeout_s: float = 10.0                 # a pull from one owner is abandoned after this
+    directory_lookup_timeout_s: float = 0.5      # a lookup waits this long for a shard, then answers local-only
+    directory_call_timeout_s: float = 5.0        # batches, heartbeats, resyncs and probes wait this long
+    directory_probe_s: float = 0.5               # after a shard timed out, probe it this often (lookups skip it)
+    directory_resource: str = "node:__internal_head__"   # Ray resource the shards are placed by ("": anywhere)
+    client_timeout_s: float = 120.0              # a FabricClient call waits this long for its NodeActor
 
 
 @dataclass(slots=True)
@@ -145,7 +150,11 @@ class Config:
                     "cluster.directory_shards": self.cluster.directory_shards,
                     "cluster.flush_ms": self.cluster.flush_ms, "cluster.flush_blocks": self.cluster.flush_blocks,
                     "cluster.queue_max": self.cluster.queue_max, "cluster.resync_batch": self.cluster.resync_batch,
-                    "cluster.pull_timeout_s": self.cluster.pull_timeout_s}
+                    "cluster.pull_timeout_s": self.cluster.pull_timeout_s,
+                    "cluster.directory_lookup_timeout_s": self.cluster.directory_lookup_timeout_s,
+                    "cluster.directory_call_timeout_s": self.cluster.directory_call_timeout_s,
+                    "cluster.directory_probe_s": self.cluster.directory_probe_s,
+                    "cluster.client_timeout_s": self.cluster.client_timeout_s}
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{source}: {key} must be > 0, got {value}")

@@ -3,7 +3,7 @@
     kvfabric up --nodes 3            a local Ray cluster (head + 2 worker raylets on 127.0.0.1)
                                      with the fabric on it; returns and leaves it running
     kvfabric start --address ADDR    the fabric on an existing Ray cluster (Ray jobs, the Helm chart)
-    kvfabric stats [--json]          per node: blocks and bytes per tier, hit ratio, pulls by outcome;
+    kvfabric stats [--config F] [--json]  per node: blocks and bytes per tier, hit ratio, pulls by outcome;
                                      directory entries per shard
     kvfabric down                    stop the fabric (and the local cluster `up` started)
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -25,17 +26,13 @@ from rich.console import Console
 from rich.table import Table
 
 from cluster.cli import CLIError
-from fabric.config import Config, ConfigError
+from fabric.config import ClusterConfig, Config, ConfigError, kvfabric_home
 
 logger = logging.getLogger(__name__)
 
 
-def _home() -> Path:
-    return Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
-
-
 def state_file() -> Path:
-    return _home() / "local-cluster.json"
+    return kvfabric_home() / "local-cluster.json"
 
 
 def register(sub: Any) -> None:
@@ -51,6 +48,7 @@ def register(sub: Any) -> None:
     start.set_defaults(func=cmd_start)
     stats = sub.add_parser("stats", help="per-node and directory statistics")
     stats.add_argument("--address", help="Ray address (default: the cluster `up` started, else auto)")
+    stats.add_argument("--config", help="kvfabric TOML config (its [cluster] namespace and directory)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
     stats.set_defaults(func=cmd_stats)
     down = sub.add_parser("down", help="stop the fabric and the local cluster `up` started")
@@ -105,7 +103,7 @@ def cmd_up(args: argparse.Namespace) -> int:
     num_nodes = args.nodes or config.cluster.num_nodes
     if num_nodes < 1:
         raise CLIError(f"--nodes must be at least 1, got {num_nodes}")
-    root = Path(args.root or _home() / "local")
+    root = Path(args.root or kvfabric_home() / "local")
     start = time.monotonic()
     with Console().status(f"starting {num_nodes} Ray nodes and the fabric on 127.0.0.1 ..."):
         local = start_local_cluster(num_nodes, root, config, num_cpus_per_node=args.cpus_per_node, persistent=True)
@@ -139,15 +137,15 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
-def gather_stats(namespace: str = "kvfabric") -> dict[str, Any]:
+def gather_stats(cluster: ClusterConfig) -> dict[str, Any]:
     """Every NodeActor's stats and every directory shard's, from a connected driver."""
     import ray
 
-    from cluster.directory_actor import DirectoryClient
+    from cluster.directory_actor import DirectoryClient, shard_actor_name
     from cluster.node_actor import node_actor_name
     from cluster.supervisor import alive_node_ids
-    from fabric.config import ClusterConfig
 
+    namespace = cluster.namespace
     nodes = []
     for node_id in alive_node_ids():
         try:
@@ -158,18 +156,20 @@ def gather_stats(namespace: str = "kvfabric") -> dict[str, Any]:
     num_shards = 0
     while True:
         try:
-            ray.get_actor(f"{ClusterConfig().directory_name}-{num_shards}", namespace=namespace)
+            ray.get_actor(shard_actor_name(cluster, num_shards), namespace=namespace)
             num_shards += 1
         except ValueError:
             break
-    shards = asyncio.run(DirectoryClient(ClusterConfig(directory_shards=max(1, num_shards))).stats()) \
+    shards = asyncio.run(DirectoryClient(dataclasses.replace(cluster, directory_shards=num_shards)).stats()) \
         if num_shards else []
     return {"nodes": nodes, "directory": shards}
 
 
 def cmd_stats(args: argparse.Namespace) -> int:
-    _connect(args.address)
-    stats = gather_stats()
+    _, state = _connect(args.address)
+    # The config the local cluster was started with, unless one is named: its namespace and shards.
+    config_path = args.config or (state or {}).get("config")
+    stats = gather_stats(_config(config_path).cluster)
     if args.json:
         print(json.dumps(stats, default=str))
         return 0

@@ -23,7 +23,8 @@ class ConfigError(ValueError):
     """The configuration file or a value in it is invalid."""
 
 
-def _default_root() -> Path:
+def kvfabric_home() -> Path:
+    """The root of every default path: `$KVFABRIC_HOME`, else `~/.cache/kvfabric`."""
     return Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
 
 
@@ -33,10 +34,10 @@ TransportKind = Literal["quic", "tls-tcp", "rdma"]
 @dataclass(slots=True)
 class KVConfig:
     ram_gib: float = 1.0
-    ssd_dir: str = str(_default_root() / "ssd")
+    ssd_dir: str = str(kvfabric_home() / "ssd")
     ssd_gib: float = 8.0
     ssd_ttl_s: float = 7 * 24 * 3600.0
-    index_dir: str = str(_default_root() / "index")
+    index_dir: str = str(kvfabric_home() / "index")
     mirror_pulls: bool = True
     mirror_delay_s: float = 1.0          # a pull's mirror starts this long after its load returned
     block_size: int = 16
@@ -69,7 +70,7 @@ class TransportConfig:
     host: str = "127.0.0.1"
     quic_port: int = 0
     tcp_port: int = 0
-    cert_dir: str = str(_default_root() / "certs")
+    cert_dir: str = str(kvfabric_home() / "certs")
     node_name: str = "node-0"
     max_payload_bytes: int = 64 * 1024 * 1024
     max_datagram_size: int = 8952

@@ -19,7 +19,6 @@ import enum
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -36,6 +35,7 @@ from transformers.cache_utils import DynamicLayer
 from cluster.api import Fabric, IncompleteLoadError
 from cluster.engines.hf_cache import LayerFeed, LayerwiseCache, cache_from_payloads
 from cluster.engines.hf_kv import encode_cache, fingerprint_file, fingerprint_state_dict, namespace_for
+from fabric.config import kvfabric_home
 from fabric.keys import Namespace
 
 logger = logging.getLogger(__name__)
@@ -233,7 +233,7 @@ def smollm2_checkpoint(cache_root: str | Path | None = None) -> tuple[Path, str]
     kept under `cache_root` (default `$KVFABRIC_HOME/checkpoints`, the root fabric.config uses) in a
     folder named by the GGUF file's BLAKE3, so later runs load it in ~1 s instead of ~20 s."""
     fingerprint = fingerprint_file(smollm2_folder() / SMOLLM2_FILE)
-    home = Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
+    home = kvfabric_home()
     root = Path(cache_root) if cache_root else home / "checkpoints"
     folder = root / f"smollm2-{fingerprint[:16]}"
     if folder.is_dir():   # only ever created whole, by the rename below

@@ -20,18 +20,21 @@ def run(args: list[str], home: Path, timeout: float = 180) -> subprocess.Complet
 
 def test_up_stats_down_round_trip(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    up = run(["up", "--nodes", "2", "--root", str(tmp_path / "fabric")], home)
+    config = tmp_path / "team.toml"   # not the default namespace, directory name or shard count
+    config.write_text('[cluster]\nnamespace = "team-a"\ndirectory_name = "team-a-dir"\ndirectory_shards = 2\n')
+    up = run(["up", "--nodes", "2", "--root", str(tmp_path / "fabric"), "--config", str(config)], home)
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         assert "kvfabric is up: 2 Ray nodes" in up.stdout
         state = json.loads((home / "local-cluster.json").read_text())
         assert state["address"].startswith("127.0.0.1:")
-        stats = run(["stats", "--json"], home)
-        assert stats.returncode == 0, stats.stderr[-3000:]
-        report = json.loads(stats.stdout.strip().splitlines()[-1])
-        assert len(report["nodes"]) == 2 and all("error" not in n for n in report["nodes"])
-        assert all(n["address"].startswith("127.0.0.1:") for n in report["nodes"])
-        assert [s["shard"] for s in report["directory"]] == [0]
+        for args in (["stats", "--json"], ["stats", "--json", "--config", str(config)]):
+            stats = run(args, home)
+            assert stats.returncode == 0, stats.stderr[-3000:]
+            report = json.loads(stats.stdout.strip().splitlines()[-1])
+            assert len(report["nodes"]) == 2 and all("error" not in n for n in report["nodes"])
+            assert all(n["address"].startswith("127.0.0.1:") for n in report["nodes"])
+            assert [s["shard"] for s in report["directory"]] == [0, 1]
         again = run(["up", "--nodes", "2"], home)
         assert again.returncode == 2 and "already up" in again.stderr and "Traceback" not in again.stderr
     finally:

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 from ray.cluster_utils import Cluster
 
-from cluster.directory_actor import DirectoryClient, shard_actor_name, start_directory
+from cluster.directory_actor import shard_actor_name, start_directory
 from cluster.node_actor import node_actor_name
 from cluster.supervisor import SUPERVISOR_NAME, alive_node_ids, ensure_nodes, start_supervisor
 from fabric.config import Config
@@ -178,7 +178,3 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
         cluster.shutdown()
         raise
     return LocalCluster(cluster, cfg, root)
-
-
-async def directory_stats(config: Config) -> list[dict[str, Any]]:
-    return await DirectoryClient(config.cluster).stats()

@@ -33,7 +33,7 @@ relative O(1), forget O(1) (O(n) only when the hottest key itself is forgotten).
 from __future__ import annotations
 
 import math
-from collections.abc import Hashable, Iterable
+from collections.abc import Hashable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
@@ -101,22 +101,12 @@ class TierPolicy:
     def ram_offload_line(self) -> int:
         return int(self.ram_capacity_bytes * self.ram_offload_threshold)
 
-    def ram_bytes_to_free(self, used: int) -> int:
-        """Bytes the evictor should move out of RAM now (0 while under the offload line)."""
-        return max(0, used - self.ram_offload_line)
-
     def ram_room_for_promotion(self, used: int) -> int:
         """Bytes a promotion or prefetch may add without creating eviction work."""
         return max(0, self.ram_offload_line - used)
 
     def ssd_has_room(self, used: int, num_bytes: int) -> bool:
         return used + num_bytes <= self.ssd_capacity_bytes
-
-    def ssd_bytes_to_free(self, used: int, wanted: int = 0) -> int:
-        """Bytes to evict: down to the low-water line, and enough for `wanted` bytes that were
-        refused since the last pass (so a refused write fits next time even for huge blocks)."""
-        return max(0, used - int(self.ssd_capacity_bytes * self.ssd_low_water),
-                   used + wanted - self.ssd_capacity_bytes)
 
     def ssd_expiry_cutoff(self, now_unix: float) -> float:
         """Blocks last seen before this instant have outlived ssd_ttl_s."""
@@ -191,6 +181,3 @@ class DecayedFrequency(Generic[K]):
     def forget(self, key: K) -> None:
         if self._scores.pop(key, None) is not None and key == self._hottest:
             self._hottest = max(self._scores, key=self._scores.__getitem__) if self._scores else None
-
-    def hottest_first(self, keys: Iterable[K]) -> list[K]:
-        return sorted(keys, key=lambda k: self._scores.get(k, -math.inf), reverse=True)

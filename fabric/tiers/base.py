@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Protocol
 
 import blake3
 
@@ -69,17 +68,6 @@ class CorruptBlockError(Exception):
         super().__init__(f"block {key.hex()[:16]}: {reason}")
         self.key = key
         self.reason = reason
-
-
-class TierProtocol(Protocol):
-    """The small surface the RAM and SSD tiers share (the device tier tracks hashes only)."""
-
-    tier: Tier
-
-    def contains(self, key: StorageKey) -> bool: ...
-    def get(self, key: StorageKey) -> StoredBlock | None: ...
-    def remove(self, key: StorageKey) -> bool: ...
-    def stats(self) -> TierStats: ...
 
 
 def as_bytes_view(payload: Payload) -> memoryview:

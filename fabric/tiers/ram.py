@@ -91,9 +91,6 @@ class RamTier:
         entry = self._entries.get(key)
         return None if entry is None else entry.digest
 
-    def can_put(self, num_bytes: int) -> bool:
-        return self._used + num_bytes <= self.high_water_bytes
-
     def put(self, key: StorageKey, payload: memoryview, digest: bytes, *, footprint: int | None = None,
             pinned: bool = False, limit_bytes: int | None = None) -> bool:
         """Store a verified payload (replacing any old one); False if it would pass the limit.

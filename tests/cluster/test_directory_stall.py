@@ -4,6 +4,7 @@ the directory shard and a NodeActor are frozen with SIGSTOP (and always resumed 
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import time
@@ -115,3 +116,25 @@ def test_a_frozen_node_actor_costs_its_engine_at_most_the_client_timeout(fabric:
     finally:
         os.kill(pid, signal.SIGCONT)
     assert client.lookup(NS, [1] * 32).num_blocks == 0
+
+
+def test_asyncio_callers_get_the_same_answers_and_the_same_timeout(fabric: LocalCluster) -> None:
+    head = ray.get_runtime_context().get_node_id()
+    client = FabricClient.connect(node_id=head, call_timeout_s=1.0)
+    tokens = [int(t) for t in np.random.default_rng(3).integers(0, 50_000, 4 * 16)]
+    data = np.random.default_rng(4).integers(0, 256, payload_shape(NS, 4), dtype=np.uint8)
+
+    async def round_trip() -> None:
+        assert (await client.astore(NS, tokens, data)).num_stored == 4
+        assert (await client.alookup(NS, tokens)).num_blocks == 4
+        reply = await client.aload(NS, tokens)
+        assert reply.num_blocks == 4 and np.array_equal(reply.payloads, data)
+
+    asyncio.run(round_trip())
+    pid = client.stats()["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with pytest.raises(FabricTimeoutError, match="did not answer load"):
+            asyncio.run(client.aload(NS, tokens))
+    finally:
+        os.kill(pid, signal.SIGCONT)

@@ -47,7 +47,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, median, print_table
-from fabric.block_manager import BlockManager, SeqState
+from cluster.engines.block_manager import BlockManager, SeqState
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 

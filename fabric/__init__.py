@@ -1,1 +1,1 @@
-"""Node-local core of kvfabric: keys, layouts, block manager, radix tree, KV pools, tiers, store."""
+"""Node-local core of kvfabric: keys, layouts, tiers, the RocksDB index, the store and its metrics."""

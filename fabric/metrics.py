@@ -11,13 +11,7 @@
     kvfabric_put_rejected_total{reason}         counter: full / no_space / digest_mismatch / io_error
     kvfabric_pending_writes                     gauge: write-behind blocks not yet on SSD
 
-An engine's BlockManager is exported beside them by `AllocatorMetrics` (occupancy read at scrape time,
-latency of the calls made through it):
-
-    kvfabric_allocator_blocks{state}            gauge: available / cached / in_use / reserved
-    kvfabric_allocator_utilisation              gauge: share of blocks a new request cannot take
-    kvfabric_allocator_latency_seconds{op}      summary (count, sum) of allocate / release calls
-    kvfabric_allocator_recent_latency_seconds{op,quantile}   gauge: p50 / p99 of recent calls
+An engine's BlockManager is exported beside them by `cluster.engines.allocator_metrics`.
 
 One `CollectorRegistry` per Store, so several stores (or tests) in one process never collide.
 `render()` gives the text exposition; `serve(port)` starts an HTTP endpoint for that registry.
@@ -28,16 +22,11 @@ hot path are bound once.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
-from time import perf_counter_ns
+from collections.abc import Callable
 from wsgiref.simple_server import WSGIServer
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, start_http_server
-from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
-from prometheus_client.registry import Collector
 
-from fabric.block_manager import BlockManager, RequestId, SeqState
-from fabric.latency import LatencyRecorder, LatencyStats
 from fabric.tiers.base import Tier
 
 LOOKUP_BUCKETS = (5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1, 1.0)
@@ -93,83 +82,3 @@ class StoreMetrics:
     def serve(self, port: int, addr: str = "127.0.0.1") -> tuple[WSGIServer, threading.Thread]:
         """Serve /metrics for this registry on addr:port (port 0 picks one: see server.server_port)."""
         return start_http_server(port, addr=addr, registry=self.registry)
-
-
-class AllocatorMetrics(Collector):
-    """A BlockManager's occupancy (read from `stats()` at scrape time) and the latency of its calls.
-
-    The manager itself keeps no clocks: an engine that wants allocator latencies calls the manager
-    through this object (`metrics.allocate(seq)` ...), which times each call and delegates. Register
-    one per engine pool: `AllocatorMetrics(manager, registry)`. The manager is not thread-safe, so a
-    scrape must not overlap its owner's calls (its owner's lock, or a snapshot the owner refreshes).
-    """
-
-    def __init__(self, manager: BlockManager, registry: CollectorRegistry, *, latency_window: int = 1024) -> None:
-        self.manager = manager
-        self._alloc = LatencyRecorder(latency_window)
-        self._release = LatencyRecorder(latency_window)
-        registry.register(self)
-
-    def allocate(self, seq: SeqState) -> bool:
-        start = perf_counter_ns()
-        ok = self.manager.allocate(seq)
-        if ok:
-            self._alloc.record(perf_counter_ns() - start)
-        return ok
-
-    def may_append(self, seq: SeqState) -> bool:
-        """Timed as an allocation only when it takes a block (most decode steps take none)."""
-        before = len(seq.block_table)
-        start = perf_counter_ns()
-        ok = self.manager.may_append(seq)
-        if len(seq.block_table) != before:
-            self._alloc.record(perf_counter_ns() - start)
-        return ok
-
-    def reserve(self, request_id: RequestId, num_blocks: int) -> bool:
-        start = perf_counter_ns()
-        ok = self.manager.reserve(request_id, num_blocks)
-        if ok:
-            self._alloc.record(perf_counter_ns() - start)
-        return ok
-
-    def deallocate(self, seq: SeqState) -> None:
-        start = perf_counter_ns()
-        self.manager.deallocate(seq)
-        self._release.record(perf_counter_ns() - start)
-
-    def release(self, request_id: RequestId) -> int:
-        start = perf_counter_ns()
-        num = self.manager.release(request_id)
-        if num:
-            self._release.record(perf_counter_ns() - start)
-        return num
-
-    def latencies(self) -> dict[str, LatencyStats]:
-        """Latency of allocate-side calls (allocate / may_append taking a block / reserve) and release-side
-        calls (deallocate / release returning blocks)."""
-        return {"allocate": self._alloc.stats(), "release": self._release.stats()}
-
-    def collect(self) -> Iterator[Metric]:
-        st = self.manager.stats()
-        blocks = GaugeMetricFamily("kvfabric_allocator_blocks", "Engine pool blocks by state", labels=["state"])
-        for state, n in (("available", st.num_available), ("cached", st.num_cached),
-                         ("in_use", st.num_in_use), ("reserved", st.num_reserved)):
-            blocks.add_metric([state], n)
-        yield blocks
-        yield GaugeMetricFamily("kvfabric_allocator_utilisation", "Share of engine pool blocks a new "
-                                "request cannot take", value=st.utilisation)
-        total = SummaryMetricFamily("kvfabric_allocator_latency_seconds", "Allocate / release calls of the "
-                                    "engine pool", labels=["op"])
-        recent = GaugeMetricFamily("kvfabric_allocator_recent_latency_seconds", "Latency quantiles over the "
-                                   "most recent allocate / release calls", labels=["op", "quantile"])
-        for op, lat in self.latencies().items():
-            total.add_metric([op], lat.count, lat.count * lat.mean_ns / 1e9)
-            for quantile, ns in _quantiles(lat):
-                recent.add_metric([op, quantile], ns / 1e9)
-        yield total
-        yield recent
-
-
-def _quantiles(lat: LatencyStats) -> tuple[tuple[str, int], ...]:
-    return (("0.5", lat.p50_ns), ("0.99", lat.p99_ns))

@@ -21,10 +21,10 @@ import numpy as np
 import torch
 
 from cluster.api import Fabric
+from cluster.engines.block_manager import BlockManager, SeqState
+from cluster.engines.kv_pool import StorageType, TokenToKVPool
 from cluster.engines.tiny_llama import TinyLlama
-from fabric.block_manager import BlockManager, SeqState
 from fabric.keys import BlockAddress, BlockHash
-from fabric.kv_pool import StorageType, TokenToKVPool
 from fabric.store import Store
 from fabric.tiers.base import Payload
 

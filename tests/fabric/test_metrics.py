@@ -7,14 +7,11 @@ import urllib.request
 from pathlib import Path
 
 import blake3
-from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from fabric.block_manager import BlockManager, SeqState
 from fabric.config import KVConfig
-from fabric.keys import BlockAddress, BlockHash, Namespace
-from fabric.layout import KVLayout
-from fabric.metrics import AllocatorMetrics, StoreMetrics
+from fabric.keys import BlockAddress, BlockHash
+from fabric.metrics import StoreMetrics
 from fabric.store import PutResult, Store
 from fabric.tiers.base import Tier
 
@@ -96,24 +93,3 @@ def test_registry_is_served_over_http(tmp_path: Path) -> None:
         server.server_close()
         thread.join(timeout=10)
     assert b'kvfabric_put_rejected_total{reason="full"} 4.0' in body
-
-
-def test_allocator_metrics_follow_the_block_manager() -> None:
-    registry = CollectorRegistry()
-    layout = KVLayout.mha(num_layers=2, num_kv_heads=2, head_dim=8, dtype="f16")
-    bm = BlockManager(Namespace("m", layout, 4), num_blocks=10)
-    am = AllocatorMetrics(bm, registry)   # the calls go through it, so it times them
-    seqs = [SeqState(i, [1, 2, 3, 4, 5 + i]) for i in range(3)]   # 2 blocks each, the first shared
-    for seq in seqs:
-        assert am.allocate(seq)
-    am.deallocate(seqs[0])
-    assert am.reserve("r", 2)
-    got = samples(generate_latest(registry))
-    state = {s: got[("kvfabric_allocator_blocks", (("state", s),))]
-             for s in ("available", "cached", "in_use", "reserved")}
-    assert state == {"available": 5, "cached": 0, "in_use": 3, "reserved": 2}
-    assert got[("kvfabric_allocator_utilisation", ())] == 0.5
-    assert got[("kvfabric_allocator_latency_seconds_count", (("op", "allocate"),))] == 4   # 3 + reserve
-    assert got[("kvfabric_allocator_latency_seconds_count", (("op", "release"),))] == 1
-    assert got[("kvfabric_allocator_latency_seconds_sum", (("op", "allocate"),))] > 0
-    assert got[("kvfabric_allocator_recent_latency_seconds", (("op", "allocate"), ("quantile", "0.99")))] > 0

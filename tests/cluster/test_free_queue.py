@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fabric.free_queue import EMPTY, FreeBlockQueue
+from cluster.engines.free_queue import EMPTY, FreeBlockQueue
 
 
 def test_starts_full_in_id_order() -> None:

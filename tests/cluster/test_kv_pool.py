@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from fabric.kv_pool import (
+from cluster.engines.kv_pool import (
     DoubleFreeError,
     ReqToTokenPool,
     SlotAllocator,

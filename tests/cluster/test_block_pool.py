@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fabric.block_pool import BlockPool, BlockState
+from cluster.engines.block_pool import BlockPool, BlockState
 from fabric.keys import BlockHash, chain_hash
 
 ROOT = BlockHash(bytes(32))

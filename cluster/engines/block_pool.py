@@ -1,6 +1,6 @@
 """Block pool: the mechanics under the block manager (free queue, ref counts, hash map, reservations).
 
-It knows block ids, not sequences or requests' tokens: the request layer (`fabric.block_manager`)
+It knows block ids, not sequences or requests' tokens: the request layer (`cluster.engines.block_manager`)
 decides which blocks a sequence gets and asks the pool to move them. All per-block state lives in
 preallocated lists indexed by block id:
 
@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
-from fabric.free_queue import EMPTY, FreeBlockQueue
+from cluster.engines.free_queue import EMPTY, FreeBlockQueue
 from fabric.keys import BlockHash
 
 RequestId = str

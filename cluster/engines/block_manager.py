@@ -2,7 +2,7 @@
 
 The semantics are nano-vllm's (chained block hashes, hits verified against the block's tokens,
 can_allocate / allocate, can_append / may_append, deallocate), plus per-request reservations,
-events and stats. The pool (`fabric.block_pool`) holds the per-block mechanics; this layer turns a
+events and stats. The pool (`cluster.engines.block_pool`) holds the per-block mechanics; this layer turns a
 sequence's tokens into block hashes, walks the longest cached prefix (one walk, shared by
 `match_prefix` and `allocate`), and queues `BlockStored` / `BlockEvicted` events.
 
@@ -27,7 +27,7 @@ from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from fabric.block_pool import BlockPool, BlockState, RequestId
+from cluster.engines.block_pool import BlockPool, BlockState, RequestId
 from fabric.events import BlockEvent, BlockEvicted, BlockStored
 from fabric.keys import BlockHash, Namespace, chain_hash
 
@@ -36,7 +36,7 @@ __all__ = ["BlockManager", "BlockManagerStats", "BlockState", "ChainHashFn", "Re
 ChainHashFn = Callable[[bytes, bytes], BlockHash]
 
 if array("I").itemsize != 4:  # pragma: no cover - every supported platform has a 32-bit C int
-    raise ImportError("fabric.block_manager needs array('I') to hold 32-bit token ids")
+    raise ImportError("cluster.engines.block_manager needs array('I') to hold 32-bit token ids")
 _LITTLE_ENDIAN = sys.byteorder == "little"
 
 

@@ -147,7 +147,7 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
                     num_blocks = len(prompts[i]) // args.block_size
                     views = [NodeView(n, [loc.where.value for loc in clients[n].lookup(ns, prompts[i]).locations],
                                       queued[n]) for n in nodes]
-                    node = router.choose(num_blocks, views).node_id
+                    node = router.choose(num_blocks, views, prompt_key=_first_block_key(ns, prompts[i])).node_id
                     queued[node] += 1
                     pending.append((i, node, engines[node].serve.remote(
                         prompts[i], args.max_new_tokens, eos_token_id=eos, mode=args.mode)))
@@ -165,6 +165,13 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     answers = {s.index: str(tokenizer.decode(s.fabric.tokens, skip_special_tokens=True)) for s in served}
     return served, {"hit_ratio": router.hit_ratio, "pulled": pulled, "answers": answers, "nodes": nodes,
                     "system_tokens": len(tokenizer(system)["input_ids"])}
+
+
+def _first_block_key(ns: Any, tokens: list[int]) -> bytes:
+    from fabric.keys import block_hashes
+
+    hashes = block_hashes(ns, tokens[:ns.block_size])
+    return bytes(hashes[0]) if hashes else b""
 
 
 def _short(text: str, words: int = 8) -> str:

@@ -8,10 +8,12 @@ The cost of sending a prompt of `num_blocks` blocks to a node is measured in blo
 
 A block already in GPU memory costs nothing to reuse; one in RAM, on SSD, or on a peer costs a
 fraction of a recompute (the copy, the disk read, the network pull). The node with the lowest cost
-wins; ties go to the lower node id. Cache affinity alone would pile every request of a popular
-system prompt onto one node, so when loads differ too much (`max - min > imbalance_min` and
-`max > imbalance_ratio * min`) the least-loaded node is chosen instead, as SGLang's cache-aware
-router does.
+wins. Ties are broken by rendezvous hashing of the prompt's first block over the tied nodes (the
+node whose BLAKE3(prompt key ‖ node id) is highest): equal nodes share distinct prompts evenly, the
+same prompt always goes to the same node, and no node id is favoured. Cache affinity alone would
+pile every request of a popular system prompt onto one node, so when loads differ too much
+(`max - min > imbalance_min` and `max > imbalance_ratio * min`) the least-loaded node is chosen
+instead, as SGLang's cache-aware router does.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
+
+import blake3
 
 #: fraction of one block's prefill that reusing a cached block costs, by where it is (cluster.api.Where)
 DEFAULT_TIER_WEIGHTS: Mapping[str, float] = MappingProxyType({"device": 0.0, "ram": 0.05, "ssd": 0.15, "peer": 0.3})
@@ -67,8 +71,9 @@ class Router:
                              f"known: {sorted(self.tier_weights)}") from None
         return reuse + (num_blocks - len(prefix)) + self.load_weight * view.load
 
-    def choose(self, num_blocks: int, views: Sequence[NodeView]) -> RouteDecision:
-        """The node to serve a prompt of `num_blocks` full blocks; ValueError if there is none."""
+    def choose(self, num_blocks: int, views: Sequence[NodeView], prompt_key: bytes = b"") -> RouteDecision:
+        """The node to serve a prompt of `num_blocks` full blocks; ValueError if there is none.
+        `prompt_key` (the hash of the prompt's first block) breaks ties between equal nodes."""
         if not views:
             raise ValueError("no nodes to route to")
         if num_blocks < 0:
@@ -78,9 +83,9 @@ class Router:
         lo, hi = min(loads), max(loads)
         if hi - lo > self.imbalance_min and hi > self.imbalance_ratio * lo:
             least = [v for v in views if v.load == lo]
-            best = min(least, key=lambda v: (costs[v.node_id], v.node_id))
+            best = min(least, key=lambda v: (costs[v.node_id], _rendezvous(prompt_key, v.node_id)))
             return RouteDecision(best.node_id, costs[best.node_id], "imbalance")
-        best = min(views, key=lambda v: (costs[v.node_id], v.node_id))
+        best = min(views, key=lambda v: (costs[v.node_id], _rendezvous(prompt_key, v.node_id)))
         return RouteDecision(best.node_id, costs[best.node_id], "cost")
 
     def record(self, num_blocks: int, num_hit_blocks: int) -> None:
@@ -94,3 +99,9 @@ class Router:
     def hit_ratio(self) -> float:
         """Reused blocks / requested blocks over every recorded request (0.0 before any)."""
         return self._num_hit_blocks / self._num_blocks if self._num_blocks else 0.0
+
+
+def _rendezvous(prompt_key: bytes, node_id: str) -> bytes:
+    """Sort key of a node for one prompt: the node with the highest BLAKE3(key ‖ node) sorts first."""
+    digest = blake3.blake3(prompt_key + b"\x00" + node_id.encode()).digest()
+    return bytes(255 - b for b in digest[:8])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import blake3
 import pytest
 
 from cluster.router import NodeView, RouteDecision, Router
@@ -37,7 +38,8 @@ def test_load_breaks_near_ties_but_not_a_large_cache_advantage() -> None:
     assert r.choose(16, views).node_id == "a"        # one block cheaper to compute < one queued request
     views = [NodeView("a", ["device"] * 100, 2), NodeView("b", [], 0)]
     assert r.choose(100, views) == RouteDecision("a", 4.0, "cost")
-    assert r.choose(4, [NodeView("z", [], 0), NodeView("y", [], 0)]).node_id == "y"   # exact tie: node id
+    tied = [NodeView("z", [], 0), NodeView("y", [], 0)]
+    assert r.choose(4, tied, b"p").node_id == r.choose(4, tied[::-1], b"p").node_id   # a tie: not by order
 
 
 def test_imbalance_override_routes_to_the_least_loaded() -> None:
@@ -71,3 +73,14 @@ def test_hit_ratio_over_recorded_requests() -> None:
     assert r.hit_ratio == pytest.approx(8 / 40)
     with pytest.raises(ValueError):
         r.record(4, 5)
+
+
+def test_ties_spread_distinct_prompts_over_equal_nodes_and_keep_each_prompt_on_one_node() -> None:
+    r = Router()
+    nodes = ["0-liar", "node-b", "node-c"]   # the lowest id gets no preference
+    views = [NodeView(n, [], 0) for n in nodes]
+    keys = [blake3.blake3(b"prompt-%d" % i).digest() for i in range(300)]
+    chosen = [r.choose(8, views, key).node_id for key in keys]
+    shares = {n: chosen.count(n) / len(keys) for n in nodes}
+    assert all(0.20 <= share <= 0.47 for share in shares.values()), shares
+    assert chosen == [r.choose(8, views[::-1], key).node_id for key in keys]

@@ -21,8 +21,8 @@ estimate (`stats()`) is shown. Peak RSS at the default sizes is about 4 GiB.
 Timing: locate rounds go round-robin over every size, ours and the baseline alternating, so the
 noise of a shared machine hits all sizes alike and the growth ratio is measured side by side.
 
-Targets: directory_lookups_per_s >= 200,000 (at the largest size), locate_growth_1e5_to_1e7 <= 1.5,
-bytes_per_entry <= 200. Last stdout line: JSON with locate_us_per_hash (per size),
+Thresholds shown beside the figures: directory_lookups_per_s >= 200,000 (at the largest size),
+locate_growth_1e5_to_1e7 <= 1.5, bytes_per_entry <= 200. Last stdout line: JSON with locate_us_per_hash (per size),
 apply_us_per_entry, bytes_per_entry, locate_growth_1e5_to_1e7, directory_lookups_per_s and more.
 """
 

@@ -15,7 +15,7 @@ Workload: random (incompressible) payloads of 64 KiB and 1 MiB, one (block, laye
             verification, interleaved sample by sample.
 
 Reference SLOs (from the tiering daemon we learn from): RAM lookup < 200 us, SSD < 5 ms.
-Our targets: ram_lookup_p99_us < 20, ssd_get_p99_ms_1mib < 2, ssd_put_mb_s >= 500.
+The table's thresholds column: ram_lookup_p99_us < 20, ssd_get_p99_ms_1mib < 2, ssd_put_mb_s >= 500.
 The disk is shared: fsync latency on it varies run to run; the raw figures beside ours say how
 much of a put is the disk.
 

@@ -2,13 +2,14 @@
 
     .venv/bin/python benchmarks/quic_flood.py [--quick] [--count 8000] [--rate 600]
 
-Issue 13, finding 5: 8,000 ClientHellos at 600/s took the server from 97 to 874 MiB and, when the
-half-open connections expired, stalled its event loop for 48.6 s. This measures the same attack
-against three server settings, each in a fresh server subprocess on 127.0.0.1:
+A server that makes a connection for every unauthenticated Initial grows by hundreds of MiB under
+such a flood and, when the half-open connections expire, stalls its event loop for seconds (figures
+in docs/benchmarks.md). This measures the attack against three server settings, each in a fresh
+server subprocess on 127.0.0.1:
 
     retry           Retry (address validation) on, half-open cap 128: the default
     no_retry_cap    Retry off, half-open cap 128
-    no_retry_open   Retry off, no cap (what the server did before issue 13)
+    no_retry_open   Retry off, no cap (the unprotected server, for comparison)
 
 A flooder subprocess sends `--count` real Initials (each a new aioquic client connection that never
 goes on) at `--rate` per second from one UDP socket. Meanwhile a good client (a cluster certificate)

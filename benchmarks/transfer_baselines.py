@@ -24,8 +24,8 @@ from typing import Any
 DISTINCT_BYTES = 64 << 20        # distinct payload bytes each server holds per block size
 BLOCK_SIZES = {"": 1 << 20, "_256k": 256 << 10, "_64k": 64 << 10}
 BATCH_BYTES = 16 << 20   # blocks per kvfabric PULL, socket request, Ray batch: 16 of 1 MiB
-# redis-py is fastest with pipelines of ~4 MiB here (paired runs at 1 MiB: 4 GETs deep moved 2.1x what 16
-# deep did; at 256 KiB 16 deep beat 4 and 8; at 64 KiB 16-32 deep beat 64).
+# redis-py is fastest with pipelines of ~4 MiB (deeper pipelines of large values make redis-server buffer
+# its replies; paired runs by block size are in docs/benchmarks.md), so the baseline is Redis at its best.
 REDIS_PIPELINE_BYTES, REDIS_MAX_PIPELINE = 4 << 20, 16
 
 

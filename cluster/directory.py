@@ -18,8 +18,8 @@ pull and a wrong "no" a recompute; neither serves wrong KV. The rules below keep
   already accepted a batch beyond `seq`, `end_resync` refuses (the snapshot is older than what the
   shard holds) and the node starts over.
 
-Layout (`benchmarks/bench_directory.py` measured 175 bytes of RSS per (hash, node) entry at 1e7 entries,
-1,000 nodes and 1-3 owners per block: 32-byte key objects ~72, per-node sets ~50, owner tuples ~20, dict ~17):
+Layout (per (hash, node) entry: the 32-byte key object, its slot in a per-node set, owner tuples and the
+dict itself; `benchmarks/bench_directory.py` measures the bytes, docs/benchmarks.md lists them):
 
     _owners : dict[bytes, int | tuple[int, ...]]   hash -> owner index, or >= 2 indexes sorted by node id
     _nodes  : list[_Node | None]                   per node index: incarnation, address, seq, lease, entries

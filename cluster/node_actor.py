@@ -129,11 +129,11 @@ class NodeActor:
         if not (cert_dir / f"{self.node_name}.pem").exists() and (cert_dir / CA_KEY).exists():
             issue_node(cert_dir, self.node_name)  # the cluster CA is here: each node issues its own
         # This Ray worker process runs only this actor: keep freed payload buffers in the heap, or
-        # every pull page-faults ~60 MB of them back in per 4k-token prefix (buffers.tune_allocator).
+        # every pull page-faults them back in, tens of MB per long prefix (buffers.tune_allocator).
         tune_allocator()
         # Likewise for the cycle collector: a 4k-token pull makes ~100k short-lived objects (results,
         # views, addresses), and at the default threshold (700) its young-generation passes kept
-        # re-scanning the load's live plan: ~7% of the puller's CPU (perf). Cycles are rare here
+        # re-scanning the load's live plan, a visible share of the puller's CPU in perf. Cycles are rare here
         # (reference counting frees the rest), so collect less often, and never re-scan start-up state.
         gc.freeze()
         gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])

@@ -1,9 +1,9 @@
 """Reply arrays that outlive one load, so that the next load does not pay for fresh pages.
 
 A 4k-token load of SmolLM2 fills a 189 MB array. A fresh `np.empty` of that size is a new mapping
-whose pages the kernel zeroes as they are first written: measured with perf on the pulling node,
-page clearing for it was ~13% of that process's CPU per pull (~50 ms for 189 MB), work a load only
-needs once. The pool keeps arrays up to `max_bytes` in all and hands one out again only when
+whose pages the kernel zeroes as they are first written: perf on the pulling node shows that page
+clearing as a clear share of its CPU per pull (docs/benchmarks.md), work a load only needs once.
+The pool keeps arrays up to `max_bytes` in all and hands one out again only when
 nothing else references it: the reply that carried it has been copied into Ray's object store and
 dropped, a mirror that copies from it has finished. An array still referenced anywhere is never
 handed out twice; when none is free, a new one is made (and kept if the pool has room).

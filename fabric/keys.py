@@ -87,7 +87,7 @@ def _root_hash(ns: Namespace) -> bytes:
 def tokens_to_bytes(tokens: Sequence[int] | np.ndarray) -> bytes:
     """Little-endian u32 encoding of token ids; raises ValueError outside [0, 2**32)."""
     if isinstance(tokens, list) and _NATIVE_U32_LE:
-        # array('I') converts a list of ints about 3x faster than numpy and range-checks each one.
+        # array('I') converts a list of ints faster than numpy does and range-checks each one.
         try:
             return array.array("I", tokens).tobytes()
         except (OverflowError, TypeError):

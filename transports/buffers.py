@@ -21,8 +21,8 @@ def tune_allocator(mmap_threshold: int = 32 << 20, trim_threshold: int = 256 << 
 
     Every received payload is a fresh buffer. With glibc's defaults, buffers of 128 KiB and more
     come from mmap or from a heap top that is trimmed as soon as 2 MiB are free, so each new
-    buffer page-faults and is zeroed by the kernel: ~0.3 ms per MiB, a third of the client's CPU
-    per pulled byte (measured with perf on 1 MiB pulls). Raising both thresholds (process-wide,
+    buffer page-faults and is zeroed by the kernel, a large share of the client's CPU per pulled
+    byte (perf on 1 MiB pulls; docs/benchmarks.md). Raising both thresholds (process-wide,
     glibc only, once) lets freed buffers be reused; the heap keeps up to `trim_threshold` spare
     bytes. An engine's process has the same pattern with its KV cache: every request allocates
     and frees one (`HFEngineActor` tunes it). The first call wins; returns True when the
@@ -53,7 +53,7 @@ def uninitialised_bytearray(size: int) -> bytearray:
     """A bytearray of `size` bytes whose contents are whatever malloc returned.
 
     `bytearray(size)` zero-fills, and for payloads that decryption overwrites entirely that memset
-    was ~8% of the client's CPU per pulled byte (perf, 1 MiB pulls). Growing an empty bytearray
+    shows in perf as a share of the client's CPU per pulled byte. Growing an empty bytearray
     with the C API's PyByteArray_Resize (a realloc) skips it. For `FrameDecoder(payload_allocator=)`
     only: the decoder returns a payload once every byte of it has been received."""
     buf = bytearray()

@@ -8,10 +8,9 @@
 
 OpenSSL reads the socket itself and decrypts straight into the payload buffer, so a received
 byte is copied once, by the decryption (asyncio's SSL transport first copies into a memory BIO).
-Measured on loopback with 1 MiB payloads (2 cores, 5 interleaved rounds), the client CPU per MiB
-of this design, of asyncio's SSL transport with a BufferedProtocol, of a blocking SSLSocket thread
-and of a memory-BIO reader were within ~10% of each other (0.68-0.78 ms/MiB, noise of the same
-size); this one was kept because it needs no thread per connection and keeps every OpenSSL call
+The client CPU per MiB of this design, of asyncio's SSL transport with a BufferedProtocol, of a
+blocking SSLSocket thread and of a memory-BIO reader are within the noise of each other on loopback
+(docs/benchmarks.md); this one is used because it needs no thread per connection and keeps every OpenSSL call
 of a connection on one thread.
 
 Invariants:
@@ -67,7 +66,7 @@ def openssl_calls(sock: ssl.SSLSocket) -> tuple[Callable[[int, memoryview], int]
     `SSLSocket.read` / `send` are Python wrappers around `sock._sslobj` (CPython's `_ssl._SSLSocket`,
     there since 3.7): a closed-socket check, and `read` turns an EOF without close_notify into 0.
     A pull makes one read per 16 KiB TLS record, so those wrapper frames are paid 64 times per MiB;
-    calling `_sslobj` directly cut the client's CPU per MiB by 1.5-10% in three paired 1 MiB batches.
+    calling `_sslobj` directly saves that CPU (paired figures in docs/benchmarks.md).
     Callers handle `ssl.SSLEOFError` as end of stream. Falls back to the wrappers if a Python lacks
     `_sslobj`."""
     raw = getattr(sock, "_sslobj", None)

@@ -7,18 +7,16 @@
 The actor loads a plain float checkpoint (`save_checkpoint`) so that N engines do not each spend
 ~20 s dequantising a GGUF file. It keeps up to `keep_freed_mib` of freed memory in its heap: each
 request builds a KV cache the size of its prompt (189 MB at 4k tokens of SmolLM2) and drops it,
-and with glibc's defaults the next request page-faults all of it back in, zeroed by the kernel.
-Measured on a 2-core host (bench_ttft, 4k tokens): 35k-155k page faults and up to 2 s of extra CPU
-in a request; with the heap kept, under a hundred in 21 of 22 requests after the first of their
-size (8.5k in the other).
+and with glibc's defaults the next request page-faults all of it back in, zeroed by the kernel:
+tens of thousands of faults and seconds of CPU per long prompt on a small host; with the heap
+kept, almost none after the first request of a size (figures in docs/benchmarks.md).
 
 Its OpenMP threads (torch's CPU kernels, libgomp) also spin for less time when they run out of work
 (`omp_spin_count`): by default an idle worker thread busy-waits ~300k iterations before sleeping,
 which in an engine is every wait for a layer, for the fabric and between requests, on the same
-cores as the node's NodeActor (perf: ~44 % of a layer-wise engine's CPU). Measured on a 2-core host,
-two paired bench_ttft --sizes 4k runs, libgomp's default -> 10k: CPU per layer-wise pull 2.40 -> 1.90 s
-and 2.67 -> 1.67 s, its TTFT 1.33 -> 1.13 s and 1.53 -> 0.98 s; a plain pull's TTFT 0.79 -> 0.76 s and
-0.82 -> 0.65 s. libgomp reads the setting when it loads, so it travels in the actor's `runtime_env`,
+cores as the node's NodeActor, where perf shows it as a large share of a layer-wise engine's CPU.
+A lower spin count cuts the CPU and TTFT of pulls (paired bench_ttft runs in docs/benchmarks.md).
+libgomp reads the setting when it loads, so it travels in the actor's `runtime_env`,
 not through `__init__`.
 
 Results cross back as an `Answer` (small: token ids, the first token's logits and counters), never

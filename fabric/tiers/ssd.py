@@ -25,7 +25,7 @@ A write goes to a temp name in the block's folder, is fdatasync'ed, renamed over
 and the folder is fsync'ed (`durable`), so a crash leaves either the old state or the whole new
 file, plus at worst a stray temp file that `scan()` reports. A batch of GROUP_SYNC_MIN files or
 more keeps that order with two `syncfs` calls instead (every temp file's bytes, then the renames;
-fabric/tiers/sync.py), ~10x less CPU than a sync per file on ext4. A read checks the header digest,
+fabric/tiers/sync.py), far less CPU than a sync per file on ext4. A read checks the header digest,
 key, layer, file length and the payload digest and raises `CorruptBlockError` on any mismatch:
 no byte of a block that does not verify is ever returned. Reads use O_DIRECT into page-aligned
 anonymous memory when the filesystem allows it (probed at open; otherwise a log line and

@@ -1,9 +1,9 @@
 """Durability primitives for the SSD tier: folder fsync, and `syncfs` for group commits.
 
 A group commit of n block files costs n fdatasync + one fsync per touched folder when each file is
-synced on its own; on ext4 each of those forces a journal commit (measured here: 7,680 files of
-24 KiB, 2.5 s and 1.1 s of CPU). `syncfs(2)` makes every dirty page and entry of the filesystem
-durable in one call (0.4 s, 0.27 s of CPU for the same files), so the tier uses it for batches:
+synced on its own; on ext4 each of those forces a journal commit. `syncfs(2)` makes every dirty
+page and entry of the filesystem durable in one call, at a fraction of the CPU (figures in
+docs/benchmarks.md), so the tier uses it for batches:
 
     write every temp file ─► syncfs (their data) ─► rename each ─► syncfs (the new names)
 

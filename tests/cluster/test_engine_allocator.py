@@ -49,8 +49,8 @@ def test_an_engine_keeps_its_freed_kv_cache_memory_for_the_next_request() -> Non
         return int(out.stdout.strip())
 
     untuned, tuned = engine_faults(False), engine_faults(True)
-    # Measured: 46k-139k untuned (the trimmed heap is faulted back in), 0.8k-5.4k kept (a few 3 MB
-    # tensors still come back from the kernel).
+    # Untuned, the trimmed heap is faulted back in (tens of thousands of faults); kept, only a few
+    # 3 MB tensors still come back from the kernel (counts in docs/benchmarks.md).
     assert untuned >= 30_000
     assert tuned * 5 < untuned, f"{tuned} page faults for three requests into kept heap memory, {untuned} untuned"
 
@@ -84,6 +84,6 @@ def test_an_engines_idle_openmp_threads_leave_the_cores_to_the_fabric() -> None:
         return float(out.stdout.strip())
 
     default, tuned = waiting_cpu_s(None), waiting_cpu_s(OMP_SPIN_COUNT)
-    # Measured on 2 cores: 0.76 s with libgomp's default (the second thread spins ~2.6 ms after
-    # every kernel), 0.23 s tuned (the kernels themselves and the sleeps' bookkeeping).
+    # With libgomp's default the second thread spins milliseconds after every kernel; tuned, what is
+    # left is the kernels themselves and the sleeps' bookkeeping (figures in docs/benchmarks.md).
     assert tuned * 2 < default, f"{tuned:.2f} s of CPU tuned, {default:.2f} s with libgomp's default spin"

@@ -1,7 +1,6 @@
 """examples/ray_job.py as a user runs it: `kvfabric up` starts a local 2-node fabric, the example
 connects with RAY_ADDRESS, reuses shared prefixes across nodes and prints its hit ratio; then
-`kvfabric down`. About 20-60 s here, most of it starting the Ray nodes (measured 60 s with the
-machine shared with other test runs)."""
+`kvfabric down`. About 20-60 s on 2 cores, most of it starting the Ray nodes."""
 
 from __future__ import annotations
 

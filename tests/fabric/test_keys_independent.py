@@ -1,4 +1,4 @@
-"""The key test vectors, derived again from the README formula alone with raw blake3, msgpack and
+"""The key test vectors, derived again from the formula in docs/architecture.md alone with raw blake3, msgpack and
 struct: no import of fabric.keys, so a drift between the code and the documented formula fails here.
 
     root     = BLAKE3("kvfabric/keys/v1" ‖ msgpack(canonical namespace, map keys sorted, bin type))

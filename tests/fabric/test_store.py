@@ -197,8 +197,8 @@ def test_ssd_blocks_expire_after_ttl_since_last_seen(tmp_path: Path) -> None:
 
 def test_reads_rewrite_last_seen_rows_only_once_they_are_a_minute_old(tmp_path: Path) -> None:
     """A peer pulling a 4k-token prefix reads 7,680 (block, layer) rows; every maintenance tick
-    after each pull rewrote all of them in the index (~12% of the owner's CPU while serving). A row
-    is now refreshed once the time it holds is LAST_SEEN_RESOLUTION_S old, and a restart still
+    after each pull would rewrite all of them in the index, a large share of the owner's CPU while
+    serving. A row is refreshed once the time it holds is LAST_SEEN_RESOLUTION_S old, and a restart still
     knows when each block was last seen to that resolution."""
     clock = Clock()
     cfg = kv(tmp_path, write_through=True, ssd_ttl_s=150.0)

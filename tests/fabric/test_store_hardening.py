@@ -1,6 +1,6 @@
-"""Issue 12's findings, each as a test on real stores: real processes killed with SIGKILL, real
-threads racing close(), real full-disk errors (RLIMIT_FSIZE; a small tmpfs where one can be
-mounted), real files and RocksDB. Every payload is random bytes.
+"""The store's promises under crashes, races and full disks, each as a test on real stores: real
+processes killed with SIGKILL, real threads racing close(), real full-disk errors (RLIMIT_FSIZE; a
+small tmpfs where one can be mounted), real files and RocksDB. Every payload is random bytes.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def addr(i: int, layer: int = 0) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"hard" + i.to_bytes(8, "little")).digest()), layer)
 
 
-# ---- finding 1: a crash during an overwrite must not lose the acknowledged payload ------------------
+# ---- a crash during an overwrite must not lose the acknowledged payload ------------------
 
 CRASH_CHILD = textwrap.dedent("""
     import os, random, sys
@@ -97,7 +97,7 @@ def test_sigkill_during_overwrites_keeps_every_acknowledged_payload(tmp_path: Pa
                 assert blake3.blake3(got).hexdigest() == digest, f"round {round_}: key {n} serves other bytes"
 
 
-# ---- finding 3: no stale read after an acknowledged overwrite ----------------------------------------
+# ---- no stale read after an acknowledged overwrite ----------------------------------------
 
 def test_a_second_payload_for_a_held_address_is_refused_and_never_served(tmp_path: Path) -> None:
     small, large = os.urandom(4 * KIB), os.urandom(600 * KIB)
@@ -113,7 +113,7 @@ def test_a_second_payload_for_a_held_address_is_refused_and_never_served(tmp_pat
         assert bytes(store.get(addr(1)) or b"") == large
 
 
-# ---- findings 2 and 4: close() while other threads put ----------------------------------------------
+# ---- close() while other threads put ----------------------------------------------
 
 @pytest.mark.parametrize("write_through", [True, False])
 def test_close_racing_puts_of_different_payloads_loses_and_replaces_nothing(tmp_path: Path,
@@ -178,7 +178,7 @@ def test_calls_after_close_raise_store_closed_error_and_close_is_idempotent(tmp_
     assert store.stats()["state"] == "closed"
 
 
-# ---- finding 5: a full disk in write-behind mode ------------------------------------------------------
+# ---- a full disk in write-behind mode ------------------------------------------------------
 
 FULL_CHILD = textwrap.dedent("""
     import json, os, resource, signal, sys
@@ -283,7 +283,7 @@ def test_a_really_full_tmpfs_in_write_behind_is_a_state_not_a_crash(small_tmpfs:
         assert bytes(third.get(addr(500)) or b"") == payloads[0]
 
 
-# ---- finding 7: the header padding is checked ----------------------------------------------------------
+# ---- the header padding is checked ----------------------------------------------------------
 
 def test_a_flipped_byte_in_the_header_padding_is_corruption(tmp_path: Path) -> None:
     payload = os.urandom(8 * KIB)
@@ -298,7 +298,7 @@ def test_a_flipped_byte_in_the_header_padding_is_corruption(tmp_path: Path) -> N
         assert store.stats()["corrupt_blocks"]["ssd"] == 1
 
 
-# ---- finding 6: the durability order, recorded --------------------------------------------------------
+# ---- the durability order, recorded --------------------------------------------------------
 # A power cut cannot be caused here (SIGKILL keeps the page cache, so a crash test passes with
 # durable = false too). This test is the honest substitute: it wraps the real calls (they still run)
 # and records their order; a change of the fdatasync -> rename -> folder fsync -> synced row order fails it.

@@ -1,5 +1,5 @@
-"""Hostile peers against real servers on 127.0.0.1: each finding of the audit (issue 13) as a test
-that failed before the sessions and bounds existed.
+"""Hostile peers against real servers on 127.0.0.1: each attack as a test that a server without the
+protocol sessions' deadlines and the servers' bounds fails.
 
 Budget: about 5 s on 2 cores (the slowloris cases wait out a 0.5 s frame deadline)."""
 
@@ -40,8 +40,8 @@ async def tls_raw(cert_dir: Path, peer: Peer) -> tuple[asyncio.StreamReader, asy
 
 
 def test_tls_slowloris_is_cut_by_the_total_frame_deadline(cert_dir: Path) -> None:
-    """Finding 3: one byte every 0.1 s kept a frame open forever (frame_timeout_s counted from the
-    last byte). With a 0.5 s total deadline the server closes within about a second."""
+    """Slowloris: one byte every 0.1 s would keep a frame open forever if frame_timeout_s counted
+    from the last byte. With a 0.5 s total deadline the server closes within about a second."""
     class Empty:
         def get_block(self, address: BlockAddress) -> None:
             return None
@@ -89,8 +89,8 @@ def test_a_node_gets_at_most_max_connections_per_peer(cert_dir: Path, memory_sou
 
 def test_peers_that_do_not_read_make_the_server_buffer_a_bounded_amount(
         cert_dir: Path, memory_source: MemorySourceFactory) -> None:
-    """Finding 4: every PULL in flight queued a 2 MiB batch, 50-60 MiB per non-reading connection.
-    Now what waits to be sent per connection stays under the send high-water mark plus one batch."""
+    """A peer that never reads must not make the server queue a batch per PULL in flight without
+    bound: what waits to be sent per connection stays under the send high-water mark plus one batch."""
     source = memory_source(num_blocks=64, num_layers=1, payload_size=256 * 1024)   # 16 MiB
 
     async def main() -> None:
@@ -122,7 +122,7 @@ def test_peers_that_do_not_read_make_the_server_buffer_a_bounded_amount(
 
 
 def test_accept_loop_survives_transient_accept_errors(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
-    """Finding 6: an OSError other than EMFILE/… (e.g. ECONNABORTED) ended the accept loop silently.
+    """An OSError other than EMFILE/… (e.g. ECONNABORTED) must not end the accept loop.
     ECONNABORTED cannot be caused on demand on loopback, so `_accept` raises it once (a stand-in)."""
     source = memory_source(num_blocks=2, num_layers=1)
 
@@ -170,8 +170,8 @@ def test_server_that_cannot_bind_leaks_no_socket(cert_dir: Path, memory_source: 
 
 def test_quic_block_over_the_client_limit_is_a_fast_miss_and_the_rest_is_served(
         cert_dir: Path, memory_source: MemorySourceFactory) -> None:
-    """Finding 2: a stored block over the client's payload limit raised ValueError in the QUIC server,
-    the stream was dropped and every address of the pull timed out. Now that block is a MISS."""
+    """A stored block over the client's payload limit must not drop the QUIC stream (every address of
+    the pull would time out): that block is a MISS and the rest is served."""
     source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
     big = BlockAddress(BlockHash(b"\x01" * 32), 0)
     source.put(big, b"x" * 300_000)
@@ -248,8 +248,8 @@ def flood_initials(port: int, count: int) -> None:
 
 def test_quic_initial_flood_keeps_no_state_with_retry_and_is_capped_without(
         cert_dir: Path, memory_source: MemorySourceFactory) -> None:
-    """Finding 5: every unauthenticated Initial made a connection (8,000 of them: +777 MiB, a 48 s
-    stall). With Retry (the default) they make none; without it, at most `max_half_open`."""
+    """An unauthenticated Initial flood must not make a connection per Initial (memory, then an
+    event-loop stall when they expire). With Retry (the default) they make none; without it, at most `max_half_open`."""
     source = memory_source(num_blocks=2, num_layers=1)
 
     async def main() -> None:

@@ -53,7 +53,6 @@ PROMPT_BLOCKS = 64
 TAIL_BLOCKS = 16
 SIZES = {"1e5": 100_000, "1e6": 1_000_000, "1e7": 10_000_000}
 QUICK_SIZES = {"1e4": 10_000, "1e5": 100_000}
-TARGET = {"directory_lookups_per_s": 200_000.0, "locate_growth_1e5_to_1e7": 1.5, "bytes_per_entry": 200.0}
 NODE_IDS = [f"node-{i:04d}" for i in range(NUM_NODES)]
 ADDR = NodeAddress("127.0.0.1", 7000, "tls-tcp")
 LEASE_S = 1e9   # every node stays live: this measures lookups, not expiry

@@ -73,6 +73,9 @@ def node_actor_name(node_id: str) -> str:
 
 
 NODE_NAME_ENV = "KVFABRIC_NODE_NAME"
+# The host a node advertises when it listens on every interface: a DNS name its certificate names
+# (the chart sets the pod's), else the Ray node's IP address (which the certificate must then name).
+ADVERTISE_HOST_ENV = "KVFABRIC_ADVERTISE_HOST"
 
 
 def node_name_for(node_id: str) -> str:
@@ -154,7 +157,7 @@ class NodeActor:
         self.server = create_server(transport, self.kv_store, metrics=tmetrics)
         host, port = await self.server.start()
         if host in ("0.0.0.0", "::"):
-            host = ray.util.get_node_ip_address()
+            host = os.environ.get(ADVERTISE_HOST_ENV) or ray.util.get_node_ip_address()
         self.client = create_client(transport, metrics=tmetrics)
         self.address = NodeAddress(host, port, transport.kind, self.node_name)
         bind = "127.0.0.1" if transport.host.startswith("127.") else "0.0.0.0"

@@ -33,6 +33,8 @@ def register(sub: Any) -> None:
     rev.add_argument("--dir", required=True, help="folder holding the cluster CA and the node certificates")
     rev.add_argument("nodes", nargs="*", metavar="NODE",
                      help="node names (<dir>/<NODE>.pem); none: re-sign the list with a fresh validity")
+    rev.add_argument("--serial", action="append", default=[], metavar="HEX",
+                     help="a certificate serial number (hex) to revoke, for certificates not in --dir")
     rev.add_argument("--days", type=int, default=365,
                      help="the list's validity; nodes refuse every peer once it passes, so republish before")
     rev.set_defaults(func=_revoke)
@@ -64,12 +66,17 @@ def _revoke(args: argparse.Namespace) -> int:
             serials[node] = x509.load_pem_x509_certificate((d / f"{node}.pem").read_bytes()).serial_number
         except (OSError, ValueError) as e:
             raise CLIError(f"cannot read the certificate of node {node} ({d / f'{node}.pem'}): {e}") from None
+    for text in args.serial:
+        try:
+            serials[f"serial {text}"] = int(text.removeprefix("0x").replace(":", ""), 16)
+        except ValueError:
+            raise CLIError(f"--serial {text!r} is not a hexadecimal serial number") from None
     try:
         path = revoke(d, set(serials.values()), days=args.days)
     except CertificateError as e:
         raise CLIError(str(e)) from None
-    for node, serial in serials.items():
-        print(f"revoked node {node}: serial {serial:x}")
+    for what, serial in serials.items():
+        print(f"revoked {what if what.startswith('serial ') else f'node {what}'}: serial {serial:x}")
     print(f"revocation list: {path}; copy it to every node's certificate folder as {CRL} "
           "(nodes and the directory reload it)")
     return 0

@@ -120,3 +120,5 @@ def test_revoke_lists_the_nodes_certificate_in_the_cas_revocation_list(
     assert main(["certs", "revoke", "--dir", str(d), "node-9"]) == 2     # no such certificate: nothing written
     assert "node-9.pem" in capsys.readouterr().err
     assert TrustAnchor.from_files(d / "ca.pem").revoked == frozenset({serial})
+    assert main(["certs", "revoke", "--dir", str(d), "--serial", "0x1f:2a"]) == 0   # a certificate not in --dir
+    assert TrustAnchor.from_files(d / "ca.pem").revoked == frozenset({serial, 0x1F2A})

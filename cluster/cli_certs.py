@@ -1,12 +1,18 @@
-"""`kvfabric certs init|issue`: make the cluster CA and node certificates."""
+"""`kvfabric certs init|issue|revoke`: the operator's cluster CA, node certificates and revocation list.
+
+These run where the CA key is (`ca.key`), never on a node: nodes get `ca.pem`, `crl.pem` and their
+own `<node>.pem` / `<node>.key` only (docs/operations-certificates.md)."""
 
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from cryptography import x509
+
 from cluster.cli import CLIError
-from transports.certs import CertificateError, init_ca, issue_node
+from transports.certs import CRL, CertificateError, init_ca, issue_node, revoke
 
 
 def register(sub: Any) -> None:
@@ -23,6 +29,15 @@ def register(sub: Any) -> None:
     issue.add_argument("--days", type=int, default=365)
     issue.add_argument("--san", action="append", default=[], help="extra DNS name or IP address")
     issue.set_defaults(func=_issue)
+    rev = certs_sub.add_parser("revoke", help="revoke node certificates: add them to the CA's crl.pem")
+    rev.add_argument("--dir", required=True, help="folder holding the cluster CA and the node certificates")
+    rev.add_argument("nodes", nargs="*", metavar="NODE",
+                     help="node names (<dir>/<NODE>.pem); none: re-sign the list with a fresh validity")
+    rev.add_argument("--serial", action="append", default=[], metavar="HEX",
+                     help="a certificate serial number (hex) to revoke, for certificates not in --dir")
+    rev.add_argument("--days", type=int, default=365,
+                     help="the list's validity; nodes refuse every peer once it passes, so republish before")
+    rev.set_defaults(func=_revoke)
 
 
 def _init(args: argparse.Namespace) -> int:
@@ -40,4 +55,28 @@ def _issue(args: argparse.Namespace) -> int:
     except CertificateError as e:
         raise CLIError(str(e)) from None
     print(f"node {args.node}: {cert} {key}")
+    return 0
+
+
+def _revoke(args: argparse.Namespace) -> int:
+    d = Path(args.dir)
+    serials: dict[str, int] = {}
+    for node in args.nodes:
+        try:
+            serials[node] = x509.load_pem_x509_certificate((d / f"{node}.pem").read_bytes()).serial_number
+        except (OSError, ValueError) as e:
+            raise CLIError(f"cannot read the certificate of node {node} ({d / f'{node}.pem'}): {e}") from None
+    for text in args.serial:
+        try:
+            serials[f"serial {text}"] = int(text.removeprefix("0x").replace(":", ""), 16)
+        except ValueError:
+            raise CLIError(f"--serial {text!r} is not a hexadecimal serial number") from None
+    try:
+        path = revoke(d, set(serials.values()), days=args.days)
+    except CertificateError as e:
+        raise CLIError(str(e)) from None
+    for what, serial in serials.items():
+        print(f"revoked {what if what.startswith('serial ') else f'node {what}'}: serial {serial:x}")
+    print(f"revocation list: {path}; copy it to every node's certificate folder as {CRL} "
+          "(nodes and the directory reload it)")
     return 0

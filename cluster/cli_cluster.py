@@ -27,6 +27,7 @@ from rich.table import Table
 
 from cluster.cli import CLIError
 from fabric.config import ClusterConfig, Config, ConfigError, kvfabric_home
+from transports.certs import CertificateError
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +127,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     _connect(args.address)
     try:
         answers, missing = start_fabric(config, require_all=False)
-    except RuntimeError as e:
+    except (RuntimeError, CertificateError) as e:
         raise CLIError(str(e)) from None
     for node_id, info in sorted(answers.items()):
         addr = info["address"]

@@ -7,8 +7,10 @@ pull and a wrong "no" a recompute; neither serves wrong KV. The rules below keep
   older incarnation than the shard knows is STALE and dropped. A newer one replaces all of that node's
   entries (its RAM tier died with the old process; SSD blocks come back when it re-advertises them).
 * **Sequence.** Batches are numbered per (node, shard) from 1 in each incarnation. `last_seq + 1` is
-  ACCEPTED, anything at or below `last_seq` a DUPLICATE (a retry), anything beyond it a GAP: nothing is
-  applied and the node must resync. A node the shard does not know (new, expired, or the directory
+  ACCEPTED, anything at or below `last_seq` a DUPLICATE (a retry) when its content digest equals the
+  batch applied under that seq (the last `DIGESTS_KEPT` are kept), else a CONFLICT: refused, and the
+  node must resync; anything beyond it a GAP: nothing is applied and the node must resync.
+  A node the shard does not know (new, expired, or the directory
   restarted) is a GAP unless the batch is seq 1.
 * **Lease.** A node that is not heard from for `lease_s` is gone: its entries are never returned, and
   every operation treats the record as absent (`expire` only reclaims the memory).
@@ -42,7 +44,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 from typing import NewType
 
+import blake3
+import msgpack
+
 NodeId = NewType("NodeId", str)
+
+DIGESTS_KEPT = 16   # per node: content digests of its last applied batches, to tell a retry from a conflict
 
 
 class ApplyOutcome(enum.StrEnum):
@@ -50,6 +57,8 @@ class ApplyOutcome(enum.StrEnum):
     DUPLICATE = "duplicate"
     STALE = "stale"
     GAP = "gap"
+    CONFLICT = "conflict"   # a used seq with other content: refused, the node must resync
+    REFUSED = "refused"     # the report did not prove it came from the node it names (directory_auth.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,8 +91,13 @@ def shard_of(block_hash: bytes, num_shards: int) -> int:
     return int.from_bytes(block_hash[:8], "little") % num_shards
 
 
+def batch_digest(stored: Sequence[bytes], removed: Sequence[bytes]) -> bytes:
+    """What a DUPLICATE must repeat: BLAKE3 over the batch's stored and removed hashes, in order."""
+    return blake3.blake3(msgpack.packb([list(stored), list(removed)], use_bin_type=True)).digest()
+
+
 class _Node:
-    __slots__ = ("address", "entries", "idx", "incarnation", "last_seq", "lease_expiry", "node_id")
+    __slots__ = ("address", "digests", "entries", "idx", "incarnation", "last_seq", "lease_expiry", "node_id")
 
     def __init__(self, node_id: NodeId, idx: int, incarnation: int, address: NodeAddress | None) -> None:
         self.node_id = node_id
@@ -93,6 +107,7 @@ class _Node:
         self.last_seq = 0
         self.lease_expiry = -math.inf
         self.entries: set[bytes] = set()
+        self.digests: dict[int, bytes] = {}   # seq -> batch_digest, the last DIGESTS_KEPT applied
 
 
 class _Resync:
@@ -125,7 +140,7 @@ class DirectoryShard:
         self._num_single = 0     # hashes with exactly one owner (stored as a bare int)
         self._dead: frozenset[int] = frozenset()
         self._dead_valid: tuple[float, float] | None = None   # [from, until) where _dead is exact
-        self._counters = {"applied": 0, "duplicate": 0, "stale": 0, "gap": 0, "heartbeats": 0,
+        self._counters = {"applied": 0, "duplicate": 0, "stale": 0, "gap": 0, "conflict": 0, "heartbeats": 0,
                           "stale_heartbeats": 0, "resyncs_completed": 0, "resyncs_refused": 0, "expired": 0}
 
     # ------------------------------------------------------------------ reports from nodes
@@ -174,7 +189,8 @@ class DirectoryShard:
             else:
                 self._new_incarnation(node, incarnation)
         elif seq <= node.last_seq:
-            return self._count(ApplyOutcome.DUPLICATE)
+            same = node.digests.get(seq) == batch_digest(stored, removed)
+            return self._count(ApplyOutcome.DUPLICATE if same else ApplyOutcome.CONFLICT)
         elif seq > node.last_seq + 1:
             return self._count(ApplyOutcome.GAP)
         for h in removed:
@@ -186,10 +202,17 @@ class DirectoryShard:
                 node.entries.add(h)
                 self._add_owner(h, node.idx)
         node.last_seq = seq
+        node.digests[seq] = batch_digest(stored, removed)
+        node.digests.pop(seq - DIGESTS_KEPT, None)
         node.lease_expiry = now + self.lease_s
         if address is not None:
             self._set_address(node, address)
         return self._count(ApplyOutcome.ACCEPTED)
+
+    def live_incarnation(self, node_id: str, now: float) -> int | None:
+        """The incarnation of the node's live record, None when it has none."""
+        node = self._live(node_id, now)
+        return None if node is None else node.incarnation
 
     def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress, now: float) -> int:
         """Start a full resync of the node; returns its id, or 0 when refused (older incarnation).
@@ -242,6 +265,7 @@ class DirectoryShard:
         for h in staged - old:
             self._add_owner(h, node.idx)
         node.entries = staged
+        node.digests.clear()   # the snapshot supersedes every earlier batch; the node retries none of them
         node.incarnation = incarnation
         node.last_seq = seq
         self._counters["resyncs_completed"] += 1
@@ -343,6 +367,7 @@ class DirectoryShard:
         self._clear_entries(node)
         node.incarnation = incarnation
         node.last_seq = 0
+        node.digests.clear()
         resync = self._resyncs.get(node.idx)
         if resync is not None and resync.incarnation < incarnation:
             del self._resyncs[node.idx]

@@ -23,10 +23,10 @@ import ray
 from ray.cluster_utils import Cluster
 
 from cluster.directory_actor import shard_actor_name, start_directory
-from cluster.node_actor import node_actor_name
+from cluster.node_actor import node_actor_name, node_name_for
 from cluster.supervisor import SUPERVISOR_NAME, alive_node_ids, ensure_nodes, start_supervisor
 from fabric.config import Config
-from transports.certs import CA_CERT, init_ca
+from transports.certs import CA_CERT, init_ca, issue_node
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ def start_fabric(config: Config, *, timeout_s: float = 120.0,
     once each node serves or `timeout_s` passes. Needs `ray.init(...)` first. Idempotent: actors
     that exist are reused. `require_all=False` tolerates nodes that do not answer (a node that is
     dying, or still starting: the supervisor keeps trying); no node at all is always an error."""
-    start_directory(config.cluster)
+    start_directory(config.cluster, config.transport.cert_dir)
     answers = ensure_nodes(config, timeout_s=timeout_s)
     start_supervisor(config)
     missing = sorted(set(alive_node_ids()) - set(answers))
@@ -99,6 +99,18 @@ def ensure_ca(cert_dir: str) -> None:
         init_ca(cert_dir)
 
 
+def issue_local_certs(cert_dir: str, node_ids: list[str]) -> list[str]:
+    """As the operator of a local cluster (this process holds the CA): issue the certificate of each
+    node that has none, naming its node and 127.0.0.1, before its NodeActor starts. Returns the names."""
+    names = []
+    for node_id in node_ids:
+        name = node_name_for(node_id)
+        if not (Path(cert_dir) / f"{name}.pem").exists():
+            issue_node(cert_dir, name, extra_sans=(LOOPBACK,))
+            names.append(name)
+    return names
+
+
 @dataclass
 class LocalCluster:
     """A running local Ray cluster with the fabric on it."""
@@ -119,6 +131,9 @@ class LocalCluster:
         new = sorted(set(alive_node_ids()) - before)
         assert len(new) == 1, f"expected one new node, saw {new}"
         node_id = new[0]
+        # Whoever adds a node issues its certificate: until then its NodeActor refuses to start, and
+        # the supervisor starts it on its next pass.
+        issue_local_certs(self.config.transport.cert_dir, new)
         deadline = time.monotonic() + wait_s
         while time.monotonic() < deadline:
             try:
@@ -172,6 +187,7 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
     ray.init(address=cluster.address, namespace=cfg.cluster.namespace, logging_level=logging.WARNING,
              log_to_driver=False)
     try:
+        issue_local_certs(cfg.transport.cert_dir, alive_node_ids())
         start_fabric(cfg)
     except BaseException:
         ray.shutdown()

@@ -45,6 +45,7 @@ from cluster.api import (
 from cluster.breaker import CircuitBreaker
 from cluster.directory import ApplyOutcome, NodeAddress
 from cluster.directory_actor import SHARD_DOWN, DirectoryClient
+from cluster.directory_auth import ReportSigner
 from cluster.local import WHERE_OF_TIER, LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, pull_prefix
@@ -59,9 +60,10 @@ from fabric.store import Store
 from fabric.tiers.base import Tier
 from transports.base import Peer
 from transports.buffers import tune_allocator
-from transports.certs import CA_KEY, issue_node
+from transports.certs import CA_CERT, CertificateError
 from transports.codec import MissReason
 from transports.factory import create_client, create_server
+from transports.identity import NodeSigner, TrustAnchor
 from transports.metrics import TransportMetrics
 
 logger = logging.getLogger(__name__)
@@ -77,6 +79,9 @@ def node_actor_name(node_id: str) -> str:
 
 
 NODE_NAME_ENV = "KVFABRIC_NODE_NAME"
+# The host a node advertises when it listens on every interface: a DNS name its certificate names
+# (the chart sets the pod's), else the Ray node's IP address (which the certificate must then name).
+ADVERTISE_HOST_ENV = "KVFABRIC_ADVERTISE_HOST"
 
 
 def node_name_for(node_id: str) -> str:
@@ -126,8 +131,18 @@ class NodeActor:
                                  index_dir=str(Path(cfg.kv.index_dir) / self.node_name))
         transport = dataclasses.replace(cfg.transport, node_name=self.node_name)
         cert_dir = Path(transport.cert_dir)
-        if not (cert_dir / f"{self.node_name}.pem").exists() and (cert_dir / CA_KEY).exists():
-            issue_node(cert_dir, self.node_name)  # the cluster CA is here: each node issues its own
+        # The operator issues node certificates before nodes start; no node holds the CA key.
+        missing = [p for p in (cert_dir / f"{self.node_name}.pem", cert_dir / f"{self.node_name}.key",
+                               cert_dir / CA_CERT) if not p.is_file()]
+        if missing:
+            message = (f"node {self.node_name} has no certificate: {missing[0]} is missing; issue it on the CA "
+                       f"machine with `kvfabric certs issue --dir <ca folder> --node {self.node_name} --san <node IP>` "
+                       f"and copy {self.node_name}.pem, {self.node_name}.key and {CA_CERT} to {cert_dir}")
+            logger.error("%s", message)
+            raise CertificateError(message)
+        self.signer = NodeSigner(cert_dir / f"{self.node_name}.pem", cert_dir / f"{self.node_name}.key")
+        self.trust = TrustAnchor.from_files(cert_dir / CA_CERT)
+        self.reports = ReportSigner(self.signer, self.node_id, self.incarnation)
         # This Ray worker process runs only this actor: keep freed payload buffers in the heap, or
         # every pull page-faults them back in, tens of MB per long prefix (buffers.tune_allocator).
         tune_allocator()
@@ -148,7 +163,7 @@ class NodeActor:
         self.server = create_server(transport, self.kv_store, metrics=tmetrics)
         host, port = await self.server.start()
         if host in ("0.0.0.0", "::"):
-            host = ray.util.get_node_ip_address()
+            host = os.environ.get(ADVERTISE_HOST_ENV) or ray.util.get_node_ip_address()
         self.client = create_client(transport, metrics=tmetrics)
         self.address = NodeAddress(host, port, transport.kind, self.node_name)
         bind = "127.0.0.1" if transport.host.startswith("127.") else "0.0.0.0"
@@ -223,8 +238,9 @@ class NodeActor:
     async def _heartbeat(self) -> None:
         for k in range(self.config.cluster.directory_shards):
             try:
+                acked = self.sync.acked_seq(k)
                 outcome = await self.directory.call(k, "heartbeat", self.node_id, self.incarnation, self.address,
-                                                    self.sync.acked_seq(k))
+                                                    acked, self.reports.heartbeat(k, self.address, acked))
             except SHARD_DOWN:
                 continue
             self._check_epoch(k)
@@ -232,6 +248,8 @@ class NodeActor:
                 logger.info("directory shard %d lost this node's entries (lease lapsed?); resyncing", k)
                 self.metrics.resyncs.labels("lease_lapsed").inc()
                 self.sync.mark_resync(k)
+            if outcome is ApplyOutcome.REFUSED:
+                logger.error("directory shard %d refused this node's heartbeat (see the shard's log)", k)
             if outcome is ApplyOutcome.STALE:
                 logger.error("directory shard %d knows a newer incarnation of node %s than %d", k,
                              self.node_id, self.incarnation)
@@ -264,7 +282,7 @@ class NodeActor:
         try:
             outcome: ApplyOutcome = await self.directory.call(
                 batch.shard, "apply", self.node_id, self.incarnation, batch.seq, batch.stored, batch.removed,
-                self.address)
+                self.address, self.reports.apply(batch.shard, batch.seq, batch.stored, batch.removed, self.address))
         except SHARD_DOWN:
             return None
         self._check_epoch(batch.shard)
@@ -276,13 +294,16 @@ class NodeActor:
         try:
             held = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_addresses)
             hashes = self.sync.group_by_shard({a.hash for a in held})[shard]
-            rid = await self.directory.call(shard, "begin_resync", self.node_id, self.incarnation, self.address)
+            rid = await self.directory.call(shard, "begin_resync", self.node_id, self.incarnation, self.address,
+                                            self.reports.begin_resync(shard, self.address))
             step = self.config.cluster.resync_batch
             for i in range(0, len(hashes), step):
-                if not await self.directory.call(shard, "resync_batch", self.node_id, self.incarnation, rid,
-                                                 hashes[i:i + step]):
+                part = hashes[i:i + step]
+                if not await self.directory.call(shard, "resync_batch", self.node_id, self.incarnation, rid, part,
+                                                 self.reports.resync_batch(shard, rid, part)):
                     return
-            ok = await self.directory.call(shard, "end_resync", self.node_id, self.incarnation, rid, seq)
+            ok = await self.directory.call(shard, "end_resync", self.node_id, self.incarnation, rid, seq,
+                                           self.reports.end_resync(shard, rid, seq))
             self._check_epoch(shard)
             logger.info("resynced %d block hashes to directory shard %d (seq %d)", len(hashes), shard, seq)
         except SHARD_DOWN:

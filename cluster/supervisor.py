@@ -4,6 +4,10 @@
 one (named after the node id, detached, pinned to that node, restarted by Ray if it dies) and ping
 it so it opens its store and starts serving. `SupervisorActor` runs it every
 `[cluster] heartbeat_s`; it also pings every NodeActor, which starts an actor that Ray restarted.
+
+The supervisor issues no certificates (it holds no CA key): whoever adds a Ray node issues that node's
+certificate (`kvfabric certs issue`, the chart's per-pod certificates, `LocalCluster.add_node`); until it
+is there the node's actor refuses to start, and the next pass tries again.
 """
 
 from __future__ import annotations

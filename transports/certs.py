@@ -151,6 +151,18 @@ def revoke(cert_dir: str | os.PathLike[str], serials: set[int], days: int = 30) 
     return crl_path
 
 
+def revoked_serials(crl_pem: bytes, ca_cert: x509.Certificate, where: str = "the revocation list") -> frozenset[int]:
+    """Serials revoked by a CA-signed CRL (PEM); raises CertificateError if the CA did not sign it."""
+    try:
+        crl = x509.load_pem_x509_crl(crl_pem)
+    except ValueError as e:
+        raise CertificateError(f"cannot read {where}: {e}") from None
+    ca_key = ca_cert.public_key()
+    if not isinstance(ca_key, ec.EllipticCurvePublicKey) or not crl.is_signature_valid(ca_key):
+        raise CertificateError(f"{where} is not signed by the cluster CA")
+    return frozenset(r.serial_number for r in crl)
+
+
 def node_name_of(cert: x509.Certificate) -> str:
     """The node identity a certificate carries: its first DNS SAN. A CA certificate names no node
     (TLS chain checks accept a CA certificate as the leaf, so this is where it is refused)."""
@@ -175,6 +187,11 @@ class CredentialFiles:
     cert: Path
     key: Path
 
+    @property
+    def crl(self) -> Path:
+        """The CA's revocation list, beside the CA certificate; optional."""
+        return self.ca.with_name(CRL)
+
     @classmethod
     def for_node(cls, cert_dir: str | os.PathLike[str], node: str) -> CredentialFiles:
         d = Path(cert_dir)
@@ -186,19 +203,25 @@ class CredentialFiles:
                 raise CertificateError(f"missing certificate file {p}")
 
     def stamp(self) -> tuple[int, ...]:
-        """Changes whenever any of the three files is replaced or rewritten."""
+        """Changes whenever any of the three files, or the revocation list, is replaced or rewritten."""
         out: list[int] = []
         for p in (self.ca, self.cert, self.key):
             st = p.stat()
             out += [st.st_mtime_ns, st.st_size, st.st_ino]
+        try:
+            st = self.crl.stat()
+            out += [st.st_mtime_ns, st.st_size, st.st_ino]
+        except FileNotFoundError:
+            pass
         return tuple(out)
 
 
 class NodeCredentials:
-    """A node's CA, certificate and key, reloaded when their files change.
+    """A node's CA, certificate, key and the CA's revocation list, reloaded when their files change.
 
     `ssl_context(server)` returns a TLS 1.3 context that requires and verifies the peer's
-    certificate against the cluster CA. Contexts are rebuilt after a rotation; a context in use by
+    certificate against the cluster CA and refuses a revoked one (`revoked` holds the serials).
+    Contexts are rebuilt after a rotation; a context in use by
     an open connection is never mutated, so open connections are not dropped.
     """
 
@@ -207,6 +230,7 @@ class NodeCredentials:
         self.files = files
         self._stamp: tuple[int, ...] = ()
         self._contexts: dict[bool, ssl.SSLContext] = {}
+        self.revoked: frozenset[int] = frozenset()
         self.generation = 0
         self.refresh()
 
@@ -229,17 +253,25 @@ class NodeCredentials:
         try:
             for server in (True, False):
                 self._build(server)
-        except (ssl.SSLError, OSError, ValueError) as e:
+            revoked = self._load_revoked()
+        except (ssl.SSLError, OSError, ValueError, CertificateError) as e:
             if not self._stamp:
                 raise CertificateError(f"cannot load node credentials {self.files}: {e}") from None
             logger.warning("ignoring unreadable rotated credentials (%s); keeping the previous ones", e)
             return False
         self._contexts = {server: self._build(server) for server in (True, False)}
+        self.revoked = revoked
         self._stamp = stamp
         self.generation += 1
         if self.generation > 1:
             logger.info("reloaded node credentials from %s (generation %d)", self.files.cert, self.generation)
         return True
+
+    def _load_revoked(self) -> frozenset[int]:
+        if not self.files.crl.is_file():
+            return frozenset()
+        ca = x509.load_pem_x509_certificate(self.files.ca.read_bytes())
+        return revoked_serials(self.files.crl.read_bytes(), ca, str(self.files.crl))
 
     def ssl_context(self, server: bool) -> ssl.SSLContext:
         self.refresh()
@@ -250,6 +282,9 @@ class NodeCredentials:
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.load_cert_chain(self.files.cert, self.files.key)
         ctx.load_verify_locations(cafile=str(self.files.ca))
+        if self.files.crl.is_file():
+            ctx.load_verify_locations(cafile=str(self.files.crl))
+            ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF   # a revoked peer fails the handshake
         ctx.verify_mode = ssl.CERT_REQUIRED  # mTLS: the server demands a client certificate too
         if not server:
             ctx.check_hostname = True  # the dialled node name must be in the server's SAN

@@ -33,7 +33,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519
 
-from transports.certs import CRL, CertificateError, node_name_of
+from transports.certs import CRL, CertificateError, node_name_of, revoked_serials
 
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
@@ -173,13 +173,10 @@ class NodeSigner:
 def load_revoked(crl_path: str | Path, ca_cert: x509.Certificate) -> frozenset[int]:
     """Serials revoked by the CA-signed CRL at `crl_path`; a CRL the CA did not sign is refused."""
     try:
-        crl = x509.load_pem_x509_crl(Path(crl_path).read_bytes())
-    except (OSError, ValueError) as e:
+        data = Path(crl_path).read_bytes()
+    except OSError as e:
         raise CertificateError(f"cannot read the revocation list {crl_path}: {e}") from None
-    ca_key = ca_cert.public_key()
-    if not isinstance(ca_key, ec.EllipticCurvePublicKey) or not crl.is_signature_valid(ca_key):
-        raise CertificateError(f"the revocation list {crl_path} is not signed by the cluster CA")
-    return frozenset(r.serial_number for r in crl)
+    return revoked_serials(data, ca_cert, f"the revocation list {crl_path}")
 
 
 def _to_der(cert: bytes) -> bytes:

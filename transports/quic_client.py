@@ -46,7 +46,7 @@ from transports.quic_base import (
     base_configuration,
     stop_reading,
 )
-from transports.quic_tls import QuicTlsMaterial
+from transports.quic_tls import QuicTlsMaterial, server_revoked
 from transports.session import ClientSession
 from transports.udp import UdpEndpoint, udp_socket
 
@@ -322,7 +322,13 @@ class QuicTransportClient:
             self._tickets.pop(peer.node, None)
             await self.disconnect(peer)
             return None
-        self.metrics.connections.labels(TRANSPORT, "client").inc()
+        self.metrics.connections.labels(TRANSPORT, "client").inc()   # disconnect() counts it down
+        if server_revoked(quic, self.tls.current().revoked):
+            self.metrics.auth_failures.labels(TRANSPORT, "server_revoked").inc()
+            logger.warning("QUIC peer %s presented a revoked certificate; refused", peer.node)
+            self._tickets.pop(peer.node, None)
+            await self.disconnect(peer)
+            return None
         logger.debug("QUIC connected to %s (resumed: %s)", peer.node, conn.session_resumed)
         return conn
 

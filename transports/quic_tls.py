@@ -67,11 +67,16 @@ class AlertCertificateRequired(tls.Alert):
     description = tls.AlertDescription.certificate_required
 
 
+class AlertCertificateRevoked(tls.Alert):
+    description = tls.AlertDescription.certificate_revoked
+
+
 class AuthFailure(enum.StrEnum):
     """Why a server refused a client (the `reason` label of auth_failures_total)."""
 
     NO_CERTIFICATE = "no_certificate"
     EXPIRED = "expired"
+    REVOKED = "revoked"              # on the cluster CA's revocation list (crl.pem)
     UNTRUSTED = "untrusted"          # chain does not lead to the cluster CA
     NOT_A_NODE = "not_a_node"        # no DNS SAN, or not valid for client authentication
     HANDSHAKE = "handshake"          # any other TLS failure (bad signature, no common ALPN, ...)
@@ -122,6 +127,7 @@ class TlsGeneration:
     configuration: QuicConfiguration
     cluster_ca: bytes
     tickets: TicketStore
+    revoked: frozenset[int] = frozenset()   # certificate serials the CA revoked (a new list is a new generation)
 
 
 class QuicTlsMaterial:
@@ -156,7 +162,8 @@ class QuicTlsMaterial:
             return self._current
         config.load_verify_locations(cadata=cadata)
         config.verify_mode = ssl.CERT_REQUIRED  # clients check the server's chain and name
-        self._current = TlsGeneration(config, cadata, TicketStore(lifetime_s=self._ticket_lifetime_s))
+        self._current = TlsGeneration(config, cadata, TicketStore(lifetime_s=self._ticket_lifetime_s),
+                                      self.credentials.revoked)
         if self.generation >= 0:
             logger.info("QUIC now uses certificate generation %d", self.credentials.generation)
         self.generation = self.credentials.generation
@@ -176,6 +183,7 @@ class ClusterServerContext(tls.Context):
 
     cluster_ca: bytes
     tickets: TicketStore
+    revoked: frozenset[int]
     peer_node: str | None
     auth_failure: AuthFailure | None
     _candidate: tuple[str, float] | None  # (node, certificate expiry) of the client being checked
@@ -183,6 +191,7 @@ class ClusterServerContext(tls.Context):
     def enforce(self, server_tls: TlsGeneration) -> None:
         self.cluster_ca = server_tls.cluster_ca
         self.tickets = server_tls.tickets
+        self.revoked = server_tls.revoked
         self.peer_node = None
         self.auth_failure = None
         self._candidate = None
@@ -206,6 +215,8 @@ class ClusterServerContext(tls.Context):
             self._refuse(AuthFailure.EXPIRED, e)
         except tls.Alert as e:
             self._refuse(AuthFailure.UNTRUSTED, tls.AlertBadCertificate(f"not issued by the cluster CA: {e}"))
+        if cert.serial_number in self.revoked:
+            self._refuse(AuthFailure.REVOKED, AlertCertificateRevoked("certificate revoked by the cluster CA"))
         try:
             node = node_name_of(cert)
         except CertificateError as e:
@@ -276,6 +287,13 @@ def install_client_auth(connection: QuicConnection, current: Callable[[], TlsGen
         cast(ClusterServerContext, context).enforce(server_tls)
 
     connection._initialize = _initialize  # type: ignore[method-assign]
+
+
+def server_revoked(connection: QuicConnection, revoked: frozenset[int]) -> bool:
+    """On a client connection after its handshake: True when the server's certificate is revoked.
+    (A resumed session shows no certificate; its ticket came from a full handshake under the same list.)"""
+    cert = connection.tls._peer_certificate
+    return cert is not None and cert.serial_number in revoked
 
 
 def peer_node(connection: QuicConnection) -> str | None:

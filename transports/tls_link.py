@@ -142,11 +142,16 @@ def auth_failure_reason(err: ssl.SSLError) -> str:
             return "expired"
         if err.verify_code == 62:  # X509_V_ERR_HOSTNAME_MISMATCH
             return "wrong_name"
+        if err.verify_code == 23:  # X509_V_ERR_CERT_REVOKED: on the CA's revocation list (crl.pem)
+            return "revoked"
+        if err.verify_code == 12:  # X509_V_ERR_CRL_HAS_EXPIRED: the operator must publish a fresh crl.pem
+            return "crl_expired"
         return "untrusted"
     text = f"{err.reason or ''} {err}".upper()
     for needles, reason in ((("NO_CERTIFICATE", "DID_NOT_RETURN_A_CERTIFICATE", "CERTIFICATE_REQUIRED"),
                              "no_certificate"),
                             (("CERTIFICATE_EXPIRED",), "expired"),
+                            (("CERTIFICATE_REVOKED",), "revoked"),
                             # a certificate whose key is not the one that signed the handshake
                             (("KEY_VALUES_MISMATCH", "BAD_SIGNATURE", "DECRYPT_ERROR"), "key_mismatch"),
                             (("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_UNKNOWN", "UNSUPPORTED_CERTIFICATE"),

@@ -20,7 +20,7 @@ from chart_support import (
     validate,
 )
 
-from transports.certs import CA_CERT, CA_KEY
+from transports.certs import CA_CERT, CA_KEY, CRL
 
 CASES = {"default": {}, "all-features": ALL_FEATURES}
 
@@ -62,7 +62,7 @@ def test_a_typo_in_a_custom_resource_fails_validation(rendered: list[dict[str, A
 def test_kinds_rendered_with_every_feature_on(tmp_path: Path) -> None:
     objects = render(tmp_path, ALL_FEATURES, api_versions=MONITOR_APIS)
     kinds = sorted(o["kind"] for o in objects)
-    assert kinds == sorted(["ConfigMap", "ConfigMap", "Service", "RayCluster", "RayJob", "ServiceMonitor",
+    assert kinds == sorted(["ConfigMap", "ConfigMap", "Service", "Service", "RayCluster", "RayJob", "ServiceMonitor",
                             "PodMonitor", "Issuer", "Issuer", "Certificate"])
 
 
@@ -108,24 +108,28 @@ def test_volumes_match_the_config_paths(rendered: list[dict[str, Any]]) -> None:
     for pod in pod_specs(cluster):
         volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
         mounts = {m["name"]: m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
-        assert set(volumes) == set(mounts) == {"config", "ca", "certs", "ssd", "dshm"}
+        assert set(volumes) == set(mounts) == {"config", "node-tls", "crl", "certs", "ssd", "dshm"}
         # The config file the bootstrap job names is the ConfigMap's key under its mount.
         assert volumes["config"]["configMap"]["name"] == one(rendered, "ConfigMap", "-config")["metadata"]["name"]
         assert mounts["config"] + "/kvfabric.toml" == "/etc/kvfabric/kvfabric.toml"
         # SSD tier and index live on the SSD volume.
         for key in ("ssd_dir", "index_dir"):
             assert Path(cfg["kv"][key]).is_relative_to(mounts["ssd"])
-        # Certificates: each NodeActor writes its own into cert_dir (writable, in memory), issued from
-        # the CA that tls-setup links in under the names transports/certs.py opens.
+        # Certificates: tls-setup links the pod's own certificate (csi-driver), the CA certificate and the
+        # revocation list into cert_dir under the names transports/certs.py and the NodeActor open.
         assert mounts["certs"] == cert_dir
         assert volumes["certs"]["emptyDir"]["medium"] == "Memory"
         setup = next(c for c in pod["spec"]["initContainers"] if c["name"] == "tls-setup")
         script = setup["command"][-1]
-        ca_items = {i["key"]: i["path"] for i in volumes["ca"]["secret"]["items"]}
-        assert f"{mounts['ca']}/{ca_items['tls.crt']} {cert_dir}/{CA_CERT}" in script
-        assert f"{mounts['ca']}/{ca_items['tls.key']} {cert_dir}/{CA_KEY}" in script
+        attrs = volumes["node-tls"]["csi"]["volumeAttributes"]
+        tls_dir = mounts["node-tls"]
+        assert f"{tls_dir}/{attrs['csi.cert-manager.io/ca-file']} {cert_dir}/{CA_CERT}" in script
+        assert f"{tls_dir}/{attrs['csi.cert-manager.io/certificate-file']} {cert_dir}/$KVFABRIC_NODE_NAME.pem" in script
+        assert f"{tls_dir}/{attrs['csi.cert-manager.io/privatekey-file']} {cert_dir}/$KVFABRIC_NODE_NAME.key" in script
+        assert f"{mounts['crl']}/{CRL} {cert_dir}/{CRL}" in script
+        assert volumes["crl"]["secret"]["optional"] is True
         setup_mounts = {m["name"]: m["mountPath"] for m in setup["volumeMounts"]}
-        assert setup_mounts == {"ca": mounts["ca"], "certs": cert_dir}
+        assert setup_mounts == {"node-tls": mounts["node-tls"], "crl": mounts["crl"], "certs": cert_dir}
         assert volumes["dshm"]["emptyDir"]["medium"] == "Memory"
         assert mounts["dshm"] == "/dev/shm"
 
@@ -172,27 +176,72 @@ def test_bootstrap_job_targets_the_cluster_and_keeps_it(rendered: list[dict[str,
     assert job["spec"]["entrypoint"] == "kvfabric start --address auto --config /etc/kvfabric/kvfabric.toml"
 
 
-def test_cert_manager_ca_is_the_mounted_secret(tmp_path: Path) -> None:
+def pod_env(container: dict[str, Any]) -> dict[str, Any]:
+    return {e["name"]: e.get("value", e.get("valueFrom")) for e in container.get("env", [])}
+
+
+def test_each_pod_gets_its_own_certificate_naming_it_and_the_name_it_advertises(tmp_path: Path) -> None:
+    objects = render(tmp_path, ALL_FEATURES)
+    issuer = one(objects, "Issuer", "-ca")
+    service = one(objects, "Service", "-nodes")
+    assert service["spec"]["clusterIP"] == "None" and service["spec"]["publishNotReadyAddresses"] is True
+    for pod in pod_specs(one(objects, "RayCluster")):
+        assert pod["spec"]["subdomain"] == service["metadata"]["name"]
+        assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+        csi = next(v for v in pod["spec"]["volumes"] if v["name"] == "node-tls")["csi"]
+        attrs = csi["volumeAttributes"]
+        assert csi["driver"] == "csi.cert-manager.io" and csi["readOnly"] is True
+        assert attrs["csi.cert-manager.io/issuer-name"] == issuer["metadata"]["name"]
+        names = attrs["csi.cert-manager.io/dns-names"].split(",")
+        env = pod_env(pod["spec"]["containers"][0])
+        # transports/certs.node_name_of: the first DNS name is the node; the NodeActor advertises the second.
+        assert names[0] == "${POD_NAME}" and env["KVFABRIC_NODE_NAME"] == "$(POD_NAME)"
+        assert names[1].replace("${", "$(").replace("}", ")") == env["KVFABRIC_ADVERTISE_HOST"]
+        assert names[1] == f"${{POD_NAME}}.{service['metadata']['name']}.${{POD_NAMESPACE}}.svc"
+        assert {"server auth", "client auth"} <= set(attrs["csi.cert-manager.io/key-usages"].split(","))
+        assert "csi.cert-manager.io/is-ca" not in attrs
+
+
+@pytest.mark.parametrize("tls", [ALL_FEATURES["tls"], {"existingSecret": "corp-kvfabric-ca"}])
+def test_no_pod_or_job_mounts_the_ca_private_key(tmp_path: Path, tls: dict[str, Any]) -> None:
+    """The CA key is in one Secret, read by cert-manager's CA Issuer alone."""
+    objects = render(tmp_path, {**ALL_FEATURES, "tls": tls})
+    ca_secret = one(objects, "Issuer", "-ca")["spec"]["ca"]["secretName"]
+    assert ca_secret == (tls["existingSecret"] or one(objects, "Certificate", "-ca")["spec"]["secretName"])
+    templates = [*pod_specs(one(objects, "RayCluster"))]
+    job = one(objects, "RayJob")
+    if "submitterPodTemplate" in job["spec"]:
+        templates.append(job["spec"]["submitterPodTemplate"])
+    assert templates
+    for pod in templates:
+        for volume in pod["spec"].get("volumes", []):
+            assert volume.get("secret", {}).get("secretName") != ca_secret, volume
+            for source in volume.get("projected", {}).get("sources", []):
+                assert source.get("secret", {}).get("name") != ca_secret, volume
+        for container in pod["spec"]["containers"] + pod["spec"].get("initContainers", []):
+            assert CA_KEY not in repr(container.get("command", [])) + repr(container.get("args", []))
+            for ref in container.get("envFrom", []):
+                assert ref.get("secretRef", {}).get("name") != ca_secret
+            for value in pod_env(container).values():
+                assert ca_secret not in repr(value)
+
+
+def test_cert_manager_ca_is_self_signed_and_feeds_the_node_issuer(tmp_path: Path) -> None:
     objects = render(tmp_path, ALL_FEATURES)
     ca_cert = one(objects, "Certificate", "-ca")
-    for pod in pod_specs(one(objects, "RayCluster")):
-        ca = next(v for v in pod["spec"]["volumes"] if v["name"] == "ca")
-        assert ca["secret"]["secretName"] == ca_cert["spec"]["secretName"]
     assert ca_cert["spec"]["isCA"] is True
-    assert "cert sign" in ca_cert["spec"]["usages"]
-    # transports/certs.issue_node signs with an EC key: an RSA CA would fail on every node.
+    assert "cert sign" in ca_cert["spec"]["usages"] and "crl sign" in ca_cert["spec"]["usages"]
+    # `kvfabric certs revoke` checks CRL signatures with an EC CA key (transports/certs.revoked_serials).
     assert ca_cert["spec"]["privateKey"]["algorithm"] == "ECDSA"
     issuers = {i["metadata"]["name"]: i["spec"] for i in by_kind(objects, "Issuer")}
     assert issuers[ca_cert["spec"]["issuerRef"]["name"]] == {"selfSigned": {}}
     assert {"ca": {"secretName": ca_cert["spec"]["secretName"]}} in issuers.values()
 
 
-def test_existing_ca_secret_is_mounted(tmp_path: Path) -> None:
+def test_an_existing_ca_secret_is_only_the_issuers(tmp_path: Path) -> None:
     objects = render(tmp_path, {"tls": {"existingSecret": "corp-kvfabric-ca"}})
-    assert not by_kind(objects, "Certificate") and not by_kind(objects, "Issuer")
-    for pod in pod_specs(one(objects, "RayCluster")):
-        ca = next(v for v in pod["spec"]["volumes"] if v["name"] == "ca")
-        assert ca["secret"]["secretName"] == "corp-kvfabric-ca"
+    assert not by_kind(objects, "Certificate")
+    assert [i["spec"] for i in by_kind(objects, "Issuer")] == [{"ca": {"secretName": "corp-kvfabric-ca"}}]
 
 
 def test_gcs_fault_tolerance_wiring(tmp_path: Path) -> None:

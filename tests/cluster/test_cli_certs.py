@@ -1,4 +1,4 @@
-"""`kvfabric certs init|issue` as a user runs it: exit codes, messages, files, and usable certificates."""
+"""`kvfabric certs init|issue|revoke` as a user runs it: exit codes, messages, files, and usable certificates."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from cluster.cli import main
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
 from transports.certs import CredentialFiles, NodeCredentials, node_name_of
+from transports.identity import IdentityError, TrustAnchor
 from transports.quic import QuicTransportClient, QuicTransportServer
 
 
@@ -100,3 +101,24 @@ def test_cli_made_certificates_carry_a_mutual_tls_quic_pull(tmp_path: Path) -> N
 
     results = asyncio.run(asyncio.wait_for(pull(), 30))
     assert len(results) == 1 and isinstance(results[0], Hit)
+
+
+def test_revoke_lists_the_nodes_certificate_in_the_cas_revocation_list(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(d)]) == 0
+    for node in ("node-1", "node-2"):
+        assert main(["certs", "issue", "--dir", str(d), "--node", node]) == 0
+    assert main(["certs", "revoke", "--dir", str(d), "node-1"]) == 0
+    serial = x509.load_pem_x509_certificate((d / "node-1.pem").read_bytes()).serial_number
+    anchor = TrustAnchor.from_files(d / "ca.pem")
+    with pytest.raises(IdentityError) as refused:
+        anchor.identity((d / "node-1.pem").read_bytes())
+    assert refused.value.reason == "revoked"
+    assert anchor.identity((d / "node-2.pem").read_bytes()).node == "node-2"
+    assert f"{serial:x}" in capsys.readouterr().out
+    assert main(["certs", "revoke", "--dir", str(d), "node-9"]) == 2     # no such certificate: nothing written
+    assert "node-9.pem" in capsys.readouterr().err
+    assert TrustAnchor.from_files(d / "ca.pem").revoked == frozenset({serial})
+    assert main(["certs", "revoke", "--dir", str(d), "--serial", "0x1f:2a"]) == 0   # a certificate not in --dir
+    assert TrustAnchor.from_files(d / "ca.pem").revoked == frozenset({serial, 0x1F2A})

@@ -15,18 +15,22 @@ from pathlib import Path
 import numpy as np
 import pytest
 import ray
+from cryptography import x509
 
 from cluster.api import Where, payload_shape
 from cluster.client import FabricClient, FabricUnavailableError
+from cluster.directory import ApplyOutcome, NodeAddress, shard_of
 from cluster.directory_actor import DirectoryClient, shard_actor_name
+from cluster.directory_auth import ReportSigner
 from cluster.launch import LocalCluster, start_local_cluster
-from cluster.node_actor import node_actor_name, node_name_for
+from cluster.node_actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_name_for
 from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
-from fabric.keys import Namespace, block_hashes
+from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from transports.base import Hit, Peer
-from transports.certs import init_ca, issue_node
+from transports.certs import CertificateError, init_ca, issue_node, revoke
 from transports.factory import create_client
+from transports.identity import NodeSigner
 
 LAYOUT = KVLayout.mha(4, 2, 64, "f16")      # 8 KiB per (block, layer) at 16 tokens
 NS = Namespace("itest-model", LAYOUT, block_size=16, weights_fingerprint="itest")
@@ -143,21 +147,115 @@ def test_a_certificate_from_a_foreign_ca_cannot_pull(fabric: LocalCluster, tmp_p
     issue_node(foreign, "intruder")
     hashes = block_hashes(NS, prompt(1, 24))
 
-    async def steal() -> list[object]:
-        client = create_client(TransportConfig(cert_dir=str(foreign), node_name="intruder", connect_timeout_s=3))
+    results = pull_as(foreign, "intruder", Peer(node_name_for(a), host, int(port)), BlockAddress(hashes[0], 0))
+    assert results and not any(isinstance(r, Hit) for r in results)
+
+
+def pull_as(cert_dir: Path, node: str, peer: Peer, address: BlockAddress) -> list[object]:
+    """Pull one (block, layer) from `peer` with `node`'s certificate: results, or the error raised."""
+    async def pull() -> list[object]:
+        client = create_client(TransportConfig(cert_dir=str(cert_dir), node_name=node, connect_timeout_s=3))
         got: list[object] = []
         try:
-            from fabric.keys import BlockAddress
-            async for result in client.pull(Peer(node_name_for(a), host, int(port)), [BlockAddress(hashes[0], 0)]):
+            async for result in client.pull(peer, [address]):
                 got.append(result)
         except Exception as e:
             got.append(e)
         finally:
             await client.close()
         return got
+    return asyncio.run(pull())
 
-    results = asyncio.run(steal())
-    assert results and not any(isinstance(r, Hit) for r in results)
+
+def shard_handle(fabric: LocalCluster, k: int) -> ray.actor.ActorHandle:
+    return ray.get_actor(shard_actor_name(fabric.config.cluster, k), namespace="kvfabric")
+
+
+def report_signer(fabric: LocalCluster, name: str, node_id: str, incarnation: int) -> ReportSigner:
+    d = Path(fabric.config.transport.cert_dir)
+    return ReportSigner(NodeSigner(d / f"{name}.pem", d / f"{name}.key"), node_id, incarnation)
+
+
+def test_reports_forged_from_a_ray_driver_are_refused_and_counted(fabric: LocalCluster) -> None:
+    _, a, b = nodes(fabric)[:3]
+    client_a = FabricClient.connect(node_id=a)
+    tokens = prompt(11, 16)
+    client_a.store(NS, tokens, kv_for(11, 16))
+    hashes = block_hashes(NS, tokens)
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 5, "the directory lists A")
+    inc = client_a.stats()["incarnation"]
+    host, port = client_a.stats()["address"].rsplit(":", 1)
+    addr_a = NodeAddress(host, int(port), "tls-tcp", node_name_for(a))
+    k = shard_of(hashes[0], fabric.config.cluster.directory_shards)
+    mine = [h for h in hashes if shard_of(h, fabric.config.cluster.directory_shards) == k]
+    shard = shard_handle(fabric, k)
+    before = ray.get(shard.stats.remote())[1]
+    as_a = report_signer(fabric, node_name_for(b), a, inc)          # B's key, A's id
+    as_a_later = report_signer(fabric, node_name_for(b), a, inc + 10**12)
+    as_ghost = report_signer(fabric, node_name_for(b), "ghost-node", inc)
+    as_b = report_signer(fabric, node_name_for(b), b, inc)
+    hijack = NodeAddress("10.66.0.1", int(port), "tls-tcp", node_name_for(b))
+    answers = [
+        shard.apply.remote(a, inc, 10**6, [], mine, addr_a),                                   # no key at all
+        shard.apply.remote(a, inc, 10**6, [], mine, addr_a, as_a.apply(k, 10**6, [], mine, addr_a)),
+        shard.heartbeat.remote(a, inc + 10**12, addr_a, None, as_a_later.heartbeat(k, addr_a, None)),
+        shard.heartbeat.remote("ghost-node", inc, addr_a, None, as_ghost.heartbeat(k, addr_a, None)),
+        shard.heartbeat.remote(b, inc, hijack, None, as_b.heartbeat(k, hijack, None)),
+    ]
+    assert [outcome for _epoch, outcome in ray.get(answers)] == [ApplyOutcome.REFUSED] * 5
+    after = ray.get(shard.stats.remote())[1]
+    assert {r: after.get(f"refused_{r}", 0) - before.get(f"refused_{r}", 0)
+            for r in ("unsigned", "wrong_node", "address")} == {"unsigned": 1, "wrong_node": 3, "address": 1}
+    assert all(o == {a} for o in owners(fabric.config, hashes))          # A's blocks are still listed, as A's
+    located = asyncio.run(DirectoryClient(fabric.config.cluster).locate(hashes[:1], exclude=()))
+    assert located.addresses[a] == addr_a
+
+
+def test_a_node_without_its_certificate_refuses_to_start_with_a_one_line_error(fabric: LocalCluster) -> None:
+    head = nodes(fabric)[0]
+    actor = NodeActor.options(  # type: ignore[attr-defined]
+        name="kvfabric-node-without-certificate", namespace="kvfabric",
+        runtime_env={"env_vars": {NODE_NAME_ENV: "node-uncertified"}}).remote(fabric.config, head)
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as raised:
+            ray.get(actor.ping.remote(), timeout=60)
+    finally:
+        ray.kill(actor, no_restart=True)
+    cause = raised.value.cause
+    assert isinstance(cause, CertificateError)
+    message = str(cause)
+    assert "\n" not in message and "node-uncertified.pem is missing" in message
+    assert "kvfabric certs issue" in message and "--node node-uncertified" in message
+    assert not (Path(fabric.config.transport.cert_dir) / "node-uncertified.pem").exists()
+
+
+def test_a_revoked_certificate_is_refused_by_the_transport_and_the_directory(fabric: LocalCluster) -> None:
+    _, a, _ = nodes(fabric)[:3]
+    cert_dir = Path(fabric.config.transport.cert_dir)
+    issue_node(cert_dir, "node-revoked", extra_sans=("127.0.0.1",))   # the operator issued it once
+    stats = FabricClient.connect(node_id=a).stats()
+    host, port = stats["address"].rsplit(":", 1)
+    tokens = prompt(12, 4)
+    FabricClient.connect(node_id=a).store(NS, tokens, kv_for(12, 4))
+    peer, first = Peer(node_name_for(a), host, int(port)), BlockAddress(block_hashes(NS, tokens)[0], 0)
+    addr = NodeAddress("127.0.0.1", 1, "tls-tcp", "node-revoked")
+    shard = shard_handle(fabric, 0)
+    signer = report_signer(fabric, "node-revoked", "revoked-node", 1)
+    assert any(isinstance(r, Hit) for r in pull_as(cert_dir, "node-revoked", peer, first))
+    assert ray.get(shard.heartbeat.remote("revoked-node", 1, addr, None, signer.heartbeat(0, addr, None)))[1] \
+        is ApplyOutcome.ACCEPTED
+    serial = x509.load_pem_x509_certificate((cert_dir / "node-revoked.pem").read_bytes()).serial_number
+    revoke(cert_dir, {serial})
+    wait_until(lambda: ray.get(shard.heartbeat.remote("revoked-node", 1, addr, None,
+                                                      signer.heartbeat(0, addr, None)))[1] is ApplyOutcome.REFUSED,
+               10, "the directory refuses the revoked certificate")
+    assert ray.get(shard.stats.remote())[1]["refused_revoked"] >= 1
+    assert not any(isinstance(r, Hit) for r in pull_as(cert_dir, "node-revoked", peer, first))
+
+    def counted() -> bool:   # the server counts once its side of the handshake ends, maybe after the client's
+        with urllib.request.urlopen(f"http://127.0.0.1:{stats['metrics_port']}/metrics", timeout=5) as resp:
+            return 'kvfabric_auth_failures_total{reason="revoked",transport="tls-tcp"}' in resp.read().decode()
+    wait_until(counted, 10, "A counts the revoked handshake")
 
 
 def test_a_restarted_node_reregisters_its_ssd_blocks_under_a_new_incarnation(fabric: LocalCluster) -> None:

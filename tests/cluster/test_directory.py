@@ -21,12 +21,25 @@ def test_in_order_batches_are_applied_duplicates_ignored_gaps_apply_nothing() ->
     assert d.apply(A, 1, 1, H[:3], [], 0.0, ADDR) is ApplyOutcome.ACCEPTED
     assert d.apply(A, 1, 2, [H[3]], [H[0]], 0.0) is ApplyOutcome.ACCEPTED
     assert owners(d, H[:4]) == [(), (A,), (A,), (A,)]
-    assert d.apply(A, 1, 2, [H[5]], [H[1]], 0.0) is ApplyOutcome.DUPLICATE      # a retry of batch 2
+    assert d.apply(A, 1, 2, [H[3]], [H[0]], 0.0) is ApplyOutcome.DUPLICATE      # a retry of batch 2
     assert d.apply(A, 1, 4, [H[6]], [H[2]], 0.0) is ApplyOutcome.GAP            # batch 3 was lost
     assert owners(d, H[:7]) == [(), (A,), (A,), (A,), (), (), ()]
     assert d.nodes(0.0)[0].last_seq == 2
     s = d.stats(0.0)
     assert (s["applied"], s["duplicate"], s["gap"], s["num_entries"]) == (2, 1, 1, 3)
+
+
+def test_a_used_seq_with_other_content_is_refused_as_a_conflict_and_a_resync_restores_the_map() -> None:
+    d = DirectoryShard()
+    x, y = H[0], H[1]
+    assert d.apply(A, 5, 1, [x], [], 0.0, ADDR) is ApplyOutcome.ACCEPTED
+    assert d.apply(A, 5, 2, [], [x], 0.0, ADDR) is ApplyOutcome.ACCEPTED     # not what A sent under seq 2
+    assert d.apply(A, 5, 2, [y], [], 0.0, ADDR) is ApplyOutcome.CONFLICT     # A's real batch 2
+    assert d.stats(0.0)["conflict"] == 1
+    rid = d.begin_resync(A, 5, ADDR, 0.0)                                    # what A does on CONFLICT
+    assert d.resync_batch(A, 5, rid, [x, y], 0.0)
+    assert d.end_resync(A, 5, rid, 3, 0.0)
+    assert owners(d, [x, y]) == [(A,), (A,)]
 
 
 def test_unknown_node_must_start_at_seq_1() -> None:
@@ -87,7 +100,7 @@ def test_expired_node_is_never_returned_and_comes_back_empty() -> None:
 def test_lease_is_renewed_by_accepted_batches_and_heartbeats_only() -> None:
     d = DirectoryShard(lease_s=5.0)
     d.apply(A, 1, 1, [H[0]], [], 0.0, ADDR)
-    d.apply(A, 1, 1, [], [], 4.0)                        # a duplicate renews nothing
+    d.apply(A, 1, 1, [H[0]], [], 4.0)                    # a duplicate renews nothing
     assert owners(d, [H[0]], 5.0) == [()]
     d2 = DirectoryShard(lease_s=5.0)
     d2.apply(A, 1, 1, [H[0]], [], 0.0, ADDR)

@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress
+from cluster.directory import DIGESTS_KEPT, ApplyOutcome, DirectoryShard, NodeAddress, batch_digest
 
 LEASE = 5.0
 NODES = ["n0", "n1", "n2"]
@@ -33,6 +33,7 @@ class MNode:
     lease_expiry: float
     last_seq: int = 0
     entries: set[bytes] = field(default_factory=set)
+    digests: dict[int, bytes] = field(default_factory=dict)   # seq -> content of the batch applied
 
 
 @dataclass
@@ -63,7 +64,7 @@ class Model:
     def renew(self, node_id: str, incarnation: int) -> None:
         """A newer incarnation replaces everything; an older resync of the node is cancelled."""
         n = self.nodes[node_id]
-        n.incarnation, n.last_seq, n.entries = incarnation, 0, set()
+        n.incarnation, n.last_seq, n.entries, n.digests = incarnation, 0, set(), {}
         r = self.resyncs.get(node_id)
         if r is not None and r.incarnation < incarnation:
             del self.resyncs[node_id]
@@ -96,11 +97,13 @@ class Model:
             else:
                 self.renew(node_id, inc)
         elif seq <= n.last_seq:
-            return ApplyOutcome.DUPLICATE
+            same = seq > n.last_seq - DIGESTS_KEPT and n.digests.get(seq) == batch_digest(stored, removed)
+            return ApplyOutcome.DUPLICATE if same else ApplyOutcome.CONFLICT
         elif seq != n.last_seq + 1:
             return ApplyOutcome.GAP
         n.entries = (n.entries - set(removed)) | set(stored)
         n.last_seq, n.lease_expiry = seq, now + LEASE
+        n.digests[seq] = batch_digest(stored, removed)
         if addr is not None:
             n.address = addr
         return ApplyOutcome.ACCEPTED
@@ -138,7 +141,7 @@ class Model:
         n = self.nodes[node_id]
         if inc == n.incarnation and n.last_seq > seq:
             return False
-        n.entries, n.incarnation, n.last_seq = set(r.staged), inc, seq
+        n.entries, n.incarnation, n.last_seq, n.digests = set(r.staged), inc, seq, {}
         return True
 
     def locate(self, hashes: list[bytes], now: float,

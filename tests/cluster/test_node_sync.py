@@ -103,3 +103,26 @@ def test_replaying_random_operations_through_a_real_shard_ends_in_the_held_set()
         listed = {x for k in range(2) for x in sync.group_by_shard(h(i) for i in range(40))[k]
                   if shards[k].locate([x], 0.0).owners[0]}
         assert listed == held, f"trial {trial}"
+
+
+def test_a_batch_answered_conflict_makes_the_node_resync_until_the_map_equals_what_it_holds() -> None:
+    shard = DirectoryShard()
+    sync = DirectorySync(1, flush_s=0.0, flush_blocks=1, queue_max=1000)
+    held = {h(1)}
+    sync.record([(h(1), True)], now=0.0)
+    first = sync.take_batch(0)
+    sync.answered(first, shard.apply("n", 1, first.seq, first.stored, first.removed, 0.0, ADDR))
+    shard.apply("n", 1, 2, [], [h(1)], 0.0, ADDR)            # someone else's batch 2 under this node's name
+    held.add(h(2))
+    sync.record([(h(2), True)], now=0.0)
+    second = sync.take_batch(0)
+    outcome = shard.apply("n", 1, second.seq, second.stored, second.removed, 0.0, ADDR)
+    assert outcome is ApplyOutcome.CONFLICT
+    sync.answered(second, outcome)
+    assert sync.resync_wanted(0)
+    seq = sync.start_resync(0)
+    rid = shard.begin_resync("n", 1, ADDR, 0.0)
+    assert shard.resync_batch("n", 1, rid, sorted(held), 0.0)
+    sync.finish_resync(0, shard.end_resync("n", 1, rid, seq, 0.0))
+    assert not sync.resync_wanted(0)
+    assert shard.locate([h(1), h(2)], 0.0).owners == (("n",), ("n",))

@@ -21,11 +21,12 @@ import aioquic
 import pytest
 from aioquic.asyncio.client import connect
 from aioquic.quic.configuration import QuicConfiguration
+from cryptography import x509
 from support import run
 
 from transports import quic_tls
 from transports.base import Hit, Peer
-from transports.certs import CredentialFiles, NodeCredentials
+from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
 from transports.codec import FrameDecoder, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
 
@@ -149,6 +150,28 @@ def test_cluster_signed_certificate_that_is_no_client_node_certificate_is_refuse
     run(main())
 
 
+def test_a_revoked_client_is_refused_once_the_revocation_list_appears(tmp_path: Path, memory_source: Any) -> None:
+    d = tmp_path / "certs"
+    init_ca(d)
+    for node in ("node-a", "client-1", "client-2"):
+        issue_node(d, node)
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
+    serial = x509.load_pem_x509_certificate((d / "client-2.pem").read_bytes()).serial_number
+
+    async def main() -> None:
+        async with serving(node_files(d, "node-a"), source) as (server, peer):
+            results, _ = await pull_with(node_files(d, "client-2"), peer, source.addresses)
+            assert all(isinstance(r, Hit) for r in results)
+            revoke(d, {serial})
+            results, client = await pull_with(node_files(d, "client-2"), peer, source.addresses)
+            assert_refused(results, source.addresses)
+            assert auth_failures(server, "revoked") == 1
+            assert auth_failures(client, "refused_by_server") == 1
+            await good_client_is_served(d, peer, source.addresses)
+
+    run(main())
+
+
 # ---------------------------------------------------------------------------------------------
 # The client refuses bad servers
 
@@ -192,6 +215,27 @@ def test_client_refuses_a_cluster_server_that_is_not_the_dialled_node(cert_dir: 
             assert auth_failures(client, "server_untrusted") == 1
             assert source.num_gets == 0
             await good_client_is_served(cert_dir, peer_b, source.addresses)
+
+    run(main())
+
+
+def test_client_refuses_a_cluster_server_whose_certificate_was_revoked(tmp_path: Path, memory_source: Any) -> None:
+    d = tmp_path / "certs"
+    init_ca(d)
+    for node in ("node-a", "client-1"):
+        issue_node(d, node)
+    revoke(d, {x509.load_pem_x509_certificate((d / "node-a.pem").read_bytes()).serial_number})
+    source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
+
+    async def main() -> None:
+        async with serving(node_files(d, "node-a"), source) as (_, peer):
+            results, client = await pull_with(node_files(d, "client-1"), peer, source.addresses)
+            assert all(not isinstance(r, Hit) for r in results)
+            assert auth_failures(client, "server_revoked") == 1
+            assert source.num_gets == 0
+            gauge = client.metrics.registry.get_sample_value("kvfabric_connections",
+                                                             {"transport": "quic", "side": "client"})
+            assert gauge == 0
 
     run(main())
 

@@ -23,7 +23,7 @@ from fabric.keys import BlockAddress, BlockHash
 from transports import tls_tcp
 from transports.base import Hit, Peer, PullResult
 from transports.buffers import uninitialised_bytearray
-from transports.certs import issue_node
+from transports.certs import init_ca, issue_node, revoke
 from transports.codec import (
     MAGIC,
     PREAMBLE,
@@ -766,5 +766,35 @@ def test_pull_on_a_connection_the_server_just_dropped_is_retried(
             # … and the client pulls before its loop noticed: the PULL goes out on a dead connection
             assert_hits(await pull_all(client, peer, source.addresses), source, source.addresses)
             assert client.num_connects == 2
+
+    run(main())
+
+
+def test_a_revoked_certificate_is_refused_on_both_sides_once_the_revocation_list_appears(
+        tmp_path: Path, memory_source: MemorySourceFactory) -> None:
+    d = tmp_path / "certs"
+    init_ca(d)
+    for node in ("node-a", "client-1", "client-2", "node-r"):
+        issue_node(d, node)
+    source = memory_source(num_blocks=2, num_layers=1)
+
+    def serial(node: str) -> int:
+        return x509.load_pem_x509_certificate((d / f"{node}.pem").read_bytes()).serial_number
+
+    async def main() -> None:
+        async with serving(d, source) as (server, peer):
+            async with client_of(d, "client-1") as before:
+                assert_hits(await pull_all(before, peer, source.addresses), source, source.addresses)
+            revoke(d, {serial("client-1"), serial("node-r")})       # the server notices crl.pem appear
+            async with client_of(d, "client-1") as revoked:
+                results = await pull_all(revoked, peer, source.addresses)
+                assert all(isinstance(r, Miss) and r.reason is MissReason.PEER_ERROR for r in results)
+                await wait_until(lambda: auth_failures(server.metrics, "revoked") == 1)
+            async with client_of(d, "client-2") as good:
+                assert_hits(await pull_all(good, peer, source.addresses), source, source.addresses)
+        async with serving(d, source, node="node-r") as (_, peer_r), client_of(d, "client-2") as client:
+            results = await pull_all(client, peer_r, source.addresses)
+            assert all(isinstance(r, Miss) for r in results)
+            assert auth_failures(client.metrics, "server_revoked") == 1
 
     run(main())

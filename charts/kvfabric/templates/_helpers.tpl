@@ -50,13 +50,21 @@ helm.sh/chart: {{ include "kvfabric.chart" .ctx }}
 {{/* Paths inside every Ray container. */}}
 {{- define "kvfabric.configDir" -}}/etc/kvfabric{{- end -}}
 {{- define "kvfabric.configPath" -}}/etc/kvfabric/kvfabric.toml{{- end -}}
-{{/* cert_dir is a writable in-memory folder: each NodeActor issues its own certificate there
-(node-<first 16 hex of its Ray node id>.pem/.key, cluster/node_actor.py) from the cluster CA, which the
-tls-setup init container links in from the CA Secret (so a renewed CA Secret is seen, nothing is copied). */}}
+{{/* cert_dir is an in-memory folder of links, made by the tls-setup init container under the names
+cluster/node_actor.py opens: ca.pem and <pod name>.pem/.key from the pod's own certificate (cert-manager
+csi-driver, issued for this pod when it starts), crl.pem from the revocation-list Secret. Links, so a
+renewed certificate or a new list is seen; no pod ever sees the CA key. */}}
 {{- define "kvfabric.certDir" -}}/var/run/kvfabric-tls{{- end -}}
-{{- define "kvfabric.caDir" -}}/etc/kvfabric-ca{{- end -}}
+{{- define "kvfabric.nodeTlsDir" -}}/etc/kvfabric-node-tls{{- end -}}
+{{- define "kvfabric.crlDir" -}}/etc/kvfabric-crl{{- end -}}
+{{- define "kvfabric.nodesServiceName" -}}{{ include "kvfabric.fullname" . }}-nodes{{- end -}}
+{{- define "kvfabric.issuerName" -}}{{ include "kvfabric.fullname" . }}-ca{{- end -}}
+{{- define "kvfabric.crlSecretName" -}}
+{{- default (printf "%s-crl" (include "kvfabric.fullname" .)) .Values.tls.revocationListSecret -}}
+{{- end -}}
 
-{{/* The Secret holding the cluster CA (tls.crt, tls.key): cert-manager's CA Certificate writes it, or the user made it. */}}
+{{/* The Secret holding the cluster CA (tls.crt, tls.key), read only by cert-manager's CA Issuer: cert-manager's
+CA Certificate writes it, or the operator made it. */}}
 {{- define "kvfabric.caSecretName" -}}
 {{- if .Values.tls.certManager.enabled -}}
 {{- include "kvfabric.fullname" . }}-ca
@@ -89,7 +97,7 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 {{- fail (printf "name %q is not a DNS-1035 label (lowercase letters, digits and '-', starting with a letter), which KubeRay requires: use another release name or set fullnameOverride" $fullname) -}}
 {{- end -}}
 {{- if and (not .Values.tls.certManager.enabled) (not .Values.tls.existingSecret) -}}
-{{- fail "tls: the transports use mutual TLS and need the cluster CA to issue node certificates: set tls.existingSecret or tls.certManager.enabled=true" -}}
+{{- fail "tls: the transports use mutual TLS and need the cluster CA to issue node certificates: set tls.existingSecret (the CA Secret cert-manager signs with) or tls.certManager.enabled=true" -}}
 {{- end -}}
 {{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) -}}
 {{- fail "gcsFaultTolerance.enabled needs gcsFaultTolerance.redisAddress (host:port of an external Redis)" -}}
@@ -121,13 +129,30 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 - name: config
   configMap:
     name: {{ include "kvfabric.configMapName" .ctx }}
-- name: ca
+# This pod's own certificate and key, issued by the chart's CA Issuer when the pod starts (cert-manager
+# csi-driver): the first DNS name is the node name (the pod name), the second the name it advertises.
+- name: node-tls
+  csi:
+    driver: csi.cert-manager.io
+    readOnly: true
+    volumeAttributes:
+      csi.cert-manager.io/issuer-name: {{ include "kvfabric.issuerName" .ctx }}
+      csi.cert-manager.io/issuer-kind: Issuer
+      csi.cert-manager.io/issuer-group: cert-manager.io
+      csi.cert-manager.io/dns-names: "${POD_NAME},${POD_NAME}.{{ include "kvfabric.nodesServiceName" .ctx }}.${POD_NAMESPACE}.svc"
+      csi.cert-manager.io/key-usages: "digital signature,server auth,client auth"
+      csi.cert-manager.io/key-encoding: PKCS8
+      csi.cert-manager.io/duration: {{ .ctx.Values.tls.nodeCertificateDuration }}
+      csi.cert-manager.io/certificate-file: tls.crt
+      csi.cert-manager.io/privatekey-file: tls.key
+      csi.cert-manager.io/ca-file: ca.crt
+# The CA's revocation list (`kvfabric certs revoke`), when the operator has published one.
+- name: crl
   secret:
-    secretName: {{ include "kvfabric.caSecretName" .ctx }}
-    defaultMode: 0440
+    secretName: {{ include "kvfabric.crlSecretName" .ctx }}
+    optional: true
     items:
-      - {key: tls.crt, path: tls.crt}
-      - {key: tls.key, path: tls.key}
+      - {key: crl.pem, path: crl.pem}
 - name: certs
   emptyDir:
     medium: Memory
@@ -164,7 +189,8 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 
 {{- define "kvfabric.volumeMounts" -}}
 - {name: config, mountPath: {{ include "kvfabric.configDir" . }}, readOnly: true}
-- {name: ca, mountPath: {{ include "kvfabric.caDir" . }}, readOnly: true}
+- {name: node-tls, mountPath: {{ include "kvfabric.nodeTlsDir" . }}, readOnly: true}
+- {name: crl, mountPath: {{ include "kvfabric.crlDir" . }}, readOnly: true}
 - {name: certs, mountPath: {{ include "kvfabric.certDir" . }}}
 - {name: ssd, mountPath: {{ .Values.ssd.mountPath }}}
 - {name: dshm, mountPath: /dev/shm}
@@ -174,6 +200,17 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 # Default paths of anything not named in the config land on the SSD volume (fabric/config.py).
 - {name: KVFABRIC_HOME, value: {{ .Values.ssd.mountPath | quote }}}
 - {name: KVFABRIC_CONFIG, value: {{ include "kvfabric.configPath" . | quote }}}
+{{ include "kvfabric.identityEnv" . }}
+{{- end -}}
+
+{{/* The node's identity: its pod name (the certificate's first DNS name) and the DNS name it advertises. */}}
+{{- define "kvfabric.identityEnv" -}}
+- name: POD_NAME
+  valueFrom: {fieldRef: {fieldPath: metadata.name}}
+- name: POD_NAMESPACE
+  valueFrom: {fieldRef: {fieldPath: metadata.namespace}}
+- {name: KVFABRIC_NODE_NAME, value: "$(POD_NAME)"}
+- {name: KVFABRIC_ADVERTISE_HOST, value: "$(POD_NAME).{{ include "kvfabric.nodesServiceName" . }}.$(POD_NAMESPACE).svc"}
 {{- end -}}
 
 {{/* Container ports of a Ray pod that runs a NodeActor; the metrics Service and PodMonitor select kvf-metrics. */}}
@@ -185,17 +222,20 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 
 {{- define "kvfabric.initContainers" -}}
 initContainers:
-  # The transport reads <cert_dir>/ca.pem and, to issue this node's certificate, <cert_dir>/ca.key
-  # (transports/certs.py): link both to the CA Secret.
+  # The node reads <cert_dir>/ca.pem, <cert_dir>/<node name>.pem/.key and, when published, crl.pem
+  # (transports/certs.py): link them to the pod's own certificate and the revocation-list Secret.
   - name: tls-setup
     image: {{ include "kvfabric.image" . }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}
-    command: ["sh", "-c", "ln -sfn {{ include "kvfabric.caDir" . }}/tls.crt {{ include "kvfabric.certDir" . }}/ca.pem && ln -sfn {{ include "kvfabric.caDir" . }}/tls.key {{ include "kvfabric.certDir" . }}/ca.key"]
+    env:
+      {{- include "kvfabric.identityEnv" . | nindent 6 }}
+    command: ["sh", "-c", "ln -sfn {{ include "kvfabric.nodeTlsDir" . }}/ca.crt {{ include "kvfabric.certDir" . }}/ca.pem && ln -sfn {{ include "kvfabric.nodeTlsDir" . }}/tls.crt {{ include "kvfabric.certDir" . }}/$KVFABRIC_NODE_NAME.pem && ln -sfn {{ include "kvfabric.nodeTlsDir" . }}/tls.key {{ include "kvfabric.certDir" . }}/$KVFABRIC_NODE_NAME.key && ln -sfn {{ include "kvfabric.crlDir" . }}/crl.pem {{ include "kvfabric.certDir" . }}/crl.pem"]
     resources:
       requests: {cpu: 10m, memory: 16Mi}
       limits: {cpu: 100m, memory: 64Mi}
     volumeMounts:
-      - {name: ca, mountPath: {{ include "kvfabric.caDir" . }}, readOnly: true}
+      - {name: node-tls, mountPath: {{ include "kvfabric.nodeTlsDir" . }}, readOnly: true}
+      - {name: crl, mountPath: {{ include "kvfabric.crlDir" . }}, readOnly: true}
       - {name: certs, mountPath: {{ include "kvfabric.certDir" . }}}
 {{- if and (eq .Values.ssd.type "hostPath") .Values.ssd.hostPath.fixPermissions }}
   - name: ssd-permissions

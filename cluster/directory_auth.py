@@ -1,0 +1,223 @@
+"""Directory reports bound to their sender: signed by the node's key, checked before the shard sees them.
+Pure: no Ray, no clock (the verifier checks certificate validity against the wall clock).
+
+    node: ReportSigner ── Proof(cert, nonce, signature over report_message(...)) ──► DirectoryGate ──► DirectoryShard
+
+A report (heartbeat, batch, begin/end resync, resync batch) counts only if, in this order:
+
+1. it carries a `Proof` whose certificate the verifier (`TrustAnchor`: the cluster CA and its
+   revocation list) accepts as a node certificate: else `unsigned`, `untrusted`, `expired`,
+   `revoked`, `not_a_node`, `malformed`;
+2. the signature is the certificate key's over the canonical encoding of every field of the call
+   (operation, shard, node id, incarnation, nonce, and the operation's own fields): else `bad_signature`;
+3. the node id belongs to that certificate. A node id is bound to the certificate name (its DNS SAN)
+   that first reported it, one id per name: a name whose id still has a live record cannot speak for
+   another id (after that record's lease passed, a restarted node may bind a new id): else `wrong_node`;
+4. an advertised address names the certificate's node and a host among its SANs: else `address`;
+5. the nonce is above every nonce the gate saw from that node id (so a recorded report cannot be
+   replayed): else `replay`.
+
+A refused report changes nothing and is counted by reason (`stats()["refused_<reason>"]`). Nonces
+start at the node's incarnation (wall-clock nanoseconds at its start) and count up, so they also
+grow across restarts of the node.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import msgpack
+
+from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress
+from transports.identity import IdentityError, NodeIdentity
+
+logger = logging.getLogger(__name__)
+
+DOMAIN = b"kvfabric directory report v1\0"   # a report signature can never pass for any other signed message
+
+
+class Op(enum.StrEnum):
+    HEARTBEAT = "heartbeat"
+    APPLY = "apply"
+    BEGIN_RESYNC = "begin_resync"
+    RESYNC_BATCH = "resync_batch"
+    END_RESYNC = "end_resync"
+
+
+@dataclass(frozen=True, slots=True)
+class Proof:
+    """What a node attaches to a report: its certificate (DER), a fresh nonce and its signature."""
+
+    cert: bytes
+    nonce: int
+    signature: bytes
+
+
+class Verifier(Protocol):
+    def identity(self, cert: bytes) -> NodeIdentity: ...
+
+
+class Signer(Protocol):
+    cert_der: bytes
+
+    def sign(self, message: bytes) -> bytes: ...
+
+
+def _address(a: NodeAddress | None) -> list[Any] | None:
+    return None if a is None else [a.host, a.port, a.transport, a.name]
+
+
+def report_message(op: Op, shard: int, node_id: str, incarnation: int, nonce: int, body: list[Any]) -> bytes:
+    """The canonical bytes a report's signature covers."""
+    return DOMAIN + msgpack.packb([op.value, shard, node_id, incarnation, nonce, body], use_bin_type=True)
+
+
+def apply_body(seq: int, stored: Sequence[bytes], removed: Sequence[bytes], address: NodeAddress | None) -> list[Any]:
+    return [seq, list(stored), list(removed), _address(address)]
+
+
+def heartbeat_body(address: NodeAddress, acked_seq: int | None) -> list[Any]:
+    return [_address(address), acked_seq]
+
+
+class ReportSigner:
+    """The node side: signs each report with the node's certificate key and a fresh nonce."""
+
+    def __init__(self, signer: Signer, node_id: str, incarnation: int) -> None:
+        self.signer = signer
+        self.node_id = node_id
+        self.incarnation = incarnation
+        self._nonce = incarnation
+
+    def _proof(self, op: Op, shard: int, body: list[Any]) -> Proof:
+        self._nonce += 1
+        message = report_message(op, shard, self.node_id, self.incarnation, self._nonce, body)
+        return Proof(self.signer.cert_der, self._nonce, self.signer.sign(message))
+
+    def heartbeat(self, shard: int, address: NodeAddress, acked_seq: int | None) -> Proof:
+        return self._proof(Op.HEARTBEAT, shard, heartbeat_body(address, acked_seq))
+
+    def apply(self, shard: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
+              address: NodeAddress | None) -> Proof:
+        return self._proof(Op.APPLY, shard, apply_body(seq, stored, removed, address))
+
+    def begin_resync(self, shard: int, address: NodeAddress) -> Proof:
+        return self._proof(Op.BEGIN_RESYNC, shard, [_address(address)])
+
+    def resync_batch(self, shard: int, resync_id: int, hashes: Sequence[bytes]) -> Proof:
+        return self._proof(Op.RESYNC_BATCH, shard, [resync_id, list(hashes)])
+
+    def end_resync(self, shard: int, resync_id: int, seq: int) -> Proof:
+        return self._proof(Op.END_RESYNC, shard, [resync_id, seq])
+
+
+class _Refused(Exception):
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class DirectoryGate:
+    """A `DirectoryShard` that takes only reports proven to come from the node they name."""
+
+    def __init__(self, shard: DirectoryShard, verifier: Verifier) -> None:
+        self.shard = shard
+        self.verifier = verifier          # replaced when the revocation list changes
+        self._name_of: dict[str, str] = {}    # node id -> certificate name it is bound to
+        self._id_of: dict[str, str] = {}      # certificate name -> node id bound to it
+        self._nonce: dict[str, int] = {}      # node id -> highest nonce accepted
+        self.refused: Counter[str] = Counter()
+
+    # ---- reports -----------------------------------------------------------------------------------
+
+    def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress, now: float, proof: object,
+                  *, acked_seq: int | None = None) -> ApplyOutcome:
+        if not self._admit(Op.HEARTBEAT, node_id, incarnation, proof, heartbeat_body(address, acked_seq),
+                           address, now):
+            return ApplyOutcome.REFUSED
+        return self.shard.heartbeat(node_id, incarnation, address, now, acked_seq=acked_seq)
+
+    def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
+              now: float, address: NodeAddress | None, proof: object) -> ApplyOutcome:
+        if not self._admit(Op.APPLY, node_id, incarnation, proof, apply_body(seq, stored, removed, address),
+                           address, now):
+            return ApplyOutcome.REFUSED
+        return self.shard.apply(node_id, incarnation, seq, stored, removed, now, address)
+
+    def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress, now: float, proof: object) -> int:
+        if not self._admit(Op.BEGIN_RESYNC, node_id, incarnation, proof, [_address(address)], address, now):
+            return 0
+        return self.shard.begin_resync(node_id, incarnation, address, now)
+
+    def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes], now: float,
+                     proof: object) -> bool:
+        if not self._admit(Op.RESYNC_BATCH, node_id, incarnation, proof, [resync_id, list(hashes)], None, now):
+            return False
+        return self.shard.resync_batch(node_id, incarnation, resync_id, hashes, now)
+
+    def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float,
+                   proof: object) -> bool:
+        if not self._admit(Op.END_RESYNC, node_id, incarnation, proof, [resync_id, seq], None, now):
+            return False
+        return self.shard.end_resync(node_id, incarnation, resync_id, seq, now)
+
+    def stats(self, now: float) -> dict[str, int | float]:
+        out = dict(self.shard.stats(now))
+        out["refused"] = sum(self.refused.values())
+        out.update({f"refused_{reason}": n for reason, n in self.refused.items()})
+        return out
+
+    # ---- the checks --------------------------------------------------------------------------------
+
+    def _admit(self, op: Op, node_id: str, incarnation: int, proof: object, body: list[Any],
+               address: NodeAddress | None, now: float) -> bool:
+        try:
+            ident = self._check(op, node_id, incarnation, proof, body, address, now)
+        except _Refused as e:
+            self.refused[e.reason] += 1
+            logger.warning("directory shard %d refused a %s report for node %r: %s", self.shard.shard, op.value,
+                           node_id, e.reason)
+            return False
+        assert isinstance(proof, Proof)
+        holder = self._id_of.get(ident.node)
+        if holder != node_id:
+            if holder is not None:
+                del self._name_of[holder]
+            self._id_of[ident.node] = node_id
+            self._name_of[node_id] = ident.node
+        self._nonce[node_id] = proof.nonce
+        return True
+
+    def _check(self, op: Op, node_id: str, incarnation: int, proof: object, body: list[Any],
+               address: NodeAddress | None, now: float) -> NodeIdentity:
+        if not (isinstance(proof, Proof) and isinstance(proof.cert, bytes) and isinstance(proof.nonce, int)
+                and isinstance(proof.signature, bytes)):
+            raise _Refused("unsigned")
+        if not (isinstance(node_id, str) and isinstance(incarnation, int)):
+            raise _Refused("malformed")
+        try:
+            ident = self.verifier.identity(proof.cert)
+        except IdentityError as e:
+            raise _Refused(e.reason) from None
+        try:
+            message = report_message(op, self.shard.shard, node_id, incarnation, proof.nonce, body)
+        except (TypeError, ValueError, OverflowError):   # fields msgpack cannot encode: not a node's report
+            raise _Refused("malformed") from None
+        if not ident.verify(proof.signature, message):
+            raise _Refused("bad_signature")
+        bound = self._name_of.get(node_id)
+        holder = self._id_of.get(ident.node)
+        if bound is not None and bound != ident.node:
+            raise _Refused("wrong_node")
+        if holder is not None and holder != node_id and self.shard.live_incarnation(holder, now) is not None:
+            raise _Refused("wrong_node")
+        if address is not None and (address.name != ident.node or not ident.may_advertise(address.host)):
+            raise _Refused("address")
+        if proof.nonce <= self._nonce.get(node_id, -1):
+            raise _Refused("replay")
+        return ident

@@ -197,9 +197,11 @@ class _ServerConnection(QuicConnectionProtocol):
         session = stream.session
         assert session is not None, "a closed stream has no session to follow"
         stream.frames.extend(out)
-        for pull in session.take_pulls():
+        pulls = session.take_pulls()
+        for pull in pulls:
             stream.request_id, stream.addresses = pull.request_id, pull.addresses
-            self._ready.append(stream)
+        if pulls or session.closing:
+            self._ready.append(stream)   # answers to make, or its ERROR frame or end to send
         if session.closing:
             error = session.error
             if error is not None:
@@ -209,7 +211,6 @@ class _ServerConnection(QuicConnectionProtocol):
                 if not stream.peer_finished:
                     timed_out = session.close_reason is MissReason.TIMEOUT
                     stop_reading(self._quic, stream.stream_id, STREAM_TIMEOUT if timed_out else STREAM_PROTOCOL_ERROR)
-            self._ready.append(stream)   # the ERROR frame still goes out, with FIN
 
     def _close(self, stream_id: int, peer_finished: bool = False) -> None:
         """Stop answering a stream and free its session."""
@@ -245,13 +246,17 @@ class _ServerConnection(QuicConnectionProtocol):
             session = stream.session
             if session is None or stream.fetching:
                 continue
-            if not stream.frames and not session.closing:
-                self._make_answers(stream, session)
-                if stream.fetching:
-                    continue
             if not self._can_send(stream.stream_id):
                 self._close(stream.stream_id)
                 continue
+            if not stream.frames:
+                if session.closing:   # closed with nothing to say (the peer's BYE or ERROR): end the stream
+                    self._quic.send_stream_data(stream.stream_id, b"", end_stream=True)
+                    self._close(stream.stream_id)
+                    continue
+                self._make_answers(stream, session)
+                if stream.fetching:
+                    continue
             while stream.frames and budget > 0:
                 frame = stream.frames.popleft()
                 last = isinstance(frame, End) or (session.closing and not stream.frames)

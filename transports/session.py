@@ -233,9 +233,10 @@ class ServerSession(_Session):
 
     # -- answering
     def take_pulls(self) -> list[Pull]:
-        """PULLs to start answering now (each is then answered with `answer` and `finish`)."""
+        """PULLs to start answering now (each is then answered with `answer` and `finish`); none
+        once the session is closing: nobody waits for their answers."""
         out, self._to_start = self._to_start, []
-        return out
+        return out if self.state is State.OPEN else []
 
     def answer(self, request_id: int, addresses: Sequence[BlockAddress], fetched: Sequence[Fetched]) -> list[Frame]:
         """The frames for the next `addresses` of an active pull (in the order asked), from what

@@ -13,13 +13,15 @@ import ssl
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from support import closing, creds, pull_all, run, started, wait_until
+from support import closing, creds, node_process, pull_all, raw_peer, run, started, wait_until
 
+from benchmarks.soak_node import address
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
-from transports.codec import Error, ErrorCode, FrameDecoder, Hello, Miss, MissReason, Pull, encode
+from transports.codec import Bye, Error, ErrorCode, Frame, FrameDecoder, Hello, Miss, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
 from transports.serving import BATCH_BYTES
 from transports.tls_tcp import SERVER_WRITE_HIGH, TlsTcpClient, TlsTcpServer
@@ -268,3 +270,26 @@ def test_quic_initial_flood_keeps_no_state_with_retry_and_is_capped_without(
                 assert all(isinstance(r, Hit) for r in results)
 
     run(main())
+
+
+@pytest.mark.parametrize("last", [Bye("done"), Error(1, ErrorCode.INTERNAL, "gave up")], ids=["bye", "error"])
+def test_a_quic_stream_ending_right_after_its_pull_leaves_the_node_serving(cert_dir: Path, last: Frame) -> None:
+    """A PULL followed at once by BYE (or ERROR) on one stream: the session closed without a frame
+    to send and the server's pump re-queued the stream forever, so the node's loop spun, neither
+    transport answered and SIGTERM went unheard. Now the stream is ended and the node goes on."""
+    wanted = [address(i) for i in range(4)]
+    with node_process(cert_dir) as node:
+        async def main() -> None:
+            async with raw_peer(cert_dir, node.quic.port) as raw:
+                reader, writer = await raw.create_stream()
+                writer.write(encode(Pull(1, tuple(wanted))) + encode(last))
+                writer.write_eof()
+                assert await asyncio.wait_for(reader.read(), 5) == b""   # ended; nobody waits for answers
+            async with closing(QuicTransportClient(creds(cert_dir, "client-1"), frame_timeout_s=5.0)) as quic, \
+                    closing(TlsTcpClient(creds(cert_dir, "client-1"), frame_timeout_s=5.0)) as tls:
+                assert all(isinstance(r, Hit) for r in await pull_all(quic, node.quic, wanted))
+                assert all(isinstance(r, Hit) for r in await pull_all(tls, node.tls, wanted))
+
+        run(main())
+        status, printed = node.terminate()
+        assert status == 0 and "STOPPED" in printed

@@ -368,3 +368,11 @@ def test_quic_style_stream_sessions_carry_one_pull_and_need_no_hello() -> None:
     assert isinstance(out[0], Error) and out[0].request_id == 5 and server.closing
     empty = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
     assert isinstance(empty.end_of_stream(0.0)[0], Error)
+
+
+@pytest.mark.parametrize("last", [Bye("done"), Error(5, ErrorCode.INTERNAL, "gave up")], ids=["bye", "error"])
+def test_a_pull_followed_at_once_by_bye_or_error_is_never_started(last: Frame) -> None:
+    server = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = server.receive(encode(Pull(5, (addr(1),))) + encode(last), 0.0)
+    assert out == [] and server.closing and server.error is None
+    assert server.take_pulls() == []   # nobody waits for its answers

@@ -75,6 +75,8 @@ class TransportConfig:
     max_datagram_size: int = 8952
     quic_max_data: int = 8 * 1024 * 1024         # QUIC connection flow-control window
     quic_max_stream_data: int = 4 * 1024 * 1024  # QUIC per-stream flow-control window
+    quic_max_half_open: int = 128                # QUIC connections mid-handshake, in total ...
+    quic_max_half_open_per_address: int = 16     # ... and from one source address
     connect_timeout_s: float = 5.0
     idle_timeout_s: float = 30.0
     frame_timeout_s: float = 10.0
@@ -140,6 +142,8 @@ class Config:
                     "transport.max_inflight": self.transport.max_inflight,
                     "transport.quic_max_data": self.transport.quic_max_data,
                     "transport.quic_max_stream_data": self.transport.quic_max_stream_data,
+                    "transport.quic_max_half_open": self.transport.quic_max_half_open,
+                    "transport.quic_max_half_open_per_address": self.transport.quic_max_half_open_per_address,
                     "cluster.heartbeat_s": self.cluster.heartbeat_s, "cluster.lease_s": self.cluster.lease_s,
                     "cluster.num_nodes": self.cluster.num_nodes,
                     "cluster.directory_shards": self.cluster.directory_shards,

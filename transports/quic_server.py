@@ -10,8 +10,13 @@ TLS-TCP) and bounds what unauthenticated peers can cost:
 
   * Retry (address validation) is on by default: an Initial without a valid token gets a Retry
     and creates no connection state, so spoofed floods cost one stateless reply each;
-  * at most `max_half_open` connections may be mid-handshake; further new Initials are dropped
-    (a client retransmits them);
+  * at most `max_half_open` connections may be mid-handshake, and at most
+    `max_half_open_per_address` from one source address: past the total every new Initial is
+    dropped (a client retransmits it); under it an Initial without a token always gets its Retry,
+    and only one that would make a connection (with a valid token, or any without Retry) counts
+    against its address's share, so one address cannot lock the others out;
+  * a connection still mid-handshake after `handshake_timeout_s` is closed (the idle timeout is
+    for authenticated connections);
   * the connection-id table is indexed by connection (`_CidTable`): aioquic scans the whole table
     on every close, which stalled the loop for tens of seconds after an Initial flood.
 
@@ -27,7 +32,6 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, cast
 
 from aioquic._buffer import Buffer
@@ -80,9 +84,10 @@ class _ServerConnection(QuicConnectionProtocol):
     """One client connection: sessions per stream, and the pump that sends their answers."""
 
     def __init__(self, quic: QuicConnection, stream_handler: Any = None, *,  # aioquic passes a handler
-                 server: QuicTransportServer) -> None:
+                 server: QuicTransportServer, host: str) -> None:
         super().__init__(quic)
         self._server = server
+        self.host = host   # the source address that opened it
         install_client_auth(quic, server.tls.current)
         self.node: str | None = None
         self._streams: dict[int, _Stream] = {}
@@ -91,7 +96,10 @@ class _ServerConnection(QuicConnectionProtocol):
         self._terminated = False
         self._refused = False
         server._connections.add(self)
-        server.num_half_open += 1
+        self._half_open = True
+        server._half_open_started(host)
+        self._handshake_timer: asyncio.TimerHandle | None = self._loop.call_later(
+            server.handshake_timeout_s, self._handshake_expired)
 
     # -- aioquic hooks -------------------------------------------------------------------------
 
@@ -133,9 +141,29 @@ class _ServerConnection(QuicConnectionProtocol):
 
     # -- events --------------------------------------------------------------------------------
 
+    def _end_half_open(self) -> None:
+        if self._half_open:
+            self._half_open = False
+            self._server._half_open_ended(self.host)
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        if self.node is not None or self._terminated:
+            return
+        logger.info("QUIC handshake from %s not done after %.1f s: closed", self.host,
+                    self._server.handshake_timeout_s)
+        self._quic.close(QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout")
+        self._end_half_open()
+        if self._quic._close_event is not None:
+            self._on_terminated(self._quic._close_event)
+        self.transmit()
+
     def _on_handshake(self, event: events.HandshakeCompleted) -> None:
         self.node = peer_node(self._quic)
-        self._server.num_half_open -= 1
+        self._end_half_open()
         if self.node is None:  # cannot happen with the hook installed; never serve an unknown peer
             self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
             return
@@ -148,7 +176,7 @@ class _ServerConnection(QuicConnectionProtocol):
             return
         self._terminated = True
         if self.node is None:
-            self._server.num_half_open -= 1
+            self._end_half_open()
             if not self._refused:
                 self._check_refused()
             if not self._refused:
@@ -159,6 +187,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self._release()
 
     def _release(self) -> None:
+        self._end_half_open()
         if self._sweep_timer is not None:
             self._sweep_timer.cancel()
             self._sweep_timer = None
@@ -349,26 +378,40 @@ class _CidTable(dict[bytes, QuicConnectionProtocol]):
 
 
 class _BoundedQuicServer(QuicServer):
-    """aioquic's server with the cid table above and a cap on connections mid-handshake."""
+    """aioquic's server with the cid table above and caps on connections mid-handshake, in total
+    and per source address (see the module docstring)."""
 
     def __init__(self, *, owner: QuicTransportServer, **kw: Any) -> None:
-        super().__init__(**kw)
+        super().__init__(create_protocol=self._new_connection, **kw)
         self._owner = owner
         self._protocols = _CidTable()
+        self._source = ""   # the address of the datagram being handled
+
+    def _new_connection(self, quic: QuicConnection, stream_handler: Any = None) -> _ServerConnection:
+        return _ServerConnection(quic, stream_handler, server=self._owner, host=self._source)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         owner = self._owner
-        if owner.num_half_open >= owner.max_half_open and self._is_new_initial(cast(bytes, data)):
-            owner.num_dropped_initials += 1
-            return
+        kind = self._new_initial(cast(bytes, data))
+        if kind is not None:
+            host = str(addr[0])
+            if owner.num_half_open >= owner.max_half_open or (
+                    kind == "connects" and owner.half_open_of(host) >= owner.max_half_open_per_address):
+                owner.num_dropped_initials += 1
+                return
+            self._source = host
         super().datagram_received(data, addr)
 
-    def _is_new_initial(self, data: bytes) -> bool:
+    def _new_initial(self, data: bytes) -> str | None:
+        """None unless `data` is an Initial of a new connection; then "retry" if it only gets a
+        (stateless) Retry, "connects" if it would make a connection."""
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=self._configuration.connection_id_length)
         except ValueError:
-            return False
-        return header.packet_type == QuicPacketType.INITIAL and header.destination_cid not in self._protocols
+            return None
+        if header.packet_type != QuicPacketType.INITIAL or header.destination_cid in self._protocols:
+            return None
+        return "retry" if self._retry is not None and not header.token else "connects"
 
     def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
         cast(_CidTable, self._protocols).forget(protocol)
@@ -383,9 +426,12 @@ class QuicTransportServer(ServingServer):
                  port: int = 0, tuning: QuicTuning | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
                  metrics: TransportMetrics | None = None, ticket_lifetime_s: float = 3600.0,
-                 retry: bool = True, max_half_open: int = 128, io_threads: int = 4) -> None:
+                 retry: bool = True, max_half_open: int = 128, max_half_open_per_address: int = 16,
+                 handshake_timeout_s: float = 5.0, io_threads: int = 4) -> None:
         """`retry`: validate client addresses with a Retry before any handshake state is kept;
-        `max_half_open`: connections allowed mid-handshake at once; `io_threads`: for slow reads."""
+        `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
+        them from one source address, each for at most `handshake_timeout_s`; `io_threads`: for
+        slow reads."""
         self.credentials = credentials
         self.node = credentials.node
         self.source = source
@@ -397,7 +443,10 @@ class QuicTransportServer(ServingServer):
         self.metrics = metrics or TransportMetrics()
         self.retry = retry
         self.max_half_open = max_half_open
+        self.max_half_open_per_address = max_half_open_per_address
+        self.handshake_timeout_s = handshake_timeout_s
         self.num_half_open = 0
+        self._half_open: dict[str, int] = {}   # source address -> its connections mid-handshake
         self.num_dropped_initials = 0
         self.tls = QuicTlsMaterial(credentials, base_configuration(False, self.tuning, idle_timeout_s),
                                    ticket_lifetime_s)
@@ -412,7 +461,25 @@ class QuicTransportServer(ServingServer):
         return cls(credentials, source, host=config.host, port=config.quic_port,
                    tuning=QuicTuning.from_config(config),
                    max_payload=config.max_payload_bytes, frame_timeout_s=config.frame_timeout_s,
-                   idle_timeout_s=config.idle_timeout_s, metrics=metrics)
+                   idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
+                   max_half_open=config.quic_max_half_open,
+                   max_half_open_per_address=config.quic_max_half_open_per_address, metrics=metrics)
+
+    def half_open_of(self, host: str) -> int:
+        """Connections from source address `host` still mid-handshake."""
+        return self._half_open.get(host, 0)
+
+    def _half_open_started(self, host: str) -> None:
+        self.num_half_open += 1
+        self._half_open[host] = self._half_open.get(host, 0) + 1
+
+    def _half_open_ended(self, host: str) -> None:
+        self.num_half_open -= 1
+        left = self._half_open[host] - 1
+        if left:
+            self._half_open[host] = left
+        else:
+            del self._half_open[host]
 
     @property
     def num_connections(self) -> int:
@@ -427,8 +494,7 @@ class QuicTransportServer(ServingServer):
         if self._server is not None:
             raise RuntimeError("QUIC server already started")
         # Each connection takes its TLS material from self.tls when its handshake starts.
-        server = _BoundedQuicServer(owner=self, configuration=self.tls.current().configuration,
-                                    create_protocol=partial(_ServerConnection, server=self), retry=self.retry)
+        server = _BoundedQuicServer(owner=self, configuration=self.tls.current().configuration, retry=self.retry)
         sock = udp_socket(self.host, self.port, self.tuning.socket_buffer)
         UdpEndpoint(sock, server)
         self._server = server

@@ -14,8 +14,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from aioquic._buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from support import closing, creds, node_process, pull_all, raw_peer, run, started, wait_until
 
 from benchmarks.soak_node import address
@@ -293,3 +295,70 @@ def test_a_quic_stream_ending_right_after_its_pull_leaves_the_node_serving(cert_
         run(main())
         status, printed = node.terminate()
         assert status == 0 and "STOPPED" in printed
+
+
+def hold_half_open(port: int, count: int, source_host: str) -> int:
+    """`count` QUIC handshakes from `source_host` that answer the server's Retry (so the server keeps
+    a connection for each) and then never go on; how many Retries were answered."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    sock.bind((source_host, 0))
+    sock.settimeout(0.2)
+    config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name="node-a")
+    clients: dict[bytes, QuicConnection] = {}
+    for _ in range(count):
+        quic = QuicConnection(configuration=config)
+        quic.connect(("127.0.0.1", port), now=0.0)
+        clients[quic.host_cid] = quic
+        for data, addr in quic.datagrams_to_send(now=0.0):
+            sock.sendto(data, addr)
+    answered = 0
+    with contextlib.suppress(TimeoutError):
+        while answered < count:
+            data, addr = sock.recvfrom(65536)
+            header = pull_quic_header(Buffer(data=data), host_cid_length=8)
+            quic = clients.get(header.destination_cid)   # type: ignore[assignment]
+            if quic is None or header.packet_type != QuicPacketType.RETRY:
+                continue
+            quic.receive_datagram(data, addr, now=0.0)
+            for out, to in quic.datagrams_to_send(now=0.0):
+                sock.sendto(out, to)
+            answered += 1
+    sock.close()
+    return answered
+
+
+def test_half_open_handshakes_from_one_address_do_not_lock_out_another(
+        cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    """128 handshakes that answer the Retry, from one address, filled the node-wide half-open cap for
+    the whole idle timeout: every new client was dropped before its Retry. Now one address holds at
+    most its own share, a client from another address connects, and half-open connections expire
+    after the handshake timeout, not the idle timeout."""
+    source = memory_source(num_blocks=2, num_layers=1)
+
+    async def main() -> None:
+        server = QuicTransportServer(creds(cert_dir, "node-a"), source, idle_timeout_s=30.0,
+                                     handshake_timeout_s=1.0)
+        async with started(server, "node-a") as (_, peer), \
+                closing(QuicTransportClient(creds(cert_dir, "client-1"), connect_timeout_s=3.0)) as client:
+            answered = await asyncio.to_thread(hold_half_open, peer.port, 128, "127.0.0.2")
+            assert answered == 128
+            assert 0 < server.num_half_open <= server.max_half_open_per_address
+            results = await pull_all(client, peer, source.addresses)   # from 127.0.0.1
+            assert all(isinstance(r, Hit) for r in results)
+            await wait_until(lambda: server.num_half_open == 0, 5)
+
+    run(main())
+
+
+def test_half_open_handshakes_are_bounded_in_total(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    source = memory_source(num_blocks=1, num_layers=1)
+
+    async def main() -> None:
+        server = QuicTransportServer(creds(cert_dir, "node-a"), source, max_half_open=12,
+                                     max_half_open_per_address=4, handshake_timeout_s=5.0)
+        async with started(server, "node-a") as (_, peer):
+            for i in range(2, 7):
+                await asyncio.to_thread(hold_half_open, peer.port, 8, f"127.0.0.{i}")
+            assert server.num_half_open == 12 and server.num_dropped_initials > 0
+
+    run(main())

@@ -1,6 +1,7 @@
 """QUIC server (aioquic): one `ServerSession` per PULL stream, answers pumped round-robin.
 
-    client stream: PULL + FIN ──► ServerSession(hello=False, one_pull=True): rules, frame deadline
+    client stream: HELLO + PULL + FIN ──► ServerSession(hello=False, one_pull=True): the client's
+                   payload limit, rules, frame deadline
                    ◄── BLOCK | MISS … END + FIN      fetched blocks → session.answer() → frames
 
 The protocol rules are the session's (a block over the client's limit or one the store cannot read

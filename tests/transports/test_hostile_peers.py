@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import errno
+import os
 import socket
 import ssl
 from pathlib import Path
@@ -360,5 +361,31 @@ def test_half_open_handshakes_are_bounded_in_total(cert_dir: Path, memory_source
             for i in range(2, 7):
                 await asyncio.to_thread(hold_half_open, peer.port, 8, f"127.0.0.{i}")
             assert server.num_half_open == 12 and server.num_dropped_initials > 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("transport", ["quic", "tls-tcp"])
+def test_a_block_over_the_clients_payload_limit_is_its_own_miss(
+        cert_dir: Path, memory_source: MemorySourceFactory, transport: str) -> None:
+    """The client's limit (1 MiB) reaches the server, which answers the stored 2 MiB block with
+    MISS(too_large); the other addresses of the pull arrive. Over QUIC the server used its own
+    limit, the client's decoder refused the frame and every address became a peer_error miss."""
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=64 * 1024)
+    big = BlockAddress(BlockHash(b"\x03" * 32), 0)
+    source.put(big, os.urandom(2 * 1024 * 1024))
+    small = source.addresses[:2]
+    server_class, client_class = ((QuicTransportServer, QuicTransportClient) if transport == "quic"
+                                  else (TlsTcpServer, TlsTcpClient))
+
+    async def main() -> None:
+        client = client_class(creds(cert_dir, "client-1"), max_payload=1024 * 1024, frame_timeout_s=5.0)
+        async with started(server_class(creds(cert_dir, "node-a"), source), "node-a") as (server, peer), \
+                closing(client):
+            results = await pull_all(client, peer, [small[0], big, small[1]])
+            assert isinstance(results[0], Hit) and isinstance(results[2], Hit)
+            assert isinstance(results[1], Miss) and results[1].reason is MissReason.TOO_LARGE
+            assert server.metrics.registry.get_sample_value(
+                "kvfabric_served_total", {"transport": transport, "outcome": "too_large"}) == 1
 
     run(main())

@@ -376,3 +376,19 @@ def test_a_pull_followed_at_once_by_bye_or_error_is_never_started(last: Frame) -
     out = server.receive(encode(Pull(5, (addr(1),))) + encode(last), 0.0)
     assert out == [] and server.closing and server.error is None
     assert server.take_pulls() == []   # nobody waits for its answers
+
+
+def test_a_quic_stream_may_open_with_the_clients_hello_whose_limit_then_applies() -> None:
+    big, small = Stored(b"b" * 5000), Stored(b"s" * 100)
+    server = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = server.receive(encode(Hello("client-1", VERSION, 1000)) + encode(Pull(5, (addr(1), addr(2)))), 0.0)
+    assert out == [] and [p.request_id for p in server.take_pulls()] == [5]
+    frames = server.answer(5, [addr(1), addr(2)], [big, small])
+    assert isinstance(frames[0], Miss) and frames[0].reason is MissReason.TOO_LARGE
+    assert isinstance(frames[1], Block)
+    stranger = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = stranger.receive(encode(Hello("client-2", VERSION, 1000)), 0.0)
+    assert isinstance(out[0], Error) and out[0].code is ErrorCode.UNAUTHORIZED
+    late = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = late.receive(encode(Pull(5, (addr(1),))) + encode(Hello("client-1")), 0.0)
+    assert isinstance(out[0], Error) and out[0].code is ErrorCode.PROTOCOL

@@ -24,6 +24,7 @@ loop; reading pauses while over RESULTS_HIGH bytes of results wait for their cal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -41,6 +42,7 @@ from transports.certs import CertificateError, NodeCredentials
 from transports.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
+    Error,
     ErrorCode,
     Frame,
     FrameDecoder,
@@ -68,6 +70,7 @@ ADDRESSES_PER_PULL = MAX_ADDRESSES_PER_PULL
 PULL_WINDOW = 2   # the server answers a connection's PULLs round-robin: 2 in flight keep a pull in order
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 RESULTS_HIGH = 64 * 1024 * 1024
+REFUSE_LINGER_S = 1.0   # a refused peer gets this long to read ERROR overloaded and close
 
 class _ServerConnection:
     """Server side of one connection: its ServerSession, and a pump that answers the session's pulls."""
@@ -233,6 +236,11 @@ class TlsTcpServer(ServingServer):
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     await asyncio.sleep(0.1)
                 continue
+            except Exception:  # MemoryError, a bug: never let the listener die silently
+                self.num_accept_errors += 1
+                logger.exception("accepting a connection failed unexpectedly; accepting goes on")
+                await asyncio.sleep(0.1)   # whatever it was, do not spin on it
+                continue
             task = loop.create_task(self._handshake(raw, f"{addr[0]}:{addr[1]}"))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
@@ -265,7 +273,7 @@ class TlsTcpServer(ServingServer):
         if sum(1 for c in self._connections if c.node == node) >= self.max_connections_per_peer:
             metrics.auth_failures.labels(self.transport, "too_many_connections").inc()
             logger.warning("refused %s from %s: already %d connections", node, where, self.max_connections_per_peer)
-            sock.close()
+            await self._refuse(sock, f"{node} already has {self.max_connections_per_peer} connections")
             return
         conn = _ServerConnection(self, node)
         try:
@@ -278,6 +286,22 @@ class TlsTcpServer(ServingServer):
         metrics.connections.labels(self.transport, "server").inc()
         conn.link.start()
         logger.debug("accepted %s from %s", node, where)
+
+    async def _refuse(self, sock: ssl.SSLSocket, why: str) -> None:
+        """Tell a peer ERROR overloaded, then close once it has closed (or after REFUSE_LINGER_S);
+        what it sends meanwhile is read and dropped, so that closing sends no reset that could
+        destroy the ERROR before the peer reads it."""
+        closed = asyncio.Event()
+        link = TlsLink(sock, FrameDecoder(max_payload=0), lambda frames: None, lambda reason: closed.set(),
+                       self.frame_timeout_s, self.metrics, self.transport)
+        link.start()
+        link.send(Error(0, ErrorCode.OVERLOADED, why))
+        try:
+            with contextlib.suppress(TimeoutError):   # a peer that does not close is closed after the linger
+                async with asyncio.timeout(REFUSE_LINGER_S):
+                    await closed.wait()
+        finally:
+            link.close(MissReason.PEER_GONE, why)
 
     async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""

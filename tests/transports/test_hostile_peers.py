@@ -86,6 +86,10 @@ def test_a_node_gets_at_most_max_connections_per_peer(cert_dir: Path, memory_sou
             refused = server.metrics.registry.get_sample_value(
                 "kvfabric_auth_failures_total", {"transport": "tls-tcp", "reason": "too_many_connections"})
             assert refused == 2
+            # The refused ones are told why (ERROR overloaded), not just closed; the others got HELLO.
+            answers = [FrameDecoder().feed(await asyncio.wait_for(reader.read(4096), 5)) for reader, _ in conns]
+            assert sorted(type(a[0]).__name__ for a in answers) == ["Error", "Error", "Hello", "Hello", "Hello"]
+            assert all(a[0].code is ErrorCode.OVERLOADED for a in answers if isinstance(a[0], Error))
             for _, writer in conns:
                 writer.close()
 
@@ -126,9 +130,13 @@ def test_peers_that_do_not_read_make_the_server_buffer_a_bounded_amount(
     run(main())
 
 
-def test_accept_loop_survives_transient_accept_errors(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
-    """Finding 6: an OSError other than EMFILE/… (e.g. ECONNABORTED) ended the accept loop silently.
-    ECONNABORTED cannot be caused on demand on loopback, so `_accept` raises it once (a stand-in)."""
+@pytest.mark.parametrize("error", [OSError(errno.ECONNABORTED, "Software caused connection abort"),
+                                   MemoryError()], ids=["econnaborted", "memory_error"])
+def test_accept_loop_survives_transient_accept_errors(cert_dir: Path, memory_source: MemorySourceFactory,
+                                                      error: BaseException) -> None:
+    """Finding 6: an OSError other than EMFILE/… (e.g. ECONNABORTED) ended the accept loop silently,
+    and so did any exception that is not an OSError (e.g. MemoryError). Neither can be caused on
+    demand on loopback, so `_accept` raises it once (a stand-in)."""
     source = memory_source(num_blocks=2, num_layers=1)
 
     async def main() -> None:
@@ -139,7 +147,7 @@ def test_accept_loop_survives_transient_accept_errors(cert_dir: Path, memory_sou
         async def flaky(lsock: socket.socket) -> tuple[socket.socket, tuple[str, int]]:
             if not raised:
                 raised.append(True)
-                raise OSError(errno.ECONNABORTED, "Software caused connection abort")
+                raise error
             return await real_accept(lsock)
 
         server._accept = flaky  # type: ignore[method-assign]

@@ -45,6 +45,7 @@ from aioquic.quic.packet import QuicErrorCode, QuicPacketType, pull_quic_header
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.base import BlockSource
+from transports.budget import PeerBudgets, PeerRates, peer_rates
 from transports.certs import NodeCredentials
 from transports.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
 from transports.metrics import TransportMetrics
@@ -163,11 +164,22 @@ class _ServerConnection(QuicConnectionProtocol):
         self.transmit()
 
     def _on_handshake(self, event: events.HandshakeCompleted) -> None:
-        self.node = peer_node(self._quic)
+        node = peer_node(self._quic)
         self._end_half_open()
-        if self.node is None:  # cannot happen with the hook installed; never serve an unknown peer
+        if node is None:  # cannot happen with the hook installed; never serve an unknown peer
             self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
             return
+        server = self._server
+        if sum(1 for c in server._connections if c.node == node) >= server.max_connections_per_peer:
+            self._refused = True   # authenticated, but over its connection budget: no auth failure
+            server.count_overloaded(node, "connections")
+            logger.warning("refused QUIC connection of %s: already %d connections", node,
+                           server.max_connections_per_peer)
+            self._quic.close(QuicErrorCode.CONNECTION_REFUSED,
+                             reason_phrase=f"overloaded: {node} already has {server.max_connections_per_peer} "
+                                           "connections")
+            return
+        self.node = node
         self._server.metrics.connections.labels(TRANSPORT, "server").inc()
         logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)
         self._arm_sweep()
@@ -228,8 +240,13 @@ class _ServerConnection(QuicConnectionProtocol):
         assert session is not None, "a closed stream has no session to follow"
         stream.frames.extend(out)
         pulls = session.take_pulls()
+        now = self._loop.time()
         for pull in pulls:
-            stream.request_id, stream.addresses = pull.request_id, pull.addresses
+            assert self.node is not None, "only an authenticated connection carries PULLs"
+            if self._server.admit_pull(self.node, now):
+                stream.request_id, stream.addresses = pull.request_id, pull.addresses
+            else:
+                stream.frames.extend(session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget"))
         if pulls or session.closing:
             self._ready.append(stream)   # answers to make, or its ERROR frame or end to send
         if session.closing:
@@ -326,7 +343,7 @@ class _ServerConnection(QuicConnectionProtocol):
         stream.next_index += len(fetched)
         if stream.next_index >= len(stream.addresses):
             stream.frames.extend(session.finish(stream.request_id, self._loop.time()))
-        self._server.count_served(session)
+        self._server.count_served(session, self._loop.time())
 
     # -- timers --------------------------------------------------------------------------------
 
@@ -428,11 +445,13 @@ class QuicTransportServer(ServingServer):
                  frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
                  metrics: TransportMetrics | None = None, ticket_lifetime_s: float = 3600.0,
                  retry: bool = True, max_half_open: int = 128, max_half_open_per_address: int = 16,
-                 handshake_timeout_s: float = 5.0, io_threads: int = 4) -> None:
+                 handshake_timeout_s: float = 5.0, max_connections_per_peer: int = 8,
+                 peer_rates: PeerRates | None = None, io_threads: int = 4) -> None:
         """`retry`: validate client addresses with a Retry before any handshake state is kept;
         `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
-        them from one source address, each for at most `handshake_timeout_s`; `io_threads`: for
-        slow reads."""
+        them from one source address, each for at most `handshake_timeout_s`;
+        `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);
+        `io_threads`: for slow reads."""
         self.credentials = credentials
         self.node = credentials.node
         self.source = source
@@ -446,6 +465,8 @@ class QuicTransportServer(ServingServer):
         self.max_half_open = max_half_open
         self.max_half_open_per_address = max_half_open_per_address
         self.handshake_timeout_s = handshake_timeout_s
+        self.max_connections_per_peer = max_connections_per_peer
+        self.budgets = PeerBudgets(peer_rates)
         self.num_half_open = 0
         self._half_open: dict[str, int] = {}   # source address -> its connections mid-handshake
         self.num_dropped_initials = 0
@@ -464,7 +485,9 @@ class QuicTransportServer(ServingServer):
                    max_payload=config.max_payload_bytes, frame_timeout_s=config.frame_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
                    max_half_open=config.quic_max_half_open,
-                   max_half_open_per_address=config.quic_max_half_open_per_address, metrics=metrics)
+                   max_half_open_per_address=config.quic_max_half_open_per_address,
+                   max_connections_per_peer=config.max_connections_per_peer, peer_rates=peer_rates(config),
+                   metrics=metrics)
 
     def half_open_of(self, host: str) -> int:
         """Connections from source address `host` still mid-handshake."""

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from fabric.keys import BlockAddress
 from transports.base import BlockSource
+from transports.budget import PeerBudgets, Verdict
 from transports.metrics import TransportMetrics
 from transports.session import Fetched, ServerSession
 
@@ -56,12 +57,15 @@ def watchdog_interval(frame_timeout_s: float, idle_timeout_s: float) -> float:
 
 
 class ServingServer:
-    """What TLS-TCP and QUIC servers share: where store reads run, and counting what was served.
-    Subclasses set `executor` (a thread pool, or None: always on the loop), `metrics` and `transport`."""
+    """What TLS-TCP and QUIC servers share: where store reads run, counting what was served, and
+    each peer's budget. Subclasses set `executor` (a thread pool, or None: always on the loop),
+    `metrics`, `transport`, `budgets` and `max_connections_per_peer`."""
 
     executor: Executor | None
     metrics: TransportMetrics
     transport: str
+    budgets: PeerBudgets
+    max_connections_per_peer: int
     slow_until: float = 0.0   # loop time until which store reads run in the thread pool
     slow_streak: int = 0
 
@@ -72,12 +76,27 @@ class ServingServer:
             self.slow_until = now + SLOW_SOURCE_HOLD_S
             self.slow_streak = 0
 
-    def count_served(self, session: ServerSession) -> None:
-        """The session's answers since the last call: hits, bytes, and misses by reason."""
+    def admit_pull(self, peer: str, now: float) -> bool:
+        """May `peer` start one more PULL now? A refusal is counted and logged (the caller answers
+        it ERROR overloaded)."""
+        verdict = self.budgets.admit_pull(peer, now)
+        if verdict is Verdict.OK:
+            return True
+        self.count_overloaded(peer, verdict.value)
+        return False
+
+    def count_overloaded(self, peer: str, budget: str) -> None:
+        self.metrics.child(self.metrics.overloaded, self.transport, peer, budget).inc()
+        logger.debug("%s peer %s is over its %s budget", self.transport, peer, budget)
+
+    def count_served(self, session: ServerSession, now: float) -> None:
+        """The session's answers since the last call: hits, bytes, and misses by reason; the bytes
+        are charged to the peer's budget."""
         stats, metrics = session.take_stats(), self.metrics
         if stats.num_hits:
             metrics.child(metrics.served, self.transport, "hit").inc(stats.num_hits)
             metrics.child(metrics.served_bytes, self.transport).inc(stats.num_bytes)
+            self.budgets.charge_bytes(session.peer_node, stats.num_bytes, now)
         for reason, count in stats.misses.items():
             metrics.child(metrics.served, self.transport, reason.value).inc(count)
 

@@ -313,6 +313,17 @@ class ServerSession(_Session):
         self._next(now)
         return [End(request_id)]
 
+    def refuse(self, request_id: int, now: float, message: str) -> list[Frame]:
+        """Answer an active pull with ERROR overloaded instead of its blocks (the peer is over its
+        budget); a QUIC stream, which carries that pull alone, is then done."""
+        if self.active.pop(request_id, None) is None:
+            raise LocalProtocolError(f"refusal of request {request_id}, which is not being answered")
+        self.answered.pop(request_id, None)
+        self._next(now)
+        if self.one_pull:
+            self._close(MissReason.PEER_GONE)
+        return [Error(request_id, ErrorCode.OVERLOADED, message)]
+
     def abandon(self, request_id: int, now: float) -> None:
         """Stop answering a pull without END (the peer stopped the QUIC stream)."""
         if self.active.pop(request_id, None) is not None:
@@ -367,6 +378,11 @@ class ServerSession(_Session):
 
 # =============================================================================================
 # Client
+
+
+def _refusal(frame: Error) -> MissReason:
+    """What a server's ERROR for the whole connection makes of the requests still pending."""
+    return MissReason.OVERLOADED if frame.code is ErrorCode.OVERLOADED else MissReason.PEER_ERROR
 
 
 class ClientSession(_Session):
@@ -482,6 +498,9 @@ class ClientSession(_Session):
                     raise ProtocolError(f"{frame.TYPE.name} for request {frame.request_id}, which was never sent")
                 continue   # a request we cancelled
             if not self.hello_done:
+                if isinstance(frame, Error) and frame.request_id == 0:   # refused before HELLO (overloaded)
+                    self._close(_refusal(frame))
+                    return
                 if not isinstance(frame, Hello):
                     raise ProtocolError(f"server's first frame must be HELLO, got {frame.TYPE.name}")
                 if frame.node != self.peer_node:
@@ -498,7 +517,7 @@ class ClientSession(_Session):
                             self.idle_since = now
                     out.append((rid, results, tracker.done))
                 elif isinstance(frame, Error) and rid == 0:
-                    self._close(MissReason.PEER_ERROR)
+                    self._close(_refusal(frame))
                     return
                 elif rid >= self.next_id:
                     raise ProtocolError(f"{frame.TYPE.name} for request {rid}, which was never sent")

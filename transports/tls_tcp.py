@@ -37,6 +37,7 @@ from typing import Self
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.base import BlockSource, Hit, Peer, PullResult
+from transports.budget import PeerBudgets, PeerRates, peer_rates
 from transports.buffers import tune_allocator, uninitialised_bytearray
 from transports.certs import CertificateError, NodeCredentials
 from transports.codec import (
@@ -95,10 +96,17 @@ class _ServerConnection:
 
     def _carry_out(self, out: list[Frame]) -> None:
         """Send what the session returned, start its pulls, and follow its reading / closing state."""
-        session, link = self.session, self.link
+        session, link, server = self.session, self.link, self.server
+        now = self._loop.time()
+        pulls = session.take_pulls()
+        while pulls:   # a refusal frees a slot: a queued PULL may start at once
+            for pull in pulls:
+                if server.admit_pull(self.node, now):
+                    self.cursors.append((pull, 0))
+                else:
+                    out = out + session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget")
+            pulls = session.take_pulls()
         link.send_many(out)
-        for pull in session.take_pulls():
-            self.cursors.append((pull, 0))
         self.server.peak_inflight = max(self.server.peak_inflight, len(session.active))
         if self.cursors and self.pump is None and not session.closing:
             self.pump = self._loop.create_task(self._pump())
@@ -144,7 +152,7 @@ class _ServerConnection:
                     self.cursors.append((pull, start + len(fetched)))
                 else:
                     out += session.finish(pull.request_id, now)
-                server.count_served(session)
+                server.count_served(session, now)
                 self._carry_out(out)
         finally:
             self.pump = None
@@ -171,8 +179,10 @@ class TlsTcpServer(ServingServer):
     def __init__(self, credentials: NodeCredentials, source: BlockSource, host: str = "127.0.0.1", port: int = 0,
                  *, max_payload: int = DEFAULT_MAX_PAYLOAD, max_inflight: int = 32, frame_timeout_s: float = 10.0,
                  idle_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0, io_threads: int = 4,
-                 max_connections_per_peer: int = 8, metrics: TransportMetrics | None = None) -> None:
-        """`io_threads`: threads for slow (disk) fetches; 0 always fetches on the event loop."""
+                 max_connections_per_peer: int = 8, peer_rates: PeerRates | None = None,
+                 metrics: TransportMetrics | None = None) -> None:
+        """`io_threads`: threads for slow (disk) fetches; 0 always fetches on the event loop;
+        `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`)."""
         self.credentials = credentials
         self.node = credentials.node
         self.source = source
@@ -183,6 +193,7 @@ class TlsTcpServer(ServingServer):
         self.idle_timeout_s = idle_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections_per_peer = max_connections_per_peer
+        self.budgets = PeerBudgets(peer_rates)
         self.metrics = metrics or TransportMetrics()
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-tls-io") if io_threads else None
         self.peak_inflight = 0
@@ -199,6 +210,7 @@ class TlsTcpServer(ServingServer):
         return cls(credentials, source, config.host, config.tcp_port, max_payload=config.max_payload_bytes,
                    max_inflight=config.max_inflight, frame_timeout_s=config.frame_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
+                   max_connections_per_peer=config.max_connections_per_peer, peer_rates=peer_rates(config),
                    metrics=metrics)
 
     @property
@@ -272,6 +284,7 @@ class TlsTcpServer(ServingServer):
             return
         if sum(1 for c in self._connections if c.node == node) >= self.max_connections_per_peer:
             metrics.auth_failures.labels(self.transport, "too_many_connections").inc()
+            self.count_overloaded(node, "connections")
             logger.warning("refused %s from %s: already %d connections", node, where, self.max_connections_per_peer)
             await self._refuse(sock, f"{node} already has {self.max_connections_per_peer} connections")
             return

@@ -4,6 +4,9 @@ authenticated peer may cost a server, as token buckets keyed by the peer's node 
     server, per PULL:   admit_pull(peer, now) ─► Verdict.OK | PULLS | BYTES
                         (a refused PULL is answered ERROR overloaded, never silently dropped)
     server, per batch:  charge_bytes(peer, n, now)    bytes served for that peer's PULLs
+    after a refusal:    wait_s(peer, now)             until its next PULL would be admitted: the
+                        server stops reading that peer meanwhile, so a flood is slowed by the
+                        transport's own flow control instead of being read and refused at full speed
 
 A bucket holds at most `burst` tokens and refills at `rate` per second; a PULL takes one token of
 the PULL bucket. Bytes are known only once blocks are read, so they are charged afterwards and the
@@ -78,7 +81,12 @@ class TokenBucket:
 
     def in_debt(self, now: float) -> bool:
         self._refill(now)
-        return self.tokens <= 0
+        return self.tokens < 0
+
+    def wait_s(self, amount: float, now: float) -> float:
+        """Seconds until the bucket holds `amount` tokens (0: it does now)."""
+        self._refill(now)
+        return max(0.0, (amount - self.tokens) / self.rate)
 
     def is_full(self, now: float) -> bool:
         self._refill(now)
@@ -126,6 +134,11 @@ class PeerBudgets:
         """`num_bytes` payload bytes were served for `peer`'s PULLs."""
         if num_bytes:
             self._of(peer, now).bytes.charge(num_bytes, now)
+
+    def wait_s(self, peer: str, now: float) -> float:
+        """Seconds until `peer` would be admitted a PULL (0: now)."""
+        buckets = self._of(peer, now)
+        return max(buckets.pulls.wait_s(1, now), buckets.bytes.wait_s(0, now))
 
     @property
     def num_tracked(self) -> int:

@@ -97,6 +97,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._terminated = False
         self._refused = False
+        self._throttled_until = 0.0   # over its budget: its datagrams are dropped until then
         server._connections.add(self)
         self._half_open = True
         server._half_open_started(host)
@@ -106,7 +107,11 @@ class _ServerConnection(QuicConnectionProtocol):
     # -- aioquic hooks -------------------------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        now = self._loop.time()
+        if now < self._throttled_until:   # as a full link would: the peer's loss recovery slows it down
+            self._server.num_throttled_datagrams += 1
+            return
+        self._quic.receive_datagram(cast(bytes, data), addr, now=now)
         if self.node is None and not self._refused:
             self._check_refused()
         self._process_events()
@@ -247,6 +252,7 @@ class _ServerConnection(QuicConnectionProtocol):
                 stream.request_id, stream.addresses = pull.request_id, pull.addresses
             else:
                 stream.frames.extend(session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget"))
+                self._throttled_until = now + self._server.throttle_s(self.node, now)
         if pulls or session.closing:
             self._ready.append(stream)   # answers to make, or its ERROR frame or end to send
         if session.closing:
@@ -470,6 +476,7 @@ class QuicTransportServer(ServingServer):
         self.num_half_open = 0
         self._half_open: dict[str, int] = {}   # source address -> its connections mid-handshake
         self.num_dropped_initials = 0
+        self.num_throttled_datagrams = 0   # dropped from peers over their budget
         self.tls = QuicTlsMaterial(credentials, base_configuration(False, self.tuning, idle_timeout_s),
                                    ticket_lifetime_s)
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-quic-io") if io_threads else None

@@ -87,6 +87,7 @@ class _ServerConnection:
                                      idle_timeout_s=server.idle_timeout_s)
         self.cursors: deque[tuple[Pull, int]] = deque()   # active pulls and how far they are answered
         self.pump: asyncio.Task[None] | None = None
+        self.throttled = False   # over its budget: not read until the budget admits PULLs again
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
@@ -99,23 +100,34 @@ class _ServerConnection:
         session, link, server = self.session, self.link, self.server
         now = self._loop.time()
         pulls = session.take_pulls()
+        refused = False
         while pulls:   # a refusal frees a slot: a queued PULL may start at once
             for pull in pulls:
                 if server.admit_pull(self.node, now):
                     self.cursors.append((pull, 0))
                 else:
-                    out = out + session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget")
+                    if not refused:
+                        out, refused = list(out), True
+                    out += session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget")
             pulls = session.take_pulls()
+        if refused and not self.throttled:
+            self.throttled = True
+            self._loop.call_later(server.throttle_s(self.node, now), self._unthrottle)
         link.send_many(out)
         self.server.peak_inflight = max(self.server.peak_inflight, len(session.active))
         if self.cursors and self.pump is None and not session.closing:
             self.pump = self._loop.create_task(self._pump())
         if session.closing:
             self._close_session()
-        elif session.reading:
+        elif session.reading and not self.throttled:
             link.resume_reading()
         else:
             link.pause_reading()
+
+    def _unthrottle(self) -> None:
+        self.throttled = False
+        if not self.link.closed and self.session.reading:
+            self.link.resume_reading()
 
     def _close_session(self) -> None:
         session, metrics, transport = self.session, self.server.metrics, self.server.transport

@@ -38,6 +38,16 @@ def test_a_peer_in_byte_debt_gets_no_pull_until_paid_back() -> None:
     assert budgets.admit_pull("big", 2.01) is Verdict.OK
 
 
+def test_wait_says_when_the_next_pull_would_be_admitted() -> None:
+    budgets = PeerBudgets(PeerRates(pulls_per_s=10.0, pull_burst=1.0, bytes_per_s=100.0, bytes_burst=100.0))
+    assert budgets.wait_s("p", 0.0) == 0.0
+    assert budgets.admit_pull("p", 0.0) is Verdict.OK
+    assert budgets.wait_s("p", 0.0) == pytest.approx(0.1)    # one PULL token refills in 0.1 s
+    budgets.charge_bytes("p", 400, 0.0)                       # 300 bytes of debt at 100 bytes/s
+    assert budgets.wait_s("p", 0.0) == pytest.approx(3.0)
+    assert budgets.admit_pull("p", 3.0) is Verdict.OK
+
+
 def test_idle_peers_are_forgotten_once_many_are_tracked(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(budget, "MAX_TRACKED", 4)
     budgets = PeerBudgets(PeerRates(pulls_per_s=1.0, pull_burst=2.0))

@@ -15,12 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aioquic._buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from support import closing, creds, node_process, pull_all, raw_peer, run, started, wait_until
 
+from benchmarks.hostile_attacks import hold_half_open
 from benchmarks.soak_node import address
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
@@ -304,36 +303,6 @@ def test_a_quic_stream_ending_right_after_its_pull_leaves_the_node_serving(cert_
         run(main())
         status, printed = node.terminate()
         assert status == 0 and "STOPPED" in printed
-
-
-def hold_half_open(port: int, count: int, source_host: str) -> int:
-    """`count` QUIC handshakes from `source_host` that answer the server's Retry (so the server keeps
-    a connection for each) and then never go on; how many Retries were answered."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    sock.bind((source_host, 0))
-    sock.settimeout(0.2)
-    config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name="node-a")
-    clients: dict[bytes, QuicConnection] = {}
-    for _ in range(count):
-        quic = QuicConnection(configuration=config)
-        quic.connect(("127.0.0.1", port), now=0.0)
-        clients[quic.host_cid] = quic
-        for data, addr in quic.datagrams_to_send(now=0.0):
-            sock.sendto(data, addr)
-    answered = 0
-    with contextlib.suppress(TimeoutError):
-        while answered < count:
-            data, addr = sock.recvfrom(65536)
-            header = pull_quic_header(Buffer(data=data), host_cid_length=8)
-            quic = clients.get(header.destination_cid)   # type: ignore[assignment]
-            if quic is None or header.packet_type != QuicPacketType.RETRY:
-                continue
-            quic.receive_datagram(data, addr, now=0.0)
-            for out, to in quic.datagrams_to_send(now=0.0):
-                sock.sendto(out, to)
-            answered += 1
-    sock.close()
-    return answered
 
 
 def test_half_open_handshakes_from_one_address_do_not_lock_out_another(

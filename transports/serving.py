@@ -26,7 +26,8 @@ BATCH_BYTES = 1024 * 1024         # a server fetches up to this many payload byt
 INLINE_FETCH_S = 0.001            # a get_block slower than this on the loop counts as slow …
 SLOW_STREAK = 3                   # … this many in a row send fetching to the thread pool …
 SLOW_SOURCE_HOLD_S = 1.0          # … for this long
-THROTTLE_MIN_S = 0.05             # a peer refused over its budget is not read for at least this long
+THROTTLE_MIN_S = 0.05             # a peer refused over its budget is not read for at least this long …
+THROTTLE_MAX_S = 1.0              # … and at most this long at a time (far below the frame and idle timeouts)
 
 
 class Watched(Protocol):
@@ -88,8 +89,9 @@ class ServingServer:
 
     def throttle_s(self, peer: str, now: float) -> float:
         """How long to stop reading `peer` after refusing it: until its budget admits a PULL again,
-        and at least THROTTLE_MIN_S (each resumed read of a flooding peer costs a batch of refusals)."""
-        return max(THROTTLE_MIN_S, self.budgets.wait_s(peer, now))
+        at least THROTTLE_MIN_S (each resumed read of a flooding peer costs a batch of refusals) and
+        at most THROTTLE_MAX_S (a partly read frame or a QUIC connection must not time out meanwhile)."""
+        return min(THROTTLE_MAX_S, max(THROTTLE_MIN_S, self.budgets.wait_s(peer, now)))
 
     def count_overloaded(self, peer: str, budget: str) -> None:
         self.metrics.child(self.metrics.overloaded, self.transport, peer, budget).inc()

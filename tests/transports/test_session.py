@@ -392,3 +392,18 @@ def test_a_quic_stream_may_open_with_the_clients_hello_whose_limit_then_applies(
     late = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
     out = late.receive(encode(Pull(5, (addr(1),))) + encode(Hello("client-1")), 0.0)
     assert isinstance(out[0], Error) and out[0].code is ErrorCode.PROTOCOL
+
+
+def test_a_refused_pull_is_answered_overloaded_and_frees_its_slot() -> None:
+    server = ServerSession("server-1", "client-1", 0.0, max_inflight=1)
+    server.receive(wire([Hello("client-1"), Pull(1, (addr(1),)), Pull(2, (addr(2),))]), 0.0)
+    assert [p.request_id for p in server.take_pulls()] == [1] and not server.reading
+    out = server.refuse(1, 0.0, "over its budget")
+    assert out == [Error(1, ErrorCode.OVERLOADED, "over its budget")] and not server.closing
+    assert [p.request_id for p in server.take_pulls()] == [2]   # the queued PULL starts
+    with pytest.raises(LocalProtocolError):
+        server.refuse(1, 0.0, "again")
+    stream = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    stream.receive(encode(Pull(5, (addr(1),))), 0.0)
+    stream.take_pulls()
+    assert stream.refuse(5, 0.0, "busy")[0].code is ErrorCode.OVERLOADED and stream.closing   # the stream is done

@@ -21,6 +21,11 @@ TLS-TCP) and bounds what unauthenticated peers can cost:
   * the connection-id table is indexed by connection (`_CidTable`): aioquic scans the whole table
     on every close, which stalled the loop for tens of seconds after an Initial flood.
 
+and what authenticated peers can cost (`budget`): at most `max_connections_per_peer` connections
+per node (the next one is closed with an "overloaded:" reason), PULLs and payload bytes per second
+per node; a PULL over them is answered ERROR overloaded on its stream, and the connection's
+datagrams are dropped until its budget admits a PULL again (`ServingServer.throttle_s`).
+
 Per connection the server buffers at most `send_high_water` + one batch of answers; receive
 buffers are capped by the QUIC flow-control windows. Per datagram the work is O(frames in it).
 """

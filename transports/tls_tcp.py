@@ -16,6 +16,8 @@ buffers, payloads sent without copies); RDMA reuses both connection classes over
 Server: one pump per connection answers its pulls round-robin, BATCH_BYTES at a time, fetching the
 next batch only once under SERVER_WRITE_HIGH waits to be sent: a peer that does not read costs at most
 SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_per_peer` connections.
+PULLs and payload bytes per second are budgeted per node (`budget`): a PULL over them is answered
+ERROR overloaded and the connection is not read until the budget admits a PULL again.
 Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
 Client: one pooled connection per peer, PULL_WINDOW PULLs of a pull in flight; digests checked on the
 loop; reading pauses while over RESULTS_HIGH bytes of results wait for their callers.

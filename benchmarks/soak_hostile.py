@@ -203,7 +203,7 @@ def report(raw: dict[str, Any], quick: bool, idle_s: float, attack_s: float, rou
     rows = [[name, s["p50_ms"], s["p99_ms"], s["quic_p50_ms"], s["quic_p99_ms"], s["tls_tcp_p50_ms"],
              s["tls_tcp_p99_ms"], int(s["pulls"]), raw[phase].failed, raw[phase].peak_rss,
              raw[phase].cpu_s, raw[f"lag_{phase}"][0], raw[f"lag_{phase}"][1]]
-            for name, phase, s in (("idle", "idle", idle), ("under attack", "attack", attack))]
+            for name, phase, s in (("idle", "idle", idle), ("attacked", "attack", attack))]
     print_table(f"Good client pulling {PULL_BLOCKS} x {BLOCK_SIZE >> 10} KiB every {PULL_EVERY_S * 1e3:.0f} ms "
                 f"(idle {idle_s:.0f} s and attacked {attack_s:.0f} s, interleaved in {rounds} rounds)",
                 ["phase", "p50 ms", "p99 ms", "quic p50", "quic p99", "tls p50", "tls p99", "pulls", "failed",

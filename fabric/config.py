@@ -76,6 +76,13 @@ class TransportConfig:
     max_datagram_size: int = 8952
     quic_max_data: int = 8 * 1024 * 1024         # QUIC connection flow-control window
     quic_max_stream_data: int = 4 * 1024 * 1024  # QUIC per-stream flow-control window
+    quic_max_half_open: int = 128                # QUIC connections mid-handshake, in total ...
+    quic_max_half_open_per_address: int = 16     # ... and from one source address
+    max_connections_per_peer: int = 8            # per peer node, on each transport (past it: ERROR overloaded)
+    peer_pulls_per_s: float = 1000.0             # PULLs one peer node may start per second ...
+    peer_pull_burst: float = 2000.0              # ... and at once after being idle
+    peer_bytes_per_s: float = 4.0 * (1 << 30)    # payload bytes one peer node may be served per second ...
+    peer_bytes_burst: float = 4.0 * (1 << 30)    # ... and at once after being idle
     connect_timeout_s: float = 5.0
     idle_timeout_s: float = 30.0
     frame_timeout_s: float = 10.0
@@ -146,6 +153,13 @@ class Config:
                     "transport.max_inflight": self.transport.max_inflight,
                     "transport.quic_max_data": self.transport.quic_max_data,
                     "transport.quic_max_stream_data": self.transport.quic_max_stream_data,
+                    "transport.quic_max_half_open": self.transport.quic_max_half_open,
+                    "transport.quic_max_half_open_per_address": self.transport.quic_max_half_open_per_address,
+                    "transport.max_connections_per_peer": self.transport.max_connections_per_peer,
+                    "transport.peer_pulls_per_s": self.transport.peer_pulls_per_s,
+                    "transport.peer_pull_burst": self.transport.peer_pull_burst,
+                    "transport.peer_bytes_per_s": self.transport.peer_bytes_per_s,
+                    "transport.peer_bytes_burst": self.transport.peer_bytes_burst,
                     "cluster.heartbeat_s": self.cluster.heartbeat_s, "cluster.lease_s": self.cluster.lease_s,
                     "cluster.num_nodes": self.cluster.num_nodes,
                     "cluster.directory_shards": self.cluster.directory_shards,

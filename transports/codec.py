@@ -67,6 +67,7 @@ class MissReason(enum.StrEnum):
     TIMEOUT = "timeout"
     TOO_LARGE = "too_large"         # the block exceeds the payload limit the client announced
     SOURCE_ERROR = "source_error"   # the server could not read the block (disk error, bug)
+    OVERLOADED = "overloaded"       # the server refused the request: this node is over its budget there
 
 
 class ErrorCode(enum.StrEnum):

@@ -23,6 +23,10 @@ class TransportMetrics:
                                        "a protocol error, by transport", ["transport"], registry=self.registry)
         self.auth_failures = Counter("kvfabric_auth_failures_total", "Peers refused during the handshake",
                                      ["transport", "reason"], registry=self.registry)
+        self.overloaded = Counter("kvfabric_peer_overloaded_total", "Requests or connections refused with "
+                                  "ERROR overloaded, by transport, peer node and the budget it was over "
+                                  "(pulls, bytes, connections)", ["transport", "peer", "budget"],
+                                  registry=self.registry)
         self.connections = Gauge("kvfabric_connections", "Open connections", ["transport", "side"],
                                  registry=self.registry)
 

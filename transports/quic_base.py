@@ -3,7 +3,7 @@
     client (quic_client.QuicTransportClient)        server (quic_server.QuicTransportServer)
     pool: node -> one connection                    per connection: stream id -> ServerSession
     pull(): one bidirectional stream per PULL
-        PULL + FIN ───────────────────────────────► ServerSession(hello=False, one_pull=True)
+        HELLO + PULL + FIN ───────────────────────► ServerSession(hello=False, one_pull=True)
         ◄─────────────── BLOCK | MISS ... END + FIN  answers pumped round-robin over streams
     ClientSession verifies each digest               while unacked bytes < send_high_water
 

@@ -2,7 +2,8 @@
 `ClientSession(hello=False)` that checks every digest and turns what the server left unanswered into
 misses.
 
-    pull(): PULL + FIN ──► server          (at most MAX_ADDRESSES_PER_STREAM addresses per stream)
+    pull(): HELLO + PULL + FIN ──► server  (at most MAX_ADDRESSES_PER_STREAM addresses per stream;
+                                           HELLO carries this client's payload limit)
             ◄── BLOCK | MISS … END + FIN   session.receive() → Hit / Miss per address, in order
 
 Mutual TLS: aioquic checks the server's certificate against the cluster CA with the dialled node
@@ -34,7 +35,7 @@ from aioquic.quic.packet import QuicErrorCode
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.base import Peer, PullResult
-from transports.certs import NodeCredentials
+from transports.certs import CertificateError, NodeCredentials
 from transports.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
 from transports.metrics import TransportMetrics
 from transports.quic_base import (
@@ -75,6 +76,10 @@ class _ClientConnection(QuicConnectionProtocol):
         self.closed = False
         self.session_resumed = False
         self.last_received = self._loop.time()
+        try:
+            self.node = client.credentials.node   # what our streams' HELLOs name
+        except CertificateError:
+            self.node = ""   # a certificate that names no node: the server refuses it at the handshake
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         self.last_received = self._loop.time()
@@ -147,11 +152,14 @@ class _ClientConnection(QuicConnectionProtocol):
     def open_pull(self, request_id: int, addresses: Sequence[BlockAddress]) -> tuple[int, _PullStream]:
         stream_id = self._quic.get_next_available_stream_id()
         now = self._loop.time()
-        # No HELLO on QUIC (the TLS handshake named both ends), so the session's own name is unused.
-        session = ClientSession("", self.peer.node, now, max_payload=self.client.max_payload,
-                                frame_timeout_s=self.client.frame_timeout_s, hello=False)
+        # The stream opens with our HELLO for its payload limit; the server does not answer it
+        # (the TLS handshake named both ends).
+        session = ClientSession(self.node, self.peer.node, now,
+                                max_payload=self.client.max_payload, frame_timeout_s=self.client.frame_timeout_s,
+                                hello=False)
         session.next_id = request_id
         rid, frames = session.submit(addresses, now)
+        frames = session.hello() + frames
         pull = _PullStream(session, rid, now)
         self.pulls[stream_id] = pull
         self._quic.send_stream_data(stream_id, b"".join(encode(f) for f in frames), end_stream=True)

@@ -1,6 +1,7 @@
 """QUIC server (aioquic): one `ServerSession` per PULL stream, answers pumped round-robin.
 
-    client stream: PULL + FIN ──► ServerSession(hello=False, one_pull=True): rules, frame deadline
+    client stream: HELLO + PULL + FIN ──► ServerSession(hello=False, one_pull=True): the client's
+                   payload limit, rules, frame deadline
                    ◄── BLOCK | MISS … END + FIN      fetched blocks → session.answer() → frames
 
 The protocol rules are the session's (a block over the client's limit or one the store cannot read
@@ -10,10 +11,20 @@ TLS-TCP) and bounds what unauthenticated peers can cost:
 
   * Retry (address validation) is on by default: an Initial without a valid token gets a Retry
     and creates no connection state, so spoofed floods cost one stateless reply each;
-  * at most `max_half_open` connections may be mid-handshake; further new Initials are dropped
-    (a client retransmits them);
+  * at most `max_half_open` connections may be mid-handshake, and at most
+    `max_half_open_per_address` from one source address: past the total every new Initial is
+    dropped (a client retransmits it); under it an Initial without a token always gets its Retry,
+    and only one that would make a connection (with a valid token, or any without Retry) counts
+    against its address's share, so one address cannot lock the others out;
+  * a connection still mid-handshake after `handshake_timeout_s` is closed (the idle timeout is
+    for authenticated connections);
   * the connection-id table is indexed by connection (`_CidTable`): aioquic scans the whole table
     on every close, which stalled the loop for tens of seconds after an Initial flood.
+
+and what authenticated peers can cost (`budget`): at most `max_connections_per_peer` connections
+per node (the next one is closed with an "overloaded:" reason), PULLs and payload bytes per second
+per node; a PULL over them is answered ERROR overloaded on its stream, and the connection's
+datagrams are dropped until its budget admits a PULL again (`ServingServer.throttle_s`).
 
 Per connection the server buffers at most `send_high_water` + one batch of answers; receive
 buffers are capped by the QUIC flow-control windows. Per datagram the work is O(frames in it).
@@ -27,7 +38,6 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any, cast
 
 from aioquic._buffer import Buffer
@@ -40,6 +50,7 @@ from aioquic.quic.packet import QuicErrorCode, QuicPacketType, pull_quic_header
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.base import BlockSource
+from transports.budget import PeerBudgets, PeerRates, peer_rates
 from transports.certs import NodeCredentials
 from transports.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
 from transports.metrics import TransportMetrics
@@ -80,9 +91,10 @@ class _ServerConnection(QuicConnectionProtocol):
     """One client connection: sessions per stream, and the pump that sends their answers."""
 
     def __init__(self, quic: QuicConnection, stream_handler: Any = None, *,  # aioquic passes a handler
-                 server: QuicTransportServer) -> None:
+                 server: QuicTransportServer, host: str) -> None:
         super().__init__(quic)
         self._server = server
+        self.host = host   # the source address that opened it
         install_client_auth(quic, server.tls.current)
         self.node: str | None = None
         self._streams: dict[int, _Stream] = {}
@@ -90,13 +102,21 @@ class _ServerConnection(QuicConnectionProtocol):
         self._sweep_timer: asyncio.TimerHandle | None = None
         self._terminated = False
         self._refused = False
+        self._throttled_until = 0.0   # over its budget: its datagrams are dropped until then
         server._connections.add(self)
-        server.num_half_open += 1
+        self._half_open = True
+        server._half_open_started(host)
+        self._handshake_timer: asyncio.TimerHandle | None = self._loop.call_later(
+            server.handshake_timeout_s, self._handshake_expired)
 
     # -- aioquic hooks -------------------------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        self._quic.receive_datagram(cast(bytes, data), addr, now=self._loop.time())
+        now = self._loop.time()
+        if now < self._throttled_until:   # as a full link would: the peer's loss recovery slows it down
+            self._server.num_throttled_datagrams += 1
+            return
+        self._quic.receive_datagram(cast(bytes, data), addr, now=now)
         if self.node is None and not self._refused:
             self._check_refused()
         self._process_events()
@@ -133,12 +153,43 @@ class _ServerConnection(QuicConnectionProtocol):
 
     # -- events --------------------------------------------------------------------------------
 
+    def _end_half_open(self) -> None:
+        if self._half_open:
+            self._half_open = False
+            self._server._half_open_ended(self.host)
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        if self.node is not None or self._terminated:
+            return
+        logger.info("QUIC handshake from %s not done after %.1f s: closed", self.host,
+                    self._server.handshake_timeout_s)
+        self._quic.close(QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout")
+        self._end_half_open()
+        if self._quic._close_event is not None:
+            self._on_terminated(self._quic._close_event)
+        self.transmit()
+
     def _on_handshake(self, event: events.HandshakeCompleted) -> None:
-        self.node = peer_node(self._quic)
-        self._server.num_half_open -= 1
-        if self.node is None:  # cannot happen with the hook installed; never serve an unknown peer
+        node = peer_node(self._quic)
+        self._end_half_open()
+        if node is None:  # cannot happen with the hook installed; never serve an unknown peer
             self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
             return
+        server = self._server
+        if sum(1 for c in server._connections if c.node == node) >= server.max_connections_per_peer:
+            self._refused = True   # authenticated, but over its connection budget: no auth failure
+            server.count_overloaded(node, "connections")
+            logger.warning("refused QUIC connection of %s: already %d connections", node,
+                           server.max_connections_per_peer)
+            self._quic.close(QuicErrorCode.CONNECTION_REFUSED,
+                             reason_phrase=f"overloaded: {node} already has {server.max_connections_per_peer} "
+                                           "connections")
+            return
+        self.node = node
         self._server.metrics.connections.labels(TRANSPORT, "server").inc()
         logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)
         self._arm_sweep()
@@ -148,7 +199,7 @@ class _ServerConnection(QuicConnectionProtocol):
             return
         self._terminated = True
         if self.node is None:
-            self._server.num_half_open -= 1
+            self._end_half_open()
             if not self._refused:
                 self._check_refused()
             if not self._refused:
@@ -159,6 +210,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self._release()
 
     def _release(self) -> None:
+        self._end_half_open()
         if self._sweep_timer is not None:
             self._sweep_timer.cancel()
             self._sweep_timer = None
@@ -197,9 +249,17 @@ class _ServerConnection(QuicConnectionProtocol):
         session = stream.session
         assert session is not None, "a closed stream has no session to follow"
         stream.frames.extend(out)
-        for pull in session.take_pulls():
-            stream.request_id, stream.addresses = pull.request_id, pull.addresses
-            self._ready.append(stream)
+        pulls = session.take_pulls()
+        now = self._loop.time()
+        for pull in pulls:
+            assert self.node is not None, "only an authenticated connection carries PULLs"
+            if self._server.admit_pull(self.node, now):
+                stream.request_id, stream.addresses = pull.request_id, pull.addresses
+            else:
+                stream.frames.extend(session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget"))
+                self._throttled_until = now + self._server.throttle_s(self.node, now)
+        if pulls or session.closing:
+            self._ready.append(stream)   # answers to make, or its ERROR frame or end to send
         if session.closing:
             error = session.error
             if error is not None:
@@ -209,7 +269,6 @@ class _ServerConnection(QuicConnectionProtocol):
                 if not stream.peer_finished:
                     timed_out = session.close_reason is MissReason.TIMEOUT
                     stop_reading(self._quic, stream.stream_id, STREAM_TIMEOUT if timed_out else STREAM_PROTOCOL_ERROR)
-            self._ready.append(stream)   # the ERROR frame still goes out, with FIN
 
     def _close(self, stream_id: int, peer_finished: bool = False) -> None:
         """Stop answering a stream and free its session."""
@@ -245,13 +304,17 @@ class _ServerConnection(QuicConnectionProtocol):
             session = stream.session
             if session is None or stream.fetching:
                 continue
-            if not stream.frames and not session.closing:
-                self._make_answers(stream, session)
-                if stream.fetching:
-                    continue
             if not self._can_send(stream.stream_id):
                 self._close(stream.stream_id)
                 continue
+            if not stream.frames:
+                if session.closing:   # closed with nothing to say (the peer's BYE or ERROR): end the stream
+                    self._quic.send_stream_data(stream.stream_id, b"", end_stream=True)
+                    self._close(stream.stream_id)
+                    continue
+                self._make_answers(stream, session)
+                if stream.fetching:
+                    continue
             while stream.frames and budget > 0:
                 frame = stream.frames.popleft()
                 last = isinstance(frame, End) or (session.closing and not stream.frames)
@@ -291,7 +354,7 @@ class _ServerConnection(QuicConnectionProtocol):
         stream.next_index += len(fetched)
         if stream.next_index >= len(stream.addresses):
             stream.frames.extend(session.finish(stream.request_id, self._loop.time()))
-        self._server.count_served(session)
+        self._server.count_served(session, self._loop.time())
 
     # -- timers --------------------------------------------------------------------------------
 
@@ -344,26 +407,40 @@ class _CidTable(dict[bytes, QuicConnectionProtocol]):
 
 
 class _BoundedQuicServer(QuicServer):
-    """aioquic's server with the cid table above and a cap on connections mid-handshake."""
+    """aioquic's server with the cid table above and caps on connections mid-handshake, in total
+    and per source address (see the module docstring)."""
 
     def __init__(self, *, owner: QuicTransportServer, **kw: Any) -> None:
-        super().__init__(**kw)
+        super().__init__(create_protocol=self._new_connection, **kw)
         self._owner = owner
         self._protocols = _CidTable()
+        self._source = ""   # the address of the datagram being handled
+
+    def _new_connection(self, quic: QuicConnection, stream_handler: Any = None) -> _ServerConnection:
+        return _ServerConnection(quic, stream_handler, server=self._owner, host=self._source)
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         owner = self._owner
-        if owner.num_half_open >= owner.max_half_open and self._is_new_initial(cast(bytes, data)):
-            owner.num_dropped_initials += 1
-            return
+        kind = self._new_initial(cast(bytes, data))
+        if kind is not None:
+            host = str(addr[0])
+            if owner.num_half_open >= owner.max_half_open or (
+                    kind == "connects" and owner.half_open_of(host) >= owner.max_half_open_per_address):
+                owner.num_dropped_initials += 1
+                return
+            self._source = host
         super().datagram_received(data, addr)
 
-    def _is_new_initial(self, data: bytes) -> bool:
+    def _new_initial(self, data: bytes) -> str | None:
+        """None unless `data` is an Initial of a new connection; then "retry" if it only gets a
+        (stateless) Retry, "connects" if it would make a connection."""
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=self._configuration.connection_id_length)
         except ValueError:
-            return False
-        return header.packet_type == QuicPacketType.INITIAL and header.destination_cid not in self._protocols
+            return None
+        if header.packet_type != QuicPacketType.INITIAL or header.destination_cid in self._protocols:
+            return None
+        return "retry" if self._retry is not None and not header.token else "connects"
 
     def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
         cast(_CidTable, self._protocols).forget(protocol)
@@ -378,9 +455,14 @@ class QuicTransportServer(ServingServer):
                  port: int = 0, tuning: QuicTuning | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
                  metrics: TransportMetrics | None = None, ticket_lifetime_s: float = 3600.0,
-                 retry: bool = True, max_half_open: int = 128, io_threads: int = 4) -> None:
+                 retry: bool = True, max_half_open: int = 128, max_half_open_per_address: int = 16,
+                 handshake_timeout_s: float = 5.0, max_connections_per_peer: int = 8,
+                 peer_rates: PeerRates | None = None, io_threads: int = 4) -> None:
         """`retry`: validate client addresses with a Retry before any handshake state is kept;
-        `max_half_open`: connections allowed mid-handshake at once; `io_threads`: for slow reads."""
+        `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
+        them from one source address, each for at most `handshake_timeout_s`;
+        `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);
+        `io_threads`: for slow reads."""
         self.credentials = credentials
         self.node = credentials.node
         self.source = source
@@ -392,8 +474,14 @@ class QuicTransportServer(ServingServer):
         self.metrics = metrics or TransportMetrics()
         self.retry = retry
         self.max_half_open = max_half_open
+        self.max_half_open_per_address = max_half_open_per_address
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_connections_per_peer = max_connections_per_peer
+        self.budgets = PeerBudgets(peer_rates)
         self.num_half_open = 0
+        self._half_open: dict[str, int] = {}   # source address -> its connections mid-handshake
         self.num_dropped_initials = 0
+        self.num_throttled_datagrams = 0   # dropped from peers over their budget
         self.tls = QuicTlsMaterial(credentials, base_configuration(False, self.tuning, idle_timeout_s),
                                    ticket_lifetime_s)
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-quic-io") if io_threads else None
@@ -407,7 +495,27 @@ class QuicTransportServer(ServingServer):
         return cls(credentials, source, host=config.host, port=config.quic_port,
                    tuning=QuicTuning.from_config(config),
                    max_payload=config.max_payload_bytes, frame_timeout_s=config.frame_timeout_s,
-                   idle_timeout_s=config.idle_timeout_s, metrics=metrics)
+                   idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
+                   max_half_open=config.quic_max_half_open,
+                   max_half_open_per_address=config.quic_max_half_open_per_address,
+                   max_connections_per_peer=config.max_connections_per_peer, peer_rates=peer_rates(config),
+                   metrics=metrics)
+
+    def half_open_of(self, host: str) -> int:
+        """Connections from source address `host` still mid-handshake."""
+        return self._half_open.get(host, 0)
+
+    def _half_open_started(self, host: str) -> None:
+        self.num_half_open += 1
+        self._half_open[host] = self._half_open.get(host, 0) + 1
+
+    def _half_open_ended(self, host: str) -> None:
+        self.num_half_open -= 1
+        left = self._half_open[host] - 1
+        if left:
+            self._half_open[host] = left
+        else:
+            del self._half_open[host]
 
     @property
     def num_connections(self) -> int:
@@ -422,8 +530,7 @@ class QuicTransportServer(ServingServer):
         if self._server is not None:
             raise RuntimeError("QUIC server already started")
         # Each connection takes its TLS material from self.tls when its handshake starts.
-        server = _BoundedQuicServer(owner=self, configuration=self.tls.current().configuration,
-                                    create_protocol=partial(_ServerConnection, server=self), retry=self.retry)
+        server = _BoundedQuicServer(owner=self, configuration=self.tls.current().configuration, retry=self.retry)
         sock = udp_socket(self.host, self.port, self.tuning.socket_buffer)
         UdpEndpoint(sock, server)
         self._server = server

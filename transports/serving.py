@@ -16,6 +16,7 @@ from typing import Protocol
 
 from fabric.keys import BlockAddress
 from transports.base import BlockSource
+from transports.budget import PeerBudgets, Verdict
 from transports.metrics import TransportMetrics
 from transports.session import Fetched, ServerSession
 
@@ -25,6 +26,8 @@ BATCH_BYTES = 1024 * 1024         # a server fetches up to this many payload byt
 INLINE_FETCH_S = 0.001            # a get_block slower than this on the loop counts as slow …
 SLOW_STREAK = 3                   # … this many in a row send fetching to the thread pool …
 SLOW_SOURCE_HOLD_S = 1.0          # … for this long
+THROTTLE_MIN_S = 0.05             # a peer refused over its budget is not read for at least this long …
+THROTTLE_MAX_S = 1.0              # … and at most this long at a time (far below the frame and idle timeouts)
 
 
 class Watched(Protocol):
@@ -56,12 +59,15 @@ def watchdog_interval(frame_timeout_s: float, idle_timeout_s: float) -> float:
 
 
 class ServingServer:
-    """What TLS-TCP and QUIC servers share: where store reads run, and counting what was served.
-    Subclasses set `executor` (a thread pool, or None: always on the loop), `metrics` and `transport`."""
+    """What TLS-TCP and QUIC servers share: where store reads run, counting what was served, and
+    each peer's budget. Subclasses set `executor` (a thread pool, or None: always on the loop),
+    `metrics`, `transport`, `budgets` and `max_connections_per_peer`."""
 
     executor: Executor | None
     metrics: TransportMetrics
     transport: str
+    budgets: PeerBudgets
+    max_connections_per_peer: int
     slow_until: float = 0.0   # loop time until which store reads run in the thread pool
     slow_streak: int = 0
 
@@ -72,12 +78,33 @@ class ServingServer:
             self.slow_until = now + SLOW_SOURCE_HOLD_S
             self.slow_streak = 0
 
-    def count_served(self, session: ServerSession) -> None:
-        """The session's answers since the last call: hits, bytes, and misses by reason."""
+    def admit_pull(self, peer: str, now: float) -> bool:
+        """May `peer` start one more PULL now? A refusal is counted and logged (the caller answers
+        it ERROR overloaded)."""
+        verdict = self.budgets.admit_pull(peer, now)
+        if verdict is Verdict.OK:
+            return True
+        self.count_overloaded(peer, verdict.value)
+        return False
+
+    def throttle_s(self, peer: str, now: float) -> float:
+        """How long to stop reading `peer` after refusing it: until its budget admits a PULL again,
+        at least THROTTLE_MIN_S (each resumed read of a flooding peer costs a batch of refusals) and
+        at most THROTTLE_MAX_S (a partly read frame or a QUIC connection must not time out meanwhile)."""
+        return min(THROTTLE_MAX_S, max(THROTTLE_MIN_S, self.budgets.wait_s(peer, now)))
+
+    def count_overloaded(self, peer: str, budget: str) -> None:
+        self.metrics.child(self.metrics.overloaded, self.transport, peer, budget).inc()
+        logger.debug("%s peer %s is over its %s budget", self.transport, peer, budget)
+
+    def count_served(self, session: ServerSession, now: float) -> None:
+        """The session's answers since the last call: hits, bytes, and misses by reason; the bytes
+        are charged to the peer's budget."""
         stats, metrics = session.take_stats(), self.metrics
         if stats.num_hits:
             metrics.child(metrics.served, self.transport, "hit").inc(stats.num_hits)
             metrics.child(metrics.served_bytes, self.transport).inc(stats.num_bytes)
+            self.budgets.charge_bytes(session.peer_node, stats.num_bytes, now)
         for reason, count in stats.misses.items():
             metrics.child(metrics.served, self.transport, reason.value).inc(count)
 

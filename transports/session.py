@@ -15,7 +15,9 @@ Neither side touches a socket, a thread or a clock: bytes (or decoded frames) an
 frames to send, pull results, `closing` and the next timer deadline come out. A transport adapter
 moves the bytes, fetches blocks from its store, calls `handle_timer(now)` at `next_deadline()`
 and closes the connection once `closing` is set (after sending what the call returned). QUIC runs
-one session per stream (`hello=False`, one PULL each).
+one session per stream (`hello=False`, one PULL each); there the client opens each stream with its
+HELLO (its payload limit), which is checked the same way and not answered (the TLS handshake
+already named both ends).
 
 Timers (both sides): a frame must arrive *whole* within `frame_timeout_s` of its first byte (a
 total deadline: a peer dribbling one byte a second cannot hold a frame open); the server closes a
@@ -143,6 +145,7 @@ class ServerSession(_Session):
         self.idle_timeout_s = idle_timeout_s
         self.one_pull = one_pull
         self.hello_done = not hello
+        self._stream_hello = False            # a QUIC stream's opening HELLO was seen
         self.peer_max_payload = max_payload   # lowered by the client's HELLO
         self.active: dict[int, Pull] = {}     # being answered
         self.answered: dict[int, int] = {}    # per active pull, how many of its addresses are answered
@@ -203,14 +206,11 @@ class ServerSession(_Session):
         if not self.hello_done:
             if not isinstance(frame, Hello):
                 raise ProtocolError(f"first frame must be HELLO, got {frame.TYPE.name}")
-            if frame.version != VERSION:
-                raise ProtocolError(f"client speaks codec version {frame.version}, this server {VERSION}")
-            if frame.node != self.peer_node:
-                raise ProtocolError(f"HELLO names {frame.node!r} but the certificate names {self.peer_node!r}",
-                                    ErrorCode.UNAUTHORIZED)
-            self.hello_done = True
-            self.peer_max_payload = min(frame.max_payload, self.max_payload)
+            self._on_hello(frame)
             out.append(Hello(self.node, VERSION, self.max_payload))
+        elif isinstance(frame, Hello) and self.one_pull and not self.num_pulls and not self._stream_hello:
+            self._on_hello(frame)   # a QUIC stream's opening HELLO: not answered
+            self._stream_hello = True
         elif type(frame) is Pull:
             rid = frame.request_id
             if rid in self.active or rid in self.queued:
@@ -231,11 +231,23 @@ class ServerSession(_Session):
         else:
             raise ProtocolError(f"a client may not send {frame.TYPE.name} frames")
 
+    def _on_hello(self, frame: Hello) -> None:
+        if frame.version != VERSION:
+            raise ProtocolError(f"client speaks codec version {frame.version}, this server {VERSION}")
+        if frame.node != self.peer_node:
+            raise ProtocolError(f"HELLO names {frame.node!r} but the certificate names {self.peer_node!r}",
+                                ErrorCode.UNAUTHORIZED)
+        if frame.max_payload <= 0:
+            raise ProtocolError(f"HELLO announces a payload limit of {frame.max_payload}")
+        self.hello_done = True
+        self.peer_max_payload = min(frame.max_payload, self.max_payload)
+
     # -- answering
     def take_pulls(self) -> list[Pull]:
-        """PULLs to start answering now (each is then answered with `answer` and `finish`)."""
+        """PULLs to start answering now (each is then answered with `answer` and `finish`); none
+        once the session is closing: nobody waits for their answers."""
         out, self._to_start = self._to_start, []
-        return out
+        return out if self.state is State.OPEN else []
 
     def answer(self, request_id: int, addresses: Sequence[BlockAddress], fetched: Sequence[Fetched]) -> list[Frame]:
         """The frames for the next `addresses` of an active pull (in the order asked), from what
@@ -301,6 +313,17 @@ class ServerSession(_Session):
         self._next(now)
         return [End(request_id)]
 
+    def refuse(self, request_id: int, now: float, message: str) -> list[Frame]:
+        """Answer an active pull with ERROR overloaded instead of its blocks (the peer is over its
+        budget); a QUIC stream, which carries that pull alone, is then done."""
+        if self.active.pop(request_id, None) is None:
+            raise LocalProtocolError(f"refusal of request {request_id}, which is not being answered")
+        self.answered.pop(request_id, None)
+        self._next(now)
+        if self.one_pull:
+            self._close(MissReason.PEER_GONE)
+        return [Error(request_id, ErrorCode.OVERLOADED, message)]
+
     def abandon(self, request_id: int, now: float) -> None:
         """Stop answering a pull without END (the peer stopped the QUIC stream)."""
         if self.active.pop(request_id, None) is not None:
@@ -355,6 +378,11 @@ class ServerSession(_Session):
 
 # =============================================================================================
 # Client
+
+
+def _refusal(frame: Error) -> MissReason:
+    """What a server's ERROR for the whole connection makes of the requests still pending."""
+    return MissReason.OVERLOADED if frame.code is ErrorCode.OVERLOADED else MissReason.PEER_ERROR
 
 
 class ClientSession(_Session):
@@ -470,6 +498,9 @@ class ClientSession(_Session):
                     raise ProtocolError(f"{frame.TYPE.name} for request {frame.request_id}, which was never sent")
                 continue   # a request we cancelled
             if not self.hello_done:
+                if isinstance(frame, Error) and frame.request_id == 0:   # refused before HELLO (overloaded)
+                    self._close(_refusal(frame))
+                    return
                 if not isinstance(frame, Hello):
                     raise ProtocolError(f"server's first frame must be HELLO, got {frame.TYPE.name}")
                 if frame.node != self.peer_node:
@@ -486,7 +517,7 @@ class ClientSession(_Session):
                             self.idle_since = now
                     out.append((rid, results, tracker.done))
                 elif isinstance(frame, Error) and rid == 0:
-                    self._close(MissReason.PEER_ERROR)
+                    self._close(_refusal(frame))
                     return
                 elif rid >= self.next_id:
                     raise ProtocolError(f"{frame.TYPE.name} for request {rid}, which was never sent")

@@ -16,6 +16,8 @@ buffers, payloads sent without copies); RDMA reuses both connection classes over
 Server: one pump per connection answers its pulls round-robin, BATCH_BYTES at a time, fetching the
 next batch only once under SERVER_WRITE_HIGH waits to be sent: a peer that does not read costs at most
 SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_per_peer` connections.
+PULLs and payload bytes per second are budgeted per node (`budget`): a PULL over them is answered
+ERROR overloaded and the connection is not read until the budget admits a PULL again.
 Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
 Client: one pooled connection per peer, PULL_WINDOW PULLs of a pull in flight; digests checked on the
 loop; reading pauses while over RESULTS_HIGH bytes of results wait for their callers.
@@ -24,6 +26,7 @@ loop; reading pauses while over RESULTS_HIGH bytes of results wait for their cal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import socket
@@ -36,11 +39,13 @@ from typing import Self
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.base import BlockSource, Hit, Peer, PullResult
+from transports.budget import PeerBudgets, PeerRates, peer_rates
 from transports.buffers import tune_allocator, uninitialised_bytearray
 from transports.certs import CertificateError, NodeCredentials
 from transports.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
+    Error,
     ErrorCode,
     Frame,
     FrameDecoder,
@@ -68,6 +73,7 @@ ADDRESSES_PER_PULL = MAX_ADDRESSES_PER_PULL
 PULL_WINDOW = 2   # the server answers a connection's PULLs round-robin: 2 in flight keep a pull in order
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 RESULTS_HIGH = 64 * 1024 * 1024
+REFUSE_LINGER_S = 1.0   # a refused peer gets this long to read ERROR overloaded and close
 
 class _ServerConnection:
     """Server side of one connection: its ServerSession, and a pump that answers the session's pulls."""
@@ -83,6 +89,7 @@ class _ServerConnection:
                                      idle_timeout_s=server.idle_timeout_s)
         self.cursors: deque[tuple[Pull, int]] = deque()   # active pulls and how far they are answered
         self.pump: asyncio.Task[None] | None = None
+        self.throttled = False   # over its budget: not read until the budget admits PULLs again
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
@@ -92,19 +99,37 @@ class _ServerConnection:
 
     def _carry_out(self, out: list[Frame]) -> None:
         """Send what the session returned, start its pulls, and follow its reading / closing state."""
-        session, link = self.session, self.link
+        session, link, server = self.session, self.link, self.server
+        now = self._loop.time()
+        pulls = session.take_pulls()
+        refused = False
+        while pulls:   # a refusal frees a slot: a queued PULL may start at once
+            for pull in pulls:
+                if server.admit_pull(self.node, now):
+                    self.cursors.append((pull, 0))
+                else:
+                    if not refused:
+                        out, refused = list(out), True
+                    out += session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget")
+            pulls = session.take_pulls()
+        if refused and not self.throttled:
+            self.throttled = True
+            self._loop.call_later(server.throttle_s(self.node, now), self._unthrottle)
         link.send_many(out)
-        for pull in session.take_pulls():
-            self.cursors.append((pull, 0))
         self.server.peak_inflight = max(self.server.peak_inflight, len(session.active))
         if self.cursors and self.pump is None and not session.closing:
             self.pump = self._loop.create_task(self._pump())
         if session.closing:
             self._close_session()
-        elif session.reading:
+        elif session.reading and not self.throttled:
             link.resume_reading()
         else:
             link.pause_reading()
+
+    def _unthrottle(self) -> None:
+        self.throttled = False
+        if not self.link.closed and self.session.reading:
+            self.link.resume_reading()
 
     def _close_session(self) -> None:
         session, metrics, transport = self.session, self.server.metrics, self.server.transport
@@ -141,7 +166,7 @@ class _ServerConnection:
                     self.cursors.append((pull, start + len(fetched)))
                 else:
                     out += session.finish(pull.request_id, now)
-                server.count_served(session)
+                server.count_served(session, now)
                 self._carry_out(out)
         finally:
             self.pump = None
@@ -168,8 +193,10 @@ class TlsTcpServer(ServingServer):
     def __init__(self, credentials: NodeCredentials, source: BlockSource, host: str = "127.0.0.1", port: int = 0,
                  *, max_payload: int = DEFAULT_MAX_PAYLOAD, max_inflight: int = 32, frame_timeout_s: float = 10.0,
                  idle_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0, io_threads: int = 4,
-                 max_connections_per_peer: int = 8, metrics: TransportMetrics | None = None) -> None:
-        """`io_threads`: threads for slow (disk) fetches; 0 always fetches on the event loop."""
+                 max_connections_per_peer: int = 8, peer_rates: PeerRates | None = None,
+                 metrics: TransportMetrics | None = None) -> None:
+        """`io_threads`: threads for slow (disk) fetches; 0 always fetches on the event loop;
+        `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`)."""
         self.credentials = credentials
         self.node = credentials.node
         self.source = source
@@ -180,6 +207,7 @@ class TlsTcpServer(ServingServer):
         self.idle_timeout_s = idle_timeout_s
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections_per_peer = max_connections_per_peer
+        self.budgets = PeerBudgets(peer_rates)
         self.metrics = metrics or TransportMetrics()
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-tls-io") if io_threads else None
         self.peak_inflight = 0
@@ -196,6 +224,7 @@ class TlsTcpServer(ServingServer):
         return cls(credentials, source, config.host, config.tcp_port, max_payload=config.max_payload_bytes,
                    max_inflight=config.max_inflight, frame_timeout_s=config.frame_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
+                   max_connections_per_peer=config.max_connections_per_peer, peer_rates=peer_rates(config),
                    metrics=metrics)
 
     @property
@@ -233,6 +262,11 @@ class TlsTcpServer(ServingServer):
                 if e.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
                     await asyncio.sleep(0.1)
                 continue
+            except Exception:  # MemoryError, a bug: never let the listener die silently
+                self.num_accept_errors += 1
+                logger.exception("accepting a connection failed unexpectedly; accepting goes on")
+                await asyncio.sleep(0.1)   # whatever it was, do not spin on it
+                continue
             task = loop.create_task(self._handshake(raw, f"{addr[0]}:{addr[1]}"))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)
@@ -264,8 +298,9 @@ class TlsTcpServer(ServingServer):
             return
         if sum(1 for c in self._connections if c.node == node) >= self.max_connections_per_peer:
             metrics.auth_failures.labels(self.transport, "too_many_connections").inc()
+            self.count_overloaded(node, "connections")
             logger.warning("refused %s from %s: already %d connections", node, where, self.max_connections_per_peer)
-            sock.close()
+            await self._refuse(sock, f"{node} already has {self.max_connections_per_peer} connections")
             return
         conn = _ServerConnection(self, node)
         try:
@@ -278,6 +313,22 @@ class TlsTcpServer(ServingServer):
         metrics.connections.labels(self.transport, "server").inc()
         conn.link.start()
         logger.debug("accepted %s from %s", node, where)
+
+    async def _refuse(self, sock: ssl.SSLSocket, why: str) -> None:
+        """Tell a peer ERROR overloaded, then close once it has closed (or after REFUSE_LINGER_S);
+        what it sends meanwhile is read and dropped, so that closing sends no reset that could
+        destroy the ERROR before the peer reads it."""
+        closed = asyncio.Event()
+        link = TlsLink(sock, FrameDecoder(max_payload=0), lambda frames: None, lambda reason: closed.set(),
+                       self.frame_timeout_s, self.metrics, self.transport)
+        link.start()
+        link.send(Error(0, ErrorCode.OVERLOADED, why))
+        try:
+            with contextlib.suppress(TimeoutError):   # a peer that does not close is closed after the linger
+                async with asyncio.timeout(REFUSE_LINGER_S):
+                    await closed.wait()
+        finally:
+            link.close(MissReason.PEER_GONE, why)
 
     async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""

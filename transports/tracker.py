@@ -25,6 +25,7 @@ from transports.codec import (
     Blocks,
     End,
     Error,
+    ErrorCode,
     Frame,
     Miss,
     MissReason,
@@ -168,8 +169,8 @@ class PullTracker:
                 return [frame]
             case End(request_id=rid) if rid == self.request_id:
                 return self.fail(MissReason.PEER_ERROR)
-            case Error(request_id=rid) if rid in (self.request_id, 0):
-                return self.fail(MissReason.PEER_ERROR)
+            case Error(request_id=rid, code=code) if rid in (self.request_id, 0):
+                return self.fail(MissReason.OVERLOADED if code is ErrorCode.OVERLOADED else MissReason.PEER_ERROR)
         raise ProtocolError(f"unexpected {frame.TYPE.name} frame for request {self.request_id}")
 
     def fail(self, reason: MissReason) -> list[PullResult]:

@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import subprocess
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
+
+from aioquic.asyncio.client import connect
+from aioquic.asyncio.protocol import QuicConnectionProtocol
+from aioquic.quic.configuration import QuicConfiguration
 
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store
 from transports.base import Peer, PullResult
 from transports.certs import CredentialFiles, NodeCredentials
+from transports.quic_base import ALPN
 
 TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this
+NODE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak_node.py"
 
 
 class Puller(Protocol):
@@ -87,3 +96,53 @@ def filled_store(root: Path, num_layers: int = 6,
         for address, payload in payloads.items():
             assert store.put(address, payload).ok
         yield store, payloads
+
+
+@asynccontextmanager
+async def raw_peer(cert_dir: Path, port: int, node: str = "client-1") -> AsyncIterator[QuicConnectionProtocol]:
+    """A stock aioquic connection to the QUIC server "node-a" with `node`'s certificate: the
+    streams carry whatever bytes a test writes."""
+    config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name="node-a")
+    config.load_verify_locations(cadata=(cert_dir / "ca.pem").read_bytes())
+    config.load_cert_chain(cert_dir / f"{node}.pem", cert_dir / f"{node}.key")
+    async with connect("127.0.0.1", port, configuration=config) as protocol:
+        yield protocol
+
+
+class NodeProcess:
+    """`benchmarks/soak_node.py` serving node-a's blocks on both transports in its own process."""
+
+    def __init__(self, cert_dir: Path, *args: str) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(NODE_SCRIPT), "--cert-dir", str(cert_dir), *args],
+                                     stdout=subprocess.PIPE, text=True)
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line.startswith("READY "):
+            self.stop()
+            raise RuntimeError(f"node process did not start (said {line!r})")
+        _, quic_port, tcp_port = line.split()
+        self.quic = Peer("node-a", "127.0.0.1", int(quic_port))
+        self.tls = Peer("node-a", "127.0.0.1", int(tcp_port))
+
+    def terminate(self, timeout_s: float = 10.0) -> tuple[int | None, str]:
+        """SIGTERM; (exit status, or None if it had not exited after `timeout_s`; what it printed)."""
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            out, _ = self.proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None, ""
+        return self.proc.returncode, out
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+@contextmanager
+def node_process(cert_dir: Path, *args: str) -> Iterator[NodeProcess]:
+    node = NodeProcess(cert_dir, *args)
+    try:
+        yield node
+    finally:
+        node.stop()

@@ -1,25 +1,31 @@
 """Hostile peers against real servers on 127.0.0.1: each attack as a test that a server without the
 protocol sessions' deadlines and the servers' bounds fails.
 
-Budget: about 5 s on 2 cores (the slowloris cases wait out a 0.5 s frame deadline)."""
+Budget: about 15 s on 2 cores (the slowloris cases wait out a 0.5 s frame deadline, the stream
+that ends right after its PULL runs against a node in its own process, the half-open cases wait
+out a 1 s handshake timeout)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import errno
+import os
 import socket
 import ssl
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from support import closing, creds, pull_all, run, started, wait_until
+from support import closing, creds, node_process, pull_all, raw_peer, run, started, wait_until
 
+from benchmarks.hostile_attacks import hold_half_open
+from benchmarks.soak_node import address
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
-from transports.codec import Error, ErrorCode, FrameDecoder, Hello, Miss, MissReason, Pull, encode
+from transports.codec import Bye, Error, ErrorCode, Frame, FrameDecoder, Hello, Miss, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
 from transports.serving import BATCH_BYTES
 from transports.tls_tcp import SERVER_WRITE_HIGH, TlsTcpClient, TlsTcpServer
@@ -81,6 +87,10 @@ def test_a_node_gets_at_most_max_connections_per_peer(cert_dir: Path, memory_sou
             refused = server.metrics.registry.get_sample_value(
                 "kvfabric_auth_failures_total", {"transport": "tls-tcp", "reason": "too_many_connections"})
             assert refused == 2
+            # The refused ones are told why (ERROR overloaded), not just closed; the others got HELLO.
+            answers = [FrameDecoder().feed(await asyncio.wait_for(reader.read(4096), 5)) for reader, _ in conns]
+            assert sorted(type(a[0]).__name__ for a in answers) == ["Error", "Error", "Hello", "Hello", "Hello"]
+            assert all(a[0].code is ErrorCode.OVERLOADED for a in answers if isinstance(a[0], Error))
             for _, writer in conns:
                 writer.close()
 
@@ -121,9 +131,13 @@ def test_peers_that_do_not_read_make_the_server_buffer_a_bounded_amount(
     run(main())
 
 
-def test_accept_loop_survives_transient_accept_errors(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
-    """An OSError other than EMFILE/… (e.g. ECONNABORTED) must not end the accept loop.
-    ECONNABORTED cannot be caused on demand on loopback, so `_accept` raises it once (a stand-in)."""
+@pytest.mark.parametrize("error", [OSError(errno.ECONNABORTED, "Software caused connection abort"),
+                                   MemoryError()], ids=["econnaborted", "memory_error"])
+def test_accept_loop_survives_transient_accept_errors(cert_dir: Path, memory_source: MemorySourceFactory,
+                                                      error: BaseException) -> None:
+    """An OSError other than EMFILE/… (e.g. ECONNABORTED) must not end the accept loop, and neither
+    may an exception that is not an OSError (e.g. MemoryError). Neither can be caused on
+    demand on loopback, so `_accept` raises it once (a stand-in)."""
     source = memory_source(num_blocks=2, num_layers=1)
 
     async def main() -> None:
@@ -134,7 +148,7 @@ def test_accept_loop_survives_transient_accept_errors(cert_dir: Path, memory_sou
         async def flaky(lsock: socket.socket) -> tuple[socket.socket, tuple[str, int]]:
             if not raised:
                 raised.append(True)
-                raise OSError(errno.ECONNABORTED, "Software caused connection abort")
+                raise error
             return await real_accept(lsock)
 
         server._accept = flaky  # type: ignore[method-assign]
@@ -266,5 +280,91 @@ def test_quic_initial_flood_keeps_no_state_with_retry_and_is_capped_without(
                     await wait_until(lambda s=server, c=cap: s.num_half_open < c, 5)  # type: ignore[misc]   # half-open ones expire
                 results = await pull_all(client, peer, source.addresses)
                 assert all(isinstance(r, Hit) for r in results)
+
+    run(main())
+
+
+@pytest.mark.parametrize("last", [Bye("done"), Error(1, ErrorCode.INTERNAL, "gave up")], ids=["bye", "error"])
+def test_a_quic_stream_ending_right_after_its_pull_leaves_the_node_serving(cert_dir: Path, last: Frame) -> None:
+    """A PULL followed at once by BYE (or ERROR) on one stream: the session closed without a frame
+    to send and the server's pump re-queued the stream forever, so the node's loop spun, neither
+    transport answered and SIGTERM went unheard. Now the stream is ended and the node goes on."""
+    wanted = [address(i) for i in range(4)]
+    with node_process(cert_dir) as node:
+        async def main() -> None:
+            async with raw_peer(cert_dir, node.quic.port) as raw:
+                reader, writer = await raw.create_stream()
+                writer.write(encode(Pull(1, tuple(wanted))) + encode(last))
+                writer.write_eof()
+                assert await asyncio.wait_for(reader.read(), 5) == b""   # ended; nobody waits for answers
+            async with closing(QuicTransportClient(creds(cert_dir, "client-1"), frame_timeout_s=5.0)) as quic, \
+                    closing(TlsTcpClient(creds(cert_dir, "client-1"), frame_timeout_s=5.0)) as tls:
+                assert all(isinstance(r, Hit) for r in await pull_all(quic, node.quic, wanted))
+                assert all(isinstance(r, Hit) for r in await pull_all(tls, node.tls, wanted))
+
+        run(main())
+        status, printed = node.terminate()
+        assert status == 0 and "STOPPED" in printed
+
+
+def test_half_open_handshakes_from_one_address_do_not_lock_out_another(
+        cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    """128 handshakes that answer the Retry, from one address, filled the node-wide half-open cap for
+    the whole idle timeout: every new client was dropped before its Retry. Now one address holds at
+    most its own share, a client from another address connects, and half-open connections expire
+    after the handshake timeout, not the idle timeout."""
+    source = memory_source(num_blocks=2, num_layers=1)
+
+    async def main() -> None:
+        server = QuicTransportServer(creds(cert_dir, "node-a"), source, idle_timeout_s=30.0,
+                                     handshake_timeout_s=1.0)
+        async with started(server, "node-a") as (_, peer), \
+                closing(QuicTransportClient(creds(cert_dir, "client-1"), connect_timeout_s=3.0)) as client:
+            answered = await asyncio.to_thread(hold_half_open, peer.port, 128, "127.0.0.2")
+            assert answered == 128
+            assert 0 < server.num_half_open <= server.max_half_open_per_address
+            results = await pull_all(client, peer, source.addresses)   # from 127.0.0.1
+            assert all(isinstance(r, Hit) for r in results)
+            await wait_until(lambda: server.num_half_open == 0, 5)
+
+    run(main())
+
+
+def test_half_open_handshakes_are_bounded_in_total(cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    source = memory_source(num_blocks=1, num_layers=1)
+
+    async def main() -> None:
+        server = QuicTransportServer(creds(cert_dir, "node-a"), source, max_half_open=12,
+                                     max_half_open_per_address=4, handshake_timeout_s=5.0)
+        async with started(server, "node-a") as (_, peer):
+            for i in range(2, 7):
+                await asyncio.to_thread(hold_half_open, peer.port, 8, f"127.0.0.{i}")
+            assert server.num_half_open == 12 and server.num_dropped_initials > 0
+
+    run(main())
+
+
+@pytest.mark.parametrize("transport", ["quic", "tls-tcp"])
+def test_a_block_over_the_clients_payload_limit_is_its_own_miss(
+        cert_dir: Path, memory_source: MemorySourceFactory, transport: str) -> None:
+    """The client's limit (1 MiB) reaches the server, which answers the stored 2 MiB block with
+    MISS(too_large); the other addresses of the pull arrive. Over QUIC the server used its own
+    limit, the client's decoder refused the frame and every address became a peer_error miss."""
+    source = memory_source(num_blocks=2, num_layers=1, payload_size=64 * 1024)
+    big = BlockAddress(BlockHash(b"\x03" * 32), 0)
+    source.put(big, os.urandom(2 * 1024 * 1024))
+    small = source.addresses[:2]
+    server_class, client_class = ((QuicTransportServer, QuicTransportClient) if transport == "quic"
+                                  else (TlsTcpServer, TlsTcpClient))
+
+    async def main() -> None:
+        client = client_class(creds(cert_dir, "client-1"), max_payload=1024 * 1024, frame_timeout_s=5.0)
+        async with started(server_class(creds(cert_dir, "node-a"), source), "node-a") as (server, peer), \
+                closing(client):
+            results = await pull_all(client, peer, [small[0], big, small[1]])
+            assert isinstance(results[0], Hit) and isinstance(results[2], Hit)
+            assert isinstance(results[1], Miss) and results[1].reason is MissReason.TOO_LARGE
+            assert server.metrics.registry.get_sample_value(
+                "kvfabric_served_total", {"transport": transport, "outcome": "too_large"}) == 1
 
     run(main())

@@ -17,11 +17,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
-from support import closing, creds, filled_store, pull_all, run, started, wait_until
+from support import closing, creds, filled_store, pull_all, raw_peer, run, started, wait_until
 
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
@@ -310,15 +309,6 @@ def test_rotation_keeps_open_connections_and_new_handshakes_use_the_new_certific
 
 # ---------------------------------------------------------------------------------------------
 # Misbehaving peers (raw aioquic client with a valid certificate, bytes of our choosing)
-
-
-@asynccontextmanager
-async def raw_peer(cert_dir: Path, port: int) -> AsyncIterator[QuicConnectionProtocol]:
-    config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name="node-a")
-    config.load_verify_locations(cadata=(cert_dir / "ca.pem").read_bytes())
-    config.load_cert_chain(cert_dir / "client-1.pem", cert_dir / "client-1.key")
-    async with connect("127.0.0.1", port, configuration=config) as protocol:
-        yield protocol
 
 
 async def exchange(protocol: QuicConnectionProtocol, data: bytes, fin: bool = True) -> list[Any]:

@@ -368,3 +368,42 @@ def test_quic_style_stream_sessions_carry_one_pull_and_need_no_hello() -> None:
     assert isinstance(out[0], Error) and out[0].request_id == 5 and server.closing
     empty = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
     assert isinstance(empty.end_of_stream(0.0)[0], Error)
+
+
+@pytest.mark.parametrize("last", [Bye("done"), Error(5, ErrorCode.INTERNAL, "gave up")], ids=["bye", "error"])
+def test_a_pull_followed_at_once_by_bye_or_error_is_never_started(last: Frame) -> None:
+    server = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = server.receive(encode(Pull(5, (addr(1),))) + encode(last), 0.0)
+    assert out == [] and server.closing and server.error is None
+    assert server.take_pulls() == []   # nobody waits for its answers
+
+
+def test_a_quic_stream_may_open_with_the_clients_hello_whose_limit_then_applies() -> None:
+    big, small = Stored(b"b" * 5000), Stored(b"s" * 100)
+    server = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = server.receive(encode(Hello("client-1", VERSION, 1000)) + encode(Pull(5, (addr(1), addr(2)))), 0.0)
+    assert out == [] and [p.request_id for p in server.take_pulls()] == [5]
+    frames = server.answer(5, [addr(1), addr(2)], [big, small])
+    assert isinstance(frames[0], Miss) and frames[0].reason is MissReason.TOO_LARGE
+    assert isinstance(frames[1], Block)
+    stranger = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = stranger.receive(encode(Hello("client-2", VERSION, 1000)), 0.0)
+    assert isinstance(out[0], Error) and out[0].code is ErrorCode.UNAUTHORIZED
+    late = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    out = late.receive(encode(Pull(5, (addr(1),))) + encode(Hello("client-1")), 0.0)
+    assert isinstance(out[0], Error) and out[0].code is ErrorCode.PROTOCOL
+
+
+def test_a_refused_pull_is_answered_overloaded_and_frees_its_slot() -> None:
+    server = ServerSession("server-1", "client-1", 0.0, max_inflight=1)
+    server.receive(wire([Hello("client-1"), Pull(1, (addr(1),)), Pull(2, (addr(2),))]), 0.0)
+    assert [p.request_id for p in server.take_pulls()] == [1] and not server.reading
+    out = server.refuse(1, 0.0, "over its budget")
+    assert out == [Error(1, ErrorCode.OVERLOADED, "over its budget")] and not server.closing
+    assert [p.request_id for p in server.take_pulls()] == [2]   # the queued PULL starts
+    with pytest.raises(LocalProtocolError):
+        server.refuse(1, 0.0, "again")
+    stream = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
+    stream.receive(encode(Pull(5, (addr(1),))), 0.0)
+    stream.take_pulls()
+    assert stream.refuse(5, 0.0, "busy")[0].code is ErrorCode.OVERLOADED and stream.closing   # the stream is done

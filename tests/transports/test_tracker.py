@@ -73,8 +73,10 @@ def test_end_or_error_fails_what_is_pending() -> None:
     t = PullTracker(5, [_addr(1), _addr(2)])
     assert t.on_frame(End(5)) == [Miss(5, _addr(1), MissReason.PEER_ERROR), Miss(5, _addr(2), MissReason.PEER_ERROR)]
     t2 = PullTracker(6, [_addr(1)])
-    out = t2.on_frame(Error(0, ErrorCode.OVERLOADED, "busy"))
+    out = t2.on_frame(Error(0, ErrorCode.PROTOCOL, "bad"))
     assert out == [Miss(6, _addr(1), MissReason.PEER_ERROR)] and t2.done
+    busy = PullTracker(8, [_addr(1)])   # refused over this node's budget there: try later or elsewhere
+    assert busy.on_frame(Error(8, ErrorCode.OVERLOADED, "busy")) == [Miss(8, _addr(1), MissReason.OVERLOADED)]
     t3 = PullTracker(7, [_addr(1)])
     assert t3.fail(MissReason.TIMEOUT) == [Miss(7, _addr(1), MissReason.TIMEOUT)]
 

@@ -39,19 +39,30 @@ def resolve_endpoint(endpoint: str, node_name: str) -> str:
     return resolved
 
 
+def binds(endpoint: str) -> bool:
+    """vLLM's rule for the PUB socket: bind a wildcard (`*`, `::`), ipc or inproc endpoint, connect to
+    any other (a central subscriber that binds, as llm-d's indexer does)."""
+    return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
 class KvEventPublisher:
     """One node's KV event stream. `start` announces a fresh view, `drain` forwards store events."""
 
     def __init__(self, config: EventsConfig, node_name: str, *, block_size: int,
                  context: zmq.Context[zmq.Socket[bytes]] | None = None) -> None:
         self.log = KvEventLog(block_size=block_size, buffer_batches=config.buffer_batches)
-        self._topic = config.topic.encode()
+        self._topic = config.topic.replace("{node}", node_name).encode()
         ctx = context or zmq.Context.instance()
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(config.hwm)
-        self._pub.bind(resolve_endpoint(config.endpoint, node_name))
-        self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = resolve_endpoint(config.endpoint, node_name)
+        if binds(endpoint):
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        else:
+            self._pub.connect(endpoint)
+            self.endpoint = endpoint
         self._router: zmq.Socket[bytes] | None = None
         self.replay_endpoint = ""
         if config.replay_endpoint:

@@ -102,8 +102,10 @@ class ClusterConfig:
 class EventsConfig:
     """KV events in vLLM's format, published by each NodeActor (docs/kv-events.md). Off by default.
 
-    In an endpoint, `{node}` is replaced by the node's name (one ipc path per node on a shared host)
-    and a TCP port `*` binds any free port (the NodeActor's `stats()` reports the one it got).
+    In an endpoint or the topic, `{node}` is replaced by the node's name (one ipc path per node on a
+    shared host). As in vLLM, the PUB socket binds a wildcard (`tcp://*:5557`), ipc or inproc endpoint
+    and connects to any other; a TCP port `*` binds any free port (the NodeActor's `stats()` reports
+    the one it got). The replay socket always binds.
     """
 
     enabled: bool = False

@@ -183,3 +183,24 @@ def test_a_malformed_replay_request_is_answered_with_the_end_marker(publisher: K
     assert dealer.recv_multipart() == [b"", (-1).to_bytes(8, "big", signed=True), b""]
     assert publisher.num_bad_requests == 1
     dealer.close(linger=0)
+
+
+def test_a_publisher_connects_to_a_subscriber_that_binds_and_names_its_node_in_the_topic(tmp_path: Path) -> None:
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)                           # a central indexer binds, as llm-d's does
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.bind("tcp://127.0.0.1:*")
+    cfg = EventsConfig(enabled=True, endpoint=sub.getsockopt_string(zmq.LAST_ENDPOINT),
+                       topic="kv@{node}@events-model")
+    pub = KvEventPublisher(cfg, "n3", block_size=4)
+    try:
+        got: list[bytes] = []
+        fresh = block_hashes(NS, list(range(4 * 64)))
+        while not got:
+            pub.drain(stored([fresh.pop()]), list)
+            if sub.poll(100):
+                got = sub.recv_multipart()
+        assert got[0] == b"kv@n3@events-model"
+    finally:
+        pub.close()
+        sub.close(linger=0)

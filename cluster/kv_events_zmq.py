@@ -56,20 +56,25 @@ class KvEventPublisher:
         self._pub = ctx.socket(zmq.PUB)
         self._pub.setsockopt(zmq.LINGER, 0)
         self._pub.set_hwm(config.hwm)
-        endpoint = resolve_endpoint(config.endpoint, node_name)
-        if binds(endpoint):
-            self._pub.bind(endpoint)
-            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
-        else:
-            self._pub.connect(endpoint)
-            self.endpoint = endpoint
         self._router: zmq.Socket[bytes] | None = None
         self.replay_endpoint = ""
-        if config.replay_endpoint:
-            self._router = ctx.socket(zmq.ROUTER)
-            self._router.setsockopt(zmq.LINGER, 0)
-            self._router.bind(resolve_endpoint(config.replay_endpoint, node_name))
-            self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        endpoint = resolve_endpoint(config.endpoint, node_name)
+        try:
+            if binds(endpoint):
+                self._pub.bind(endpoint)
+                self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            else:
+                self._pub.connect(endpoint)
+                self.endpoint = endpoint
+            if config.replay_endpoint:
+                endpoint = resolve_endpoint(config.replay_endpoint, node_name)
+                self._router = ctx.socket(zmq.ROUTER)
+                self._router.setsockopt(zmq.LINGER, 0)
+                self._router.bind(endpoint)
+                self.replay_endpoint = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self.close()
+            raise OSError(f"[events] cannot open KV event endpoint {endpoint}: {e}") from None
         self.num_bad_requests = 0
 
     def start(self, held: Iterable[BlockAddress]) -> None:

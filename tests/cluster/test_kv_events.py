@@ -138,22 +138,28 @@ def test_replay_after_a_dropped_subscriber_returns_exactly_the_missed_batches(pu
     sub.connect(publisher.endpoint)
     publisher.start([])
     # The subscription reaches the PUB socket asynchronously: drain single blocks until one arrives.
-    live: list[int] = []
+    published: dict[int, BlockHash] = {}
     fresh = block_hashes(NS, list(range(4 * 64)))
-    while not live:
-        publisher.drain(stored([fresh.pop()]), list)
+
+    def publish_one() -> None:
+        published[publisher.log.next_seq] = fresh[len(published)]
+        publisher.drain(stored([fresh[len(published) - 1]]), list)
+    last_read = -1
+    while last_read < 0:
+        publish_one()
         if sub.poll(100):
             topic, seq, _ = sub.recv_multipart()
-            live.append(int.from_bytes(seq, "big"))
+            last_read = int.from_bytes(seq, "big")
     assert topic == b"kv"
-    sub.close(linger=0)                                 # the subscriber drops
-    missed_hashes = [fresh.pop() for _ in range(3)]
-    for h in missed_hashes:
-        publisher.drain(stored([h]), list)
-    got = replay(publisher, live[-1] + 1)
-    assert [seq for seq, _ in got] == [live[-1] + 1, live[-1] + 2, live[-1] + 3]
-    assert [decode(p)[1][0]["block_hashes"] for _, p in got] == [[u64(h)] for h in missed_hashes]
-    assert replay(publisher, live[-1] + 4) == []
+    sub.close(linger=0)                                 # the subscriber drops; what it did not read is missed
+    for _ in range(3):
+        publish_one()
+    missed = [s for s in sorted(published) if s > last_read]
+    assert len(missed) >= 3
+    got = replay(publisher, last_read + 1)
+    assert [seq for seq, _ in got] == missed
+    assert [decode(p)[1][0]["block_hashes"] for _, p in got] == [[u64(published[s])] for s in missed]
+    assert replay(publisher, missed[-1] + 1) == []
 
 
 def test_replay_from_zero_starts_with_all_blocks_cleared_and_serves_only_the_kept_batches(tmp_path: Path) -> None:
@@ -204,3 +210,24 @@ def test_a_publisher_connects_to_a_subscriber_that_binds_and_names_its_node_in_t
     finally:
         pub.close()
         sub.close(linger=0)
+
+
+def test_an_endpoint_in_use_is_a_clear_error_naming_it() -> None:
+    taken = zmq.Context.instance().socket(zmq.PUB)
+    taken.bind("tcp://127.0.0.1:*")
+    in_use = taken.getsockopt_string(zmq.LAST_ENDPOINT)
+    try:
+        cfg = EventsConfig(enabled=True, endpoint="tcp://127.0.0.1:*", replay_endpoint=in_use)
+        with pytest.raises(OSError, match=f"cannot open KV event endpoint {in_use}"):
+            KvEventPublisher(cfg, "n1", block_size=4)
+    finally:
+        taken.close(linger=0)
+
+
+def test_chains_noted_but_never_stored_are_bounded_oldest_first() -> None:
+    log = KvEventLog(block_size=4, buffer_batches=8, max_hints=2)
+    log.note_chain(HASHES[:3], None, TOKENS[:12], 4)      # the hint of HASHES[0] is dropped
+    batch = log.apply(stored(HASHES[:3]), 1.0)
+    assert batch is not None
+    assert [(e["block_hashes"], e["token_ids"]) for e in decode(batch.payload)[1]] == [
+        ([u64(HASHES[0])], []), ([u64(HASHES[1]), u64(HASHES[2])], TOKENS[4:12])]

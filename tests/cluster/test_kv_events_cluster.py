@@ -15,7 +15,7 @@ from cluster.api import Where, payload_shape
 from cluster.client import FabricClient
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import node_actor_name, node_name_for
-from examples.kv_events_subscriber import Subscriber
+from examples.kv_events_subscriber import Subscriber, main
 from fabric.config import ClusterConfig, Config, EventsConfig, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
@@ -89,6 +89,17 @@ def test_a_store_and_a_mirrored_pull_are_announced_with_their_tokens(
     while not u64s(block_hashes(NS, tokens)) <= views_match(local, sub)[b]:   # the mirror lands later
         assert time.monotonic() < deadline, "B's mirror never showed"
     assert sub.hit_estimates(tokens, 16) == {a: 8, b: 8}
+
+
+def test_the_example_prints_what_each_node_would_hit_of_a_prompt(
+        fabric: tuple[LocalCluster, Subscriber], capsys: pytest.CaptureFixture[str]) -> None:
+    local, _ = fabric
+    tokens = prompt(1, 8)          # stored on A and mirrored to B by the test before
+    other = prompt(99, 8)
+    assert main(["--tokens", ",".join(map(str, tokens + other[:16])), "--seconds", "1.5"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    for node_id in local.node_ids():
+        assert f"{node_name_for(node_id)}: 128 of 144 tokens" in last
 
 
 def test_blocks_named_by_ids_round_trip_through_the_cluster(fabric: tuple[LocalCluster, Subscriber]) -> None:

@@ -1,6 +1,6 @@
 """The fabric on a local 3-node Ray cluster under a shared-prefix workload.
 
-    .venv/bin/python benchmarks/bench_cluster.py [--quick] [--requests N] [--prompts P]
+    .venv/bin/python benchmarks/bench_cluster.py [--quick] [--requests N] [--prompts P] [--events]
 
 Requests (a system prompt of several thousand tokens, one of P, plus a random suffix) arrive at a
 random node. On each node a small engine actor (pinned to the node, as a real engine is) asks its
@@ -13,17 +13,26 @@ Same run, same workload, as baselines:
 - local only: pulls off (a fresh tenant, so nothing is shared with the first pass);
 - handoff: engine -> NodeActor `store` of a 32 MiB payload array vs a bare `ray.put` + actor read.
 
+`--events` adds a paired run of KV event publishing: a second fabric on the same Ray nodes (its own
+Ray namespace and folders) publishes vLLM-format KV events to a subscriber in this process, and every
+request of a fresh workload is served by both fabrics in turn (alternating which goes first), so
+the two load p50s are measured side by side.
+
 JSON keys: hit_ratio, ideal_hit_ratio, local_only_hit_ratio, hit_over_ideal, pull_mb_s, load_p50_ms,
-load_p99_ms, handoff_mb_s, object_store_mb_s, handoff_over_object_store.
+load_p99_ms, handoff_mb_s, object_store_mb_s, handoff_over_object_store; with `--events` also
+events_off_load_p50_ms, events_on_load_p50_ms, events_load_p50_over_off, events_on_hit_ratio,
+events_off_hit_ratio, events_blocks_seen.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import random
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,8 +48,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, percentile, print_table
 from cluster.client import FabricClient
-from cluster.launch import start_local_cluster  # keeps Ray on 127.0.0.1 (see cluster/launch.py)
-from fabric.config import ClusterConfig, Config, KVConfig
+from cluster.launch import start_fabric, start_local_cluster, stop_fabric  # keeps Ray on 127.0.0.1
+from fabric.config import ClusterConfig, Config, EventsConfig, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
 
@@ -60,8 +69,8 @@ def kv_of(ns: Namespace, hashes: Sequence[bytes]) -> np.ndarray:
 class Engine:
     """Stands in for an inference engine on one node: load what is cached, make and store the rest."""
 
-    def __init__(self, node_id: str) -> None:
-        self.client = FabricClient.connect(node_id=node_id)
+    def __init__(self, node_id: str, namespace: str = "kvfabric") -> None:
+        self.client = FabricClient.connect(node_id=node_id, namespace=namespace)
 
     def serve(self, ns: Namespace, tokens: list[int], pulls: bool) -> dict[str, Any]:
         hashes = block_hashes(ns, tokens)
@@ -129,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, default=20)
     parser.add_argument("--system-tokens", type=int, default=3072)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--events", action="store_true",
+                        help="also measure load p50 with KV event publishing on vs off (paired)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.prompts, args.system_tokens = 24, 4, 512
@@ -137,9 +148,16 @@ def main(argv: list[str] | None = None) -> int:
         config = Config(kv=KVConfig(ram_gib=1.0, ssd_gib=4.0, o_direct=False),
                         cluster=ClusterConfig(heartbeat_s=1.0, lease_s=5.0))
         local = start_local_cluster(3, Path(tmp), config, object_store_bytes=512 << 20)
+        with_events = None
         try:
             result = measure(local.node_ids(), args)
+            if args.events:
+                with_events = events_config(local.config, Path(tmp))
+                start_fabric(with_events)
+                result.update(measure_events(local.node_ids(), local.config, with_events, args))
         finally:
+            if with_events is not None:
+                stop_fabric(with_events)
             local.shutdown()
     # After the shutdown: Ray reports the NodeActors it kills there on this stdout, which must end
     # with the JSON line.
@@ -195,6 +213,61 @@ def measure(node_ids: list[str], args: argparse.Namespace) -> dict[str, object]:
             "object_store_mb_s": round(object_mb_s, 1),
             "handoff_over_object_store": round(handoff_mb_s / object_mb_s, 3),
             "requests": len(requests), "nodes": 3}
+
+
+def events_config(base: Config, root: Path) -> Config:
+    """`base` as a second fabric that publishes KV events: its own Ray namespace and folders."""
+    kv = dataclasses.replace(base.kv, ssd_dir=str(root / "events" / "ssd"), index_dir=str(root / "events" / "index"))
+    cluster = dataclasses.replace(base.cluster, namespace="kvfabric-events")
+    events = EventsConfig(enabled=True, endpoint=f"ipc://{root}/events/{{node}}.pub",
+                          replay_endpoint=f"ipc://{root}/events/{{node}}.replay")
+    return Config(kv=kv, transport=base.transport, cluster=cluster, events=events)
+
+
+def measure_events(node_ids: list[str], off: Config, on: Config, args: argparse.Namespace) -> dict[str, object]:
+    """The same fresh workload through a fabric without and one with KV events, request by request."""
+    from examples.kv_events_subscriber import Subscriber
+
+    def engines(cfg: Config) -> list[Any]:
+        return [Engine.options(  # type: ignore[attr-defined]
+            scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(n, cfg.cluster.namespace)
+            for n in node_ids]
+    arms = {"off": engines(off), "on": engines(on)}
+    endpoints = {}
+    for n in node_ids:
+        ev = FabricClient.connect(node_id=n, namespace=on.cluster.namespace).stats()["kv_events"]
+        endpoints[n] = (ev["endpoint"], ev["replay_endpoint"])
+    sub = Subscriber(endpoints)
+    stop = threading.Event()
+
+    def follow() -> None:   # the subscriber's sockets live on this one thread
+        while not stop.is_set():
+            sub.poll(0.2)
+    follower = threading.Thread(target=follow, daemon=True)
+    follower.start()
+    ns = Namespace("bench-cluster", LAYOUT, 16, weights_fingerprint="synthetic", tenant_salt=b"events-pair")
+    requests = workload(args.requests, args.prompts, args.system_tokens, args.seed + 1)
+    rng = random.Random(args.seed + 1)
+    results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for i, (_, tokens) in enumerate(tqdm(requests, desc="events off/on", unit="req", file=sys.stderr)):
+        node = rng.randrange(len(node_ids))
+        for arm in (("off", "on") if i % 2 == 0 else ("on", "off")):
+            results[arm].append(ray.get(arms[arm][node].serve.remote(ns, tokens, True)))
+    time.sleep(1.0)    # the last batches reach the subscriber
+    stop.set()
+    follower.join()
+    sub.close()
+    p50 = {arm: percentile([r["load_s"] * 1e3 for r in rs], 50) for arm, rs in results.items()}
+    hit = {arm: sum(r["hits"] for r in rs) / sum(r["blocks"] for r in rs) for arm, rs in results.items()}
+    seen = sum(len(v.held) for v in sub.views.values())
+    print_table(f"KV events: {len(requests)} requests served by both fabrics in turn",
+                ["publishing", "hit ratio", "load p50 ms", "load p99 ms"],
+                [[arm, hit[arm], p50[arm], percentile([r["load_s"] * 1e3 for r in results[arm]], 99)]
+                 for arm in ("off", "on")])
+    return {"events_off_load_p50_ms": round(p50["off"], 2), "events_on_load_p50_ms": round(p50["on"], 2),
+            "events_load_p50_over_off": round(p50["on"] / p50["off"], 3),
+            "events_off_hit_ratio": round(hit["off"], 4), "events_on_hit_ratio": round(hit["on"], 4),
+            "events_blocks_seen": seen}
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""What an engine sees of the fabric: `lookup / load / load_layers / store` over token prefixes.
+"""What an engine sees of the fabric: `lookup / load / load_layers / store` over token prefixes,
+and the same four over chains of the engine's own block ids (`*_blocks`, see fabric/block_ids.py).
 
 Payloads cross this boundary as one uint8 array per request, never as Python bytes objects:
 
@@ -7,7 +8,9 @@ Payloads cross this boundary as one uint8 array per request, never as Python byt
 `bytes_per_block_layer = ns.layout.bytes_per_block_layer(ns.block_size)`; how an engine lays out
 K and V inside those bytes is its own business (both ends of a reuse run the same engine, and the
 namespace names the layout). Only full blocks are cached: a prompt of `n` tokens has
-`n // block_size` addressable blocks, and a hit is always a leading run of them.
+`n // block_size` addressable blocks, and a hit is always a leading run of them. A chain of block
+ids has one block per id; its parent id (None for a sequence's first block) names what precedes it.
+Both paths end in the same block hashes, tiers, pulls and digest checks.
 
 `Fabric` is the protocol; `FabricClient` (cluster/client.py) implements it over the node's Ray
 actor, `LocalFabric` (cluster/local.py) over one in-process `Store` with no Ray at all.
@@ -22,6 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
+from fabric.block_ids import BlockId
 from fabric.keys import Namespace
 
 Tokens = Sequence[int] | np.ndarray
@@ -129,6 +133,20 @@ class Fabric(Protocol):
         """Store `payloads` for blocks `first_block .. first_block + len(payloads)` of `tokens`."""
         ...
 
+    def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
+                      parent: BlockId | None = None) -> LookupReply: ...
+
+    def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
+                    max_blocks: int | None = None) -> LoadReply: ...
+
+    def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
+                           max_blocks: int | None = None) -> LayerStream: ...
+
+    def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
+                     parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
+        """Store `payloads` for `block_ids[first_block:first_block + len(payloads)]`."""
+        ...
+
 
 def payload_shape(ns: Namespace, num_blocks: int) -> tuple[int, int, int]:
     return (num_blocks, ns.layout.num_layers, ns.layout.bytes_per_block_layer(ns.block_size))
@@ -136,6 +154,12 @@ def payload_shape(ns: Namespace, num_blocks: int) -> tuple[int, int, int]:
 
 def check_payloads(ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int) -> int:
     """Validate a store request; returns the number of blocks. Raises ValueError with what is wrong."""
+    return check_block_payloads(ns, len(tokens) // ns.block_size, payloads, first_block, of="the prompt's")
+
+
+def check_block_payloads(ns: Namespace, num_full: int, payloads: np.ndarray, first_block: int, *,
+                         of: str = "the chain's") -> int:
+    """`check_payloads` for a request that names `num_full` full blocks (a chain of ids by default)."""
     if payloads.dtype != np.uint8 or payloads.ndim != 3:
         raise ValueError(f"payloads must be a 3-d uint8 array (blocks, layers, bytes), got {payloads.dtype} "
                          f"with shape {payloads.shape}")
@@ -143,8 +167,7 @@ def check_payloads(ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_bl
     want = payload_shape(ns, num_blocks)
     if tuple(payloads.shape) != want:
         raise ValueError(f"payloads have shape {tuple(payloads.shape)}, the namespace's layout wants {want}")
-    full = len(tokens) // ns.block_size
-    if first_block < 0 or first_block + num_blocks > full:
-        raise ValueError(f"blocks {first_block}..{first_block + num_blocks} lie outside the prompt's "
-                         f"{full} full blocks")
+    if first_block < 0 or first_block + num_blocks > num_full:
+        raise ValueError(f"blocks {first_block}..{first_block + num_blocks} lie outside {of} "
+                         f"{num_full} full blocks")
     return num_blocks

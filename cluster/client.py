@@ -4,6 +4,7 @@
     hit = client.lookup(ns, tokens)            # how much of the prompt is cached, and where
     kv = client.load(ns, tokens)               # kv.payloads: uint8 (blocks, layers, bytes), zero-copy
     client.store(ns, tokens, payloads, first_block=kv.num_blocks)
+    client.load_blocks(ns, block_ids, parent=parent_id)   # the same, for blocks named by the engine's ids
 
 Each call is one Ray actor call to the NodeActor on the caller's own Ray node, so payloads move
 through that node's shared-memory object store. `a*` methods are the same calls for asyncio code.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,6 +24,7 @@ import ray
 
 from cluster.api import IncompleteLoadError, LoadReply, LookupReply, StoreReply, Tokens
 from cluster.node_actor import node_actor_name
+from fabric.block_ids import BlockId
 from fabric.config import ClusterConfig
 from fabric.keys import Namespace
 
@@ -83,6 +85,32 @@ class FabricClient:
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
         reply: StoreReply = self._get("store", self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))
         return reply
+
+    def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
+                      parent: BlockId | None = None) -> LookupReply:
+        reply: LookupReply = self._get("lookup_blocks", self.actor.lookup_blocks.remote(ns, list(block_ids), parent))
+        return reply
+
+    def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
+                    max_blocks: int | None = None, pulls: bool = True) -> LoadReply:
+        reply: LoadReply = self._get("load_blocks",
+                                     self.actor.load_blocks.remote(ns, list(block_ids), parent, max_blocks, pulls))
+        return reply
+
+    def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
+                           max_blocks: int | None = None) -> RayLayerStream:
+        return RayLayerStream(self.actor.load_blocks_layers.remote(ns, list(block_ids), parent, max_blocks), self)
+
+    def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
+                     parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
+        reply: StoreReply = self._get("store_blocks", self.actor.store_blocks.remote(ns, list(block_ids), payloads,
+                                                                                   parent, first_block))
+        return reply
+
+    def held_block_hashes(self) -> list[bytes]:
+        """Every block hash this client's node holds (any layer, any tier)."""
+        held: list[bytes] = self._get("held_block_hashes", self.actor.held_block_hashes.remote())
+        return held
 
     def stats(self) -> dict[str, Any]:
         out: dict[str, Any] = self._get("stats", self.actor.stats.remote())

@@ -23,9 +23,11 @@ from cluster.api import (
     StoreReply,
     Tokens,
     Where,
+    check_block_payloads,
     check_payloads,
     payload_shape,
 )
+from fabric.block_ids import BlockId, block_id_hashes
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
 from fabric.store import Store
 from fabric.tiers.base import Tier
@@ -91,15 +93,13 @@ class LocalFabric:
                           if not all(r.ok for r in results[b * num_layers:(b + 1) * num_layers]))
         return StoreReply(num_stored=len(hashes) - num_refused, num_refused=num_refused)
 
-    # ---- the Fabric protocol -----------------------------------------------------------------------
+    # ---- by block hash: what both the token and the block-id paths come down to ------------------
 
-    def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        hashes = block_hashes(ns, tokens)
+    def lookup_hashes(self, ns: Namespace, hashes: Sequence[BlockHash]) -> LookupReply:
         tiers = self.local_tiers(hashes, ns.layout.num_layers)
         return LookupReply(ns.block_size, tuple(BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers))
 
-    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply:
-        hashes = block_hashes(ns, tokens)[:max_blocks]
+    def load_hashes(self, ns: Namespace, hashes: Sequence[BlockHash]) -> LoadReply:
         tiers = self.local_tiers(hashes, ns.layout.num_layers)
         out = np.empty(payload_shape(ns, len(tiers)), dtype=np.uint8)
         sources: list[str] = []
@@ -112,6 +112,14 @@ class LocalFabric:
         payloads.flags.writeable = False
         return LoadReply(ns.block_size, payloads, tuple(sources), pulled_bytes=0)
 
+    # ---- the Fabric protocol -----------------------------------------------------------------------
+
+    def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
+        return self.lookup_hashes(ns, block_hashes(ns, tokens))
+
+    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply:
+        return self.load_hashes(ns, block_hashes(ns, tokens)[:max_blocks])
+
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LocalLayerStream:
         # Local reads are memory copies: read everything, then hand the layers out in order.
         return LocalLayerStream(self.load(ns, tokens, max_blocks=max_blocks))
@@ -119,6 +127,24 @@ class LocalFabric:
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
         num_blocks = check_payloads(ns, tokens, payloads, first_block)
         hashes = block_hashes(ns, tokens)[first_block:first_block + num_blocks]
+        return self.write_blocks(ns, hashes, payloads)
+
+    def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
+                      parent: BlockId | None = None) -> LookupReply:
+        return self.lookup_hashes(ns, block_id_hashes(ns, block_ids, parent))
+
+    def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
+                    max_blocks: int | None = None) -> LoadReply:
+        return self.load_hashes(ns, block_id_hashes(ns, block_ids[:max_blocks], parent))
+
+    def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
+                           max_blocks: int | None = None) -> LocalLayerStream:
+        return LocalLayerStream(self.load_blocks(ns, block_ids, parent=parent, max_blocks=max_blocks))
+
+    def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
+                     parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
+        num_blocks = check_block_payloads(ns, len(block_ids), payloads, first_block)
+        hashes = block_id_hashes(ns, block_ids[:first_block + num_blocks], parent)[first_block:]
         return self.write_blocks(ns, hashes, payloads)
 
 

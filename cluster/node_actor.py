@@ -4,6 +4,7 @@
                                        └──────► DirectoryClient.locate ──► plan_pulls ──► pull_prefix
                                                                         (TLS-TCP / QUIC, verified)
     Store events ──► DirectorySync (ordered, bounded) ──► DirectoryActor.apply / resync
+                 └─► KvEventPublisher (when [events] enabled) ──► ZMQ PUB, vLLM's KV event format
 
 It is an async Ray actor: every method runs on one event loop, Store calls that touch files run on
 a thread pool. It starts itself on its first call (the supervisor pings it right after creation
@@ -39,6 +40,7 @@ from cluster.api import (
     StoreReply,
     Tokens,
     Where,
+    check_block_payloads,
     check_payloads,
     payload_shape,
 )
@@ -46,12 +48,14 @@ from cluster.breaker import CircuitBreaker
 from cluster.directory import ApplyOutcome, NodeAddress
 from cluster.directory_actor import SHARD_DOWN, DirectoryClient
 from cluster.directory_auth import ReportSigner
+from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import WHERE_OF_TIER, LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, pull_prefix
 from cluster.node_sync import Batch, DirectorySync
 from cluster.planner import PullRun, plan_pulls
 from cluster.reply_buffers import ReplyBuffers
+from fabric.block_ids import BlockId, block_id_hashes
 from fabric.config import Config
 from fabric.events import EventKind
 from fabric.keys import BlockHash, Namespace, block_hashes
@@ -180,6 +184,10 @@ class NodeActor:
         self._epochs: dict[int, str] = {}
         self._pulls_inflight = 0
         self._pending_mirrors = 0
+        self.kv_events: KvEventPublisher | None = None
+        if cfg.events.enabled:
+            self.kv_events = KvEventPublisher(cfg.events, self.node_name, block_size=kv.block_size)
+            self.kv_events.start(self.kv_store.held_addresses())
         self._spawn(self._sync_loop())
         logger.info("node %s (incarnation %d) serving %s on %s:%d, metrics on :%d, %d blocks held",
                     self.node_id, self.incarnation, transport.kind, host, port, self.metrics_port,
@@ -199,6 +207,8 @@ class NodeActor:
         await self.client.close()
         await self.server.close()
         self.http.shutdown()
+        if self.kv_events is not None:
+            self.kv_events.close()
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, self._mirror_pool.shutdown)   # a mirror in progress ends first
         await loop.run_in_executor(None, self.kv_store.close)
@@ -234,6 +244,8 @@ class NodeActor:
             self.metrics.resyncs.labels("store_overflow").inc()
             self.sync.mark_all_resync()
         self.sync.record(((a.hash, kind is EventKind.STORED) for kind, a in events.events), now)
+        if self.kv_events is not None:
+            self.kv_events.drain(events, self.kv_store.held_addresses)
 
     async def _heartbeat(self) -> None:
         for k in range(self.config.cluster.directory_shards):
@@ -315,9 +327,8 @@ class NodeActor:
 
     # ---- the Fabric API ----------------------------------------------------------------------------
 
-    async def _plan(self, ns: Namespace, tokens: Tokens, max_blocks: int | None, *, pulls: bool = True
+    async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True
                     ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer]]:
-        hashes = block_hashes(ns, tokens)[:max_blocks]
         loop = asyncio.get_running_loop()
         tiers = await loop.run_in_executor(None, self.local.local_tiers, hashes, ns.layout.num_layers)
         if not pulls or len(tiers) == len(hashes):
@@ -331,8 +342,11 @@ class NodeActor:
 
     async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
         await self._ensure_started()
+        return await self._lookup(ns, block_hashes(ns, tokens))
+
+    async def _lookup(self, ns: Namespace, hashes: list[BlockHash]) -> LookupReply:
         start = time.perf_counter()
-        _, tiers, _, runs, _ = await self._plan(ns, tokens, None)
+        _, tiers, _, runs, _ = await self._plan(ns, hashes)
         locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
         for run in runs:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
@@ -350,11 +364,11 @@ class NodeActor:
             return len(hashes)
         return await asyncio.get_running_loop().run_in_executor(None, read)
 
-    async def _load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None, pulls: bool,
-                    started: asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]] | None = None
-                    ) -> LoadReply:
+    async def _load(self, ns: Namespace, hashes: list[BlockHash], pulls: bool,
+                    started: asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]] | None = None,
+                    tokens: Tokens | None = None) -> LoadReply:
         t0 = time.perf_counter()
-        hashes, tiers, owners, runs, peers = await self._plan(ns, tokens, max_blocks, pulls=pulls)
+        hashes, tiers, owners, runs, peers = await self._plan(ns, hashes, pulls=pulls)
         planned = len(tiers) + sum(r.end - r.start for r in runs)
         out = self._replies.take(payload_shape(ns, planned))
         sources = [""] * planned
@@ -380,6 +394,7 @@ class NodeActor:
             self.metrics.fallbacks.inc(outcome.num_fallbacks)
             if self.config.kv.mirror_pulls and complete > num_local:
                 self._pending_mirrors += 1
+                self._note_chain(ns, hashes, num_local, complete, tokens)
                 self._spawn(self._mirror(ns, hashes[num_local:complete], out[num_local:complete],
                                          digests[num_local:complete]))
         self.metrics.lookups.inc()
@@ -406,7 +421,7 @@ class NodeActor:
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
                    pulls: bool = True) -> LoadReply:
         await self._ensure_started()
-        return await self._load(ns, tokens, max_blocks, pulls)
+        return await self._load(ns, block_hashes(ns, tokens)[:max_blocks], pulls, tokens=tokens)
 
     # A layer stream is never stitched from two runs (the plans may differ): a restart ends it.
     @ray.method(max_task_retries=0)  # type: ignore[untyped-decorator]  # ray.method is untyped
@@ -414,9 +429,14 @@ class NodeActor:
                           ) -> AsyncIterator[Any]:
         """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order."""
         await self._ensure_started()
+        async for item in self._load_layers(ns, block_hashes(ns, tokens)[:max_blocks], tokens):
+            yield item
+
+    async def _load_layers(self, ns: Namespace, hashes: list[BlockHash], tokens: Tokens | None
+                           ) -> AsyncIterator[Any]:
         started: asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]] = \
             asyncio.get_running_loop().create_future()
-        task = asyncio.get_running_loop().create_task(self._load(ns, tokens, max_blocks, True, started))
+        task = asyncio.get_running_loop().create_task(self._load(ns, hashes, True, started, tokens))
         planned, progress, out, sources = await started
         yield planned, tuple(sources)
         for layer in range(ns.layout.num_layers):
@@ -433,9 +453,53 @@ class NodeActor:
     async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0) -> StoreReply:
         await self._ensure_started()
         num_blocks = check_payloads(ns, tokens, payloads, first_block)
-        hashes = block_hashes(ns, tokens)[first_block:first_block + num_blocks]
+        hashes = block_hashes(ns, tokens)[:first_block + num_blocks]
+        self._note_chain(ns, hashes, first_block, len(hashes), tokens)
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.local.write_blocks(ns, hashes, payloads))
+            None, lambda: self.local.write_blocks(ns, hashes[first_block:], payloads))
+
+    def _note_chain(self, ns: Namespace, hashes: Sequence[BlockHash], start: int, end: int,
+                    tokens: Tokens | None) -> None:
+        """Tell the KV event stream how `hashes[start:end]`, about to be stored, chain (and their tokens)."""
+        if self.kv_events is None:
+            return
+        span = None if tokens is None else np.asarray(tokens)[start * ns.block_size:end * ns.block_size].tolist()
+        self.kv_events.note_chain(hashes[start:end], hashes[start - 1] if start else None, span, ns.block_size)
+
+    # ---- the Fabric API by block ids (fabric/block_ids.py): the same paths from the block hashes on ----
+
+    async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None
+                            ) -> LookupReply:
+        await self._ensure_started()
+        return await self._lookup(ns, block_id_hashes(ns, block_ids, parent))
+
+    async def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
+                          max_blocks: int | None = None, pulls: bool = True) -> LoadReply:
+        await self._ensure_started()
+        return await self._load(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), pulls)
+
+    @ray.method(max_task_retries=0)  # type: ignore[untyped-decorator]  # ray.method is untyped
+    async def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
+                                 max_blocks: int | None = None) -> AsyncIterator[Any]:
+        """`load_layers` for a chain of block ids."""
+        await self._ensure_started()
+        async for item in self._load_layers(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), None):
+            yield item
+
+    async def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray,
+                           parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
+        await self._ensure_started()
+        num_blocks = check_block_payloads(ns, len(block_ids), payloads, first_block)
+        hashes = block_id_hashes(ns, block_ids[:first_block + num_blocks], parent)
+        self._note_chain(ns, hashes, first_block, len(hashes), None)
+        return await asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.local.write_blocks(ns, hashes[first_block:], payloads))
+
+    async def held_block_hashes(self) -> list[bytes]:
+        """Every block hash this node holds in any tier (any layer of it): what its KV events announce."""
+        await self._ensure_started()
+        held = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_addresses)
+        return sorted({a.hash for a in held})
 
     async def stats(self) -> dict[str, Any]:
         await self._ensure_started()
@@ -455,4 +519,5 @@ class NodeActor:
                 "pulls": pulls, "pulled_bytes": count("kvfabric_pull_bytes_total", transport=self.address.transport),
                 "said_yes_owner_no": count("kvfabric_directory_said_yes_owner_said_no_total"),
                 "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows,
-                "pending_mirrors": self._pending_mirrors, "directory": self.directory.breaker_stats()}
+                "pending_mirrors": self._pending_mirrors, "directory": self.directory.breaker_stats(),
+                "kv_events": None if self.kv_events is None else self.kv_events.endpoints()}

@@ -1,4 +1,4 @@
-"""kvfabric configuration: one TOML file with sections [kv], [transport] and [cluster].
+"""kvfabric configuration: one TOML file with sections [kv], [transport], [cluster] and [events].
 
 Every key has a default that works on a laptop. Unknown sections or keys and values of the wrong
 type or range raise `ConfigError` naming the file, the key and what was expected, so a typo never
@@ -112,10 +112,29 @@ class ClusterConfig:
 
 
 @dataclass(slots=True)
+class EventsConfig:
+    """KV events in vLLM's format, published by each NodeActor (docs/kv-events.md). Off by default.
+
+    In an endpoint or the topic, `{node}` is replaced by the node's name (one ipc path per node on a
+    shared host). As in vLLM, the PUB socket binds a wildcard (`tcp://*:5557`), ipc or inproc endpoint
+    and connects to any other; a TCP port `*` binds any free port (the NodeActor's `stats()` reports
+    the one it got). The replay socket always binds.
+    """
+
+    enabled: bool = False
+    endpoint: str = "tcp://*:5557"     # ZMQ PUB: multipart (topic, 8-byte big-endian seq, msgpack batch)
+    replay_endpoint: str = ""          # ZMQ ROUTER serving the last batches from a sequence ("": none)
+    topic: str = ""
+    buffer_batches: int = 10_000       # batches kept for replay
+    hwm: int = 100_000                 # ZMQ send high-water mark of the PUB socket
+
+
+@dataclass(slots=True)
 class Config:
     kv: KVConfig = field(default_factory=KVConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    events: EventsConfig = field(default_factory=EventsConfig)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Config:
@@ -169,7 +188,8 @@ class Config:
                     "cluster.directory_lookup_timeout_s": self.cluster.directory_lookup_timeout_s,
                     "cluster.directory_call_timeout_s": self.cluster.directory_call_timeout_s,
                     "cluster.directory_probe_s": self.cluster.directory_probe_s,
-                    "cluster.client_timeout_s": self.cluster.client_timeout_s}
+                    "cluster.client_timeout_s": self.cluster.client_timeout_s,
+                    "events.buffer_batches": self.events.buffer_batches, "events.hwm": self.events.hwm}
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{source}: {key} must be > 0, got {value}")
@@ -196,6 +216,11 @@ class Config:
             port = getattr(self.transport, key)
             if not 0 <= port <= 65535:
                 raise ConfigError(f"{source}: transport.{key} must be in [0, 65535], got {port}")
+        for key in ("endpoint", "replay_endpoint"):
+            value = getattr(self.events, key)
+            if (value or key == "endpoint") and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ConfigError(f"{source}: events.{key} must be a tcp://, ipc:// or inproc:// ZMQ endpoint, "
+                                  f"got {value!r}")
         if self.cluster.lease_s <= self.cluster.heartbeat_s:
             raise ConfigError(f"{source}: cluster.lease_s ({self.cluster.lease_s}) must exceed "
                               f"cluster.heartbeat_s ({self.cluster.heartbeat_s})")

@@ -23,3 +23,13 @@ def test_quick_run_hits_as_an_ideal_cache_would_and_beats_local_only() -> None:
         assert result[key] > 0, key
     assert result["hit_ratio"] >= 0.95 * result["ideal_hit_ratio"]
     assert result["hit_ratio"] > result["local_only_hit_ratio"]
+
+
+def test_quick_run_with_events_serves_both_fabrics_alike_and_the_subscriber_sees_blocks() -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cluster.py"), "--quick", "--events"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["events_on_hit_ratio"] == result["events_off_hit_ratio"] > 0
+    assert result["events_blocks_seen"] > 0
+    assert result["events_load_p50_over_off"] > 0

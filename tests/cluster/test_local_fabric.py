@@ -72,3 +72,34 @@ def test_store_rejects_payloads_of_the_wrong_shape(tmp_path: Path) -> None:
             fabric.store(NS, list(range(16)), np.zeros((4, 3, 7), dtype=np.uint8))
         with pytest.raises(ValueError, match="outside the prompt"):
             fabric.store(NS, list(range(8)), random_payloads(3))
+
+
+def test_blocks_named_by_ids_round_trip_and_a_chain_tail_continues_from_its_parent(tmp_path: Path) -> None:
+    ids: list[bytes | int] = [101, 102, b"\xaa" * 32, 104]
+    data = random_payloads(4, seed=5)
+    with open_store(tmp_path) as store:
+        fabric = LocalFabric(store, "n1")
+        assert fabric.lookup_blocks(NS, ids).num_blocks == 0
+        assert fabric.store_blocks(NS, ids, data[:2]).num_stored == 2
+        assert fabric.store_blocks(NS, ids, data[2:], first_block=2).num_stored == 2
+        assert fabric.lookup_blocks(NS, ids).num_blocks == 4
+        assert np.array_equal(fabric.load_blocks(NS, ids).payloads, data)
+        tail = fabric.load_blocks(NS, ids[2:], parent=ids[1])
+        assert np.array_equal(tail.payloads, data[2:])
+        assert fabric.load_blocks(NS, ids[2:]).num_blocks == 0      # no parent: another chain
+        assert fabric.load_blocks(NS, [101, 999, b"\xaa" * 32]).num_blocks == 1
+        layers = [(layer, arr.copy()) for layer, arr in fabric.load_blocks_layers(NS, ids, max_blocks=3)]
+        assert [layer for layer, _ in layers] == [0, 1, 2]
+        assert all(np.array_equal(arr, data[:3, layer]) for layer, arr in layers)
+        salted = Namespace("test-model", NS.layout, block_size=4, tenant_salt=b"other")
+        assert fabric.lookup_blocks(salted, ids).num_blocks == 0   # another tenant sees nothing
+
+
+def test_a_block_id_store_with_bad_ids_or_shape_raises_and_stores_nothing(tmp_path: Path) -> None:
+    with open_store(tmp_path) as store:
+        fabric = LocalFabric(store)
+        with pytest.raises(ValueError, match="block id"):
+            fabric.store_blocks(NS, [1, b""], random_payloads(2))
+        with pytest.raises(ValueError, match="outside the chain's 2 full blocks"):
+            fabric.store_blocks(NS, [1, 2], random_payloads(3))
+        assert store.held_addresses() == []

@@ -29,6 +29,16 @@ def test_load_toml(tmp_path: Path) -> None:
     assert cfg.cluster.num_nodes == 4
 
 
+def test_events_are_off_by_default_and_load_from_their_section(tmp_path: Path) -> None:
+    assert Config().events.enabled is False
+    p = tmp_path / "events.toml"
+    p.write_text('[events]\nenabled = true\nendpoint = "ipc:///run/kvf/{node}.pub"\n'
+                 'replay_endpoint = "tcp://*:5558"\ntopic = "kv"\nbuffer_batches = 100\n')
+    events = Config.load(p).events
+    assert events.enabled and events.endpoint == "ipc:///run/kvf/{node}.pub"
+    assert (events.replay_endpoint, events.topic, events.buffer_batches) == ("tcp://*:5558", "kv", 100)
+
+
 @pytest.mark.parametrize(("text", "message"), [
     ("[kv]\nram_gb = 1\n", "unknown key 'ram_gb'"),
     ("[kvv]\n", r"unknown section \[kvv\]"),
@@ -40,6 +50,9 @@ def test_load_toml(tmp_path: Path) -> None:
     ("[transport]\nmax_datagram_size = 100000\n", "max_datagram_size must be in"),
     ("[cluster]\nlease_s = 1\nheartbeat_s = 2\n", "must exceed"),
     ("kv = 3\n", "must be a table"),
+    ("[events]\nendpoint = \"127.0.0.1:5557\"\n", "events.endpoint must be a tcp://"),
+    ("[events]\nreplay_endpoint = \"http://x\"\n", "events.replay_endpoint must be a tcp://"),
+    ("[events]\nbuffer_batches = 0\n", "events.buffer_batches must be > 0"),
     ("[kv\n", "not valid TOML"),
 ])
 def test_bad_config_names_the_problem(tmp_path: Path, text: str, message: str) -> None:

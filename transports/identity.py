@@ -13,7 +13,7 @@ proves: the node's name, the names and addresses it may advertise (SANs) and its
 
 A node signs with the private key of its own certificate, so the key that signs a block or a
 directory report is bound to the node's name by the CA's signature, and nothing else needs to be
-distributed. Signatures use ECDSA P-256 / SHA-256 or Ed25519, whichever key the certificate has.
+distributed. Signatures use ECDSA / SHA-256, Ed25519 or RSA-PSS / SHA-256, whichever key the certificate has.
 
 Checking a certificate chain costs an ECDSA verification; `TrustAnchor.identity` caches results
 by the certificate's bytes (bounded), so a steady stream of signatures from the same producers
@@ -31,12 +31,14 @@ from pathlib import Path
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec, ed25519
+from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
 from transports.certs import CRL, CertificateError, node_name_of, revoked_serials
 
-PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey
-PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey
+PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey
+PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPrivateKey
+# RSA keys (what some issuers hand out by default) sign with PSS: randomised, no PKCS#1 v1.5 pitfalls.
+_PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.DIGEST_LENGTH)
 
 
 class IdentityError(Exception):
@@ -73,6 +75,8 @@ def verify_signature(key: PublicKey, signature: bytes, message: bytes) -> bool:
     try:
         if isinstance(key, ed25519.Ed25519PublicKey):
             key.verify(signature, message)
+        elif isinstance(key, rsa.RSAPublicKey):
+            key.verify(signature, message, _PSS, hashes.SHA256())
         else:
             key.verify(signature, message, ec.ECDSA(hashes.SHA256()))
     except InvalidSignature:
@@ -138,7 +142,7 @@ class TrustAnchor:
         except CertificateError as e:
             raise IdentityError("not_a_node", str(e)) from None
         key = cert.public_key()
-        if not isinstance(key, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey):
+        if not isinstance(key, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey):
             raise IdentityError("not_a_node", f"node {node}'s certificate has an unsupported key type")
         ident = NodeIdentity(node, _sans(cert), cert.serial_number, key, der)
         return ident, cert.not_valid_before_utc, cert.not_valid_after_utc
@@ -153,8 +157,8 @@ class NodeSigner:
             key = serialization.load_pem_private_key(Path(key_path).read_bytes(), password=None)
         except (OSError, ValueError) as e:
             raise CertificateError(f"cannot read node credentials {cert_path}, {key_path}: {e}") from None
-        if not isinstance(key, ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey):
-            raise CertificateError(f"{key_path} is neither an EC nor an Ed25519 private key")
+        if not isinstance(key, ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPrivateKey):
+            raise CertificateError(f"{key_path} is not an EC, Ed25519 or RSA private key")
         if key.public_key().public_bytes(serialization.Encoding.DER,
                                          serialization.PublicFormat.SubjectPublicKeyInfo) != \
                 cert.public_key().public_bytes(serialization.Encoding.DER,
@@ -167,6 +171,8 @@ class NodeSigner:
     def sign(self, message: bytes) -> bytes:
         if isinstance(self._key, ed25519.Ed25519PrivateKey):
             return self._key.sign(message)
+        if isinstance(self._key, rsa.RSAPrivateKey):
+            return self._key.sign(message, _PSS, hashes.SHA256())
         return self._key.sign(message, ec.ECDSA(hashes.SHA256()))
 
 

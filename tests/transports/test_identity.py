@@ -91,3 +91,28 @@ def test_validity_is_checked_at_the_given_time(tmp_path: Path) -> None:
     assert anchor.identity(cert.read_bytes()).node == "a"
     with pytest.raises(IdentityError, match="not valid now"):
         anchor.identity(cert.read_bytes(), now=dt.datetime.now(dt.UTC) + dt.timedelta(days=3))
+
+
+def test_an_rsa_node_key_signs_and_verifies(tmp_path: Path) -> None:
+    """Some issuers (a cert-manager csi-driver set up that way) hand nodes RSA keys: they must work too."""
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import rsa
+    from cryptography.x509.oid import NameOID
+
+    init_ca(tmp_path)
+    ca_cert = x509.load_pem_x509_certificate((tmp_path / "ca.pem").read_bytes())
+    ca_key = serialization.load_pem_private_key((tmp_path / "ca.key").read_bytes(), password=None)
+    key = rsa.generate_private_key(public_exponent=65537, key_size=2048)
+    now = dt.datetime.now(dt.UTC)
+    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "r")]))
+            .issuer_name(ca_cert.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+            .not_valid_before(now - dt.timedelta(minutes=1)).not_valid_after(now + dt.timedelta(days=1))
+            .add_extension(x509.SubjectAlternativeName([x509.DNSName("rsa-node")]), critical=False)
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+    (tmp_path / "rsa-node.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (tmp_path / "rsa-node.key").write_bytes(key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()))
+    signer = NodeSigner(tmp_path / "rsa-node.pem", tmp_path / "rsa-node.key")
+    ident = TrustAnchor.from_files(tmp_path / "ca.pem").identity(signer.cert_der)
+    sig = signer.sign(b"report")
+    assert ident.node == "rsa-node" and ident.verify(sig, b"report") and not ident.verify(sig, b"other")

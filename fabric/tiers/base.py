@@ -22,6 +22,7 @@ from typing import Protocol
 import blake3
 
 from fabric.keys import StorageKey
+from fabric.provenance import Provenance
 
 DIGEST_SIZE = 32
 
@@ -49,6 +50,7 @@ class StoredBlock:
     payload: memoryview
     digest: bytes
     tier: Tier
+    provenance: Provenance | None = None   # the producer's signed record; None: unsigned, never vouched for
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,6 +37,7 @@ import enum
 import struct
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import blake3
 
@@ -157,6 +158,17 @@ class Provenance:
         if signed is None:
             return Rejection.WRONG_BLOCK
         return None if signed == digest else Rejection.WRONG_DIGEST
+
+
+class BlockSigner(Protocol):
+    """A producer's signing key and the certificate that binds it to its node name
+    (transports.identity.NodeSigner)."""
+
+    @property
+    def node(self) -> str: ...
+    @property
+    def cert_der(self) -> bytes: ...
+    def sign(self, message: bytes) -> bytes: ...
 
 
 def sign_block(namespace: bytes, block_hash: bytes, digests: Sequence[bytes], producer: str, cert_der: bytes,

@@ -459,5 +459,6 @@ class NodeActor:
                 "said_yes_owner_no": count("kvfabric_directory_said_yes_owner_said_no_total"),
                 "provenance_rejections": {r.value: count("kvfabric_provenance_rejections_total", reason=r.value)
                                           for r in Rejection},
+                "revoked_certificates": len(self.trust.revoked),
                 "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows,
                 "pending_mirrors": self._pending_mirrors}

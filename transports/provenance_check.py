@@ -9,8 +9,9 @@ names the record's producer; and the signature verifies with the certificate's k
 
 The signature check is the costly step and is the same for every layer of a block: its result is
 cached per record (bounded, least recently used out), so a block of L layers costs one signature
-verification and L - 1 dictionary lookups. Revocation is still checked on every call (the
-identity check is not cached past the revocation list).
+verification and L - 1 dictionary lookups. Revocation is checked for every record object: the
+layers of one block decoded from one frame share one object, and the last one accepted skips
+straight to the per-layer digest check.
 """
 
 from __future__ import annotations
@@ -29,9 +30,20 @@ class ProvenanceVerifier:
     (one per event loop)."""
 
     def __init__(self, trust: TrustAnchor, *, cache_size: int = 8192) -> None:
-        self.trust = trust
+        self._trust = trust
         self._verified: OrderedDict[Provenance, bool] = OrderedDict()
         self._cache_size = cache_size
+        self._last_accepted: Provenance | None = None   # this very object passed every check below
+
+    @property
+    def trust(self) -> TrustAnchor:
+        return self._trust
+
+    @trust.setter
+    def trust(self, trust: TrustAnchor) -> None:
+        """A new CA view (a new revocation list): nothing accepted under the old one is skipped."""
+        self._trust = trust
+        self._last_accepted = None
 
     def check(self, provenance: Provenance | None, namespace: bytes | None, block_hash: bytes, layer: int,
               digest: bytes) -> Rejection | None:
@@ -40,15 +52,18 @@ class ProvenanceVerifier:
         if provenance is None:
             return Rejection.UNSIGNED
         claim = provenance.check_claim(namespace, block_hash, layer, digest)
-        if claim is not None:
+        if claim is not None or provenance is self._last_accepted:
             return claim
         try:
-            ident = self.trust.identity(provenance.cert_der)
+            ident = self._trust.identity(provenance.cert_der)
         except IdentityError as e:
             return _IDENTITY_REJECTIONS.get(e.reason, Rejection.UNTRUSTED)
         if ident.node != provenance.producer:
             return Rejection.PRODUCER_MISMATCH
-        return None if self._signature_ok(ident, provenance) else Rejection.BAD_SIGNATURE
+        if not self._signature_ok(ident, provenance):
+            return Rejection.BAD_SIGNATURE
+        self._last_accepted = provenance
+        return None
 
     def _signature_ok(self, ident: NodeIdentity, provenance: Provenance) -> bool:
         ok = self._verified.get(provenance)

@@ -9,12 +9,17 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import blake3
+
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
+from fabric.provenance import Provenance, sign_block
 from fabric.store import Store
 from transports.base import Peer, PullResult
 from transports.certs import CredentialFiles, NodeCredentials
+from transports.identity import NodeSigner
 
+SIGNED_NAMESPACE = b"s" * 32   # the namespace root of `signed_store` blocks
 TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this
 
 
@@ -87,3 +92,20 @@ def filled_store(root: Path, num_layers: int = 6,
         for address, payload in payloads.items():
             assert store.put(address, payload).ok
         yield store, payloads
+
+
+@contextmanager
+def signed_store(root: Path, cert_dir: Path, producer: str, num_layers: int = 4,
+                 size: int = 50_000) -> Iterator[tuple[Store, dict[BlockAddress, bytes], Provenance]]:
+    """A real Store holding one block of `num_layers` random layers, signed by `producer`'s node key
+    (as a NodeActor signs what its engine stores); the payloads by address and the block's record."""
+    kv = KVConfig(ram_gib=0.05, ssd_dir=str(root / "ssd"), index_dir=str(root / "index"),
+                  ssd_gib=0.1, write_through=True, durable=False, o_direct=False)
+    block = BlockHash(os.urandom(32))
+    payloads = {BlockAddress(block, layer): os.urandom(size) for layer in range(num_layers)}
+    signer = NodeSigner(cert_dir / f"{producer}.pem", cert_dir / f"{producer}.key")
+    record = sign_block(SIGNED_NAMESPACE, block, [blake3.blake3(p).digest() for p in payloads.values()],
+                        signer.node, signer.cert_der, signer.sign)
+    with Store.open(kv, background=False) as store:
+        assert all(r.ok for r in store.put_many(list(payloads.items()), provenance=[record] * num_layers))
+        yield store, payloads, record

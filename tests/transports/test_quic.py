@@ -21,17 +21,7 @@ from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
-from support import (
-    SIGNED_NAMESPACE,
-    closing,
-    creds,
-    filled_store,
-    pull_all,
-    run,
-    signed_store,
-    started,
-    wait_until,
-)
+from support import check_signed_pull, closing, creds, filled_store, pull_all, run, started, wait_until
 
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
@@ -53,9 +43,7 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.identity import TrustAnchor
 from transports.metrics import TransportMetrics
-from transports.provenance_check import ProvenanceVerifier
 from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer
 
 
@@ -517,15 +505,4 @@ def test_config_sets_datagram_size_and_flow_control_windows(cert_dir: Path, memo
 def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_path: Path) -> None:
     """The producer's record travels with every layer, and a puller that has never met the producer
     verifies it from the certificate the frames carry."""
-    async def main() -> tuple[list[PullResult], dict[BlockAddress, bytes]]:
-        with signed_store(tmp_path, cert_dir, "node-b") as (store, payloads, _):
-            async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
-                return await pull_all(client, peer, list(payloads)), payloads
-
-    results, payloads = run(main())
-    verifier = ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem"))
-    assert [r.address for r in results] == list(payloads)
-    for r in results:
-        assert isinstance(r, Hit) and bytes(r.payload) == payloads[r.address]
-        assert r.provenance is not None and r.provenance.producer == "node-b"
-        assert verifier.check(r.provenance, SIGNED_NAMESPACE, r.address.hash, r.address.layer, r.digest) is None
+    check_signed_pull(cert_dir, tmp_path, serving, client_of)

@@ -17,17 +17,7 @@ from typing import Any
 import blake3
 import pytest
 from cryptography import x509
-from support import (
-    SIGNED_NAMESPACE,
-    closing,
-    creds,
-    filled_store,
-    pull_all,
-    run,
-    signed_store,
-    started,
-    wait_until,
-)
+from support import check_signed_pull, closing, creds, filled_store, pull_all, run, started, wait_until
 
 from fabric.keys import BlockAddress, BlockHash
 from transports import tls_tcp
@@ -51,9 +41,7 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.identity import TrustAnchor
 from transports.metrics import TransportMetrics
-from transports.provenance_check import ProvenanceVerifier
 from transports.serving import SLOW_STREAK
 from transports.tls_link import READ_BUDGET, open_tls
 from transports.tls_tcp import ADDRESSES_PER_PULL, TRANSPORT, TlsTcpClient, TlsTcpServer
@@ -785,15 +773,4 @@ def test_pull_on_a_connection_the_server_just_dropped_is_retried(
 def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_path: Path) -> None:
     """The producer's record travels with every layer, and a puller that has never met the producer
     verifies it from the certificate the frames carry."""
-    async def main() -> tuple[list[PullResult], dict[BlockAddress, bytes]]:
-        with signed_store(tmp_path, cert_dir, "node-b") as (store, payloads, _):
-            async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
-                return await pull_all(client, peer, list(payloads)), payloads
-
-    results, payloads = run(main())
-    verifier = ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem"))
-    assert [r.address for r in results] == list(payloads)
-    for r in results:
-        assert isinstance(r, Hit) and bytes(r.payload) == payloads[r.address]
-        assert r.provenance is not None and r.provenance.producer == "node-b"
-        assert verifier.check(r.provenance, SIGNED_NAMESPACE, r.address.hash, r.address.layer, r.digest) is None
+    check_signed_pull(cert_dir, tmp_path, serving, client_of)

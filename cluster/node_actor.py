@@ -5,6 +5,11 @@
                                                                         (TLS-TCP / QUIC, verified)
     Store events ──► DirectorySync (ordered, bounded) ──► DirectoryActor.apply / resync
 
+Provenance (docs/provenance.md): `store` signs one record per block with this node's certificate
+key (`NodeSigner`); a pull accepts only payloads whose producer's record verifies against the
+cluster CA and its revocation list (`TrustAnchor`, reread when crl.pem changes); a mirror keeps
+the producer's records; `purge_producer` deletes what a producer's records name.
+
 It is an async Ray actor: every method runs on one event loop, Store calls that touch files run on
 a thread pool. It starts itself on its first call (the supervisor pings it right after creation
 and again after Ray restarts it), so a restarted actor reopens its folders under a new incarnation.

@@ -20,7 +20,7 @@ from cryptography import x509
 
 from cluster.api import payload_shape
 from cluster.local import LocalFabric
-from cluster.node_load import LayerProgress, PullOutcome, pull_prefix
+from cluster.node_load import LayerProgress, Provenances, PullOutcome, pull_prefix
 from cluster.planner import plan_pulls
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
@@ -199,3 +199,19 @@ def test_a_revoked_producers_blocks_are_refused(cert_dir: Path, open_node, tmp_p
     out, complete, _, outcome = asyncio.run(_pull(cert_dir, [producer], [["node-revoked"]] * NUM_BLOCKS, trust))
     assert complete == 0 and not out.any()
     assert outcome.rejections == {Rejection.REVOKED: NUM_BLOCKS * LAYOUT.num_layers}
+
+
+def test_a_block_whose_layers_came_under_two_records_is_kept_unsigned(cert_dir: Path) -> None:
+    # Two producers computed the same block (their records differ): a mirror cannot vouch for a
+    # mix, so the block's record for mirroring is None (kept, never served to peers as verified).
+    records = {}
+    for node in ("node-honest", "node-mirror"):
+        signer = _signer(cert_dir, node)
+        records[node] = sign_block(NS.root, HASHES[0], [b"d" * 32] * LAYOUT.num_layers, signer.node,
+                                   signer.cert_der, signer.sign)
+    provs = Provenances(ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem")), NS.root, [None, None])
+    provs.accept(0, records["node-honest"])
+    provs.accept(0, records["node-honest"])
+    provs.accept(1, records["node-honest"])
+    provs.accept(1, records["node-mirror"])
+    assert provs.records == [records["node-honest"], None]

@@ -321,7 +321,7 @@ class NodeActor:
         peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.address.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
-        return hashes, tiers, owners, plan_pulls(owners, len(tiers)), peers
+        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers
 
     async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
         await self._ensure_started()

@@ -159,6 +159,7 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
             continue
         slot = {BlockAddress(hashes[b], layer): (b, layer) for b, layer in missing}
         got_miss = False
+        refused: dict[Rejection, int] = {}   # this attempt's provenance rejections, by reason
         source = f"peer:{node_id}"
         check, namespace, rejections = provs.verifier.check, provs.namespace, outcome.rejections
         try:
@@ -181,7 +182,7 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                     rejected = check(result.provenance, namespace, result.address.hash, layer, result.digest)
                     if rejected is not None:
                         rejections[rejected] = rejections.get(rejected, 0) + 1
-                        got_miss = True
+                        refused[rejected] = refused.get(rejected, 0) + 1
                         continue
                     provs.accept(b, result.provenance)
                     if flat is None or view.obj is not flat:   # type: ignore[comparison-overlap]  # not received in its slot: copied there
@@ -196,10 +197,11 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
             logger.info("pull of blocks %d..%d from %s failed (%s); trying the next owner",
                         run.start, run.end, node_id, type(e).__name__ if str(e) == "" else e)
             continue
+        if refused:   # a peer that serves what its producer did not sign is not asked again in this load
+            bad.add(node_id)
+            logger.warning("peer %s served blocks %d..%d without valid provenance (%s); trying the next owner",
+                           node_id, run.start, run.end, ", ".join(f"{r.value}: {n}" for r, n in refused.items()))
         if got_miss:
-            if rejections:
-                logger.warning("peer %s served blocks %d..%d without valid provenance (%s); trying the next owner",
-                               node_id, run.start, run.end, ", ".join(f"{r.value}: {n}" for r, n in rejections.items()))
             bad.add(node_id)
             outcome.num_misses += 1
             outcome.said_yes_owner_no += 1

@@ -390,7 +390,7 @@ def _provenances(header: dict[Any, Any], num_parts: int, ftype: FrameType) -> tu
 
 
 def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
-    if ftype is FrameType.BLOCK and "pix" not in header:  # the unsigned data path: checked in one expression
+    if ftype is FrameType.BLOCK and len(header) == 4:  # the unsigned data path: checked in one expression
         rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
         if (type(rid) is int and 0 <= rid < 2**64 and type(hash_) is bytes and len(hash_) == HASH_SIZE
                 and type(layer) is int and 0 <= layer < 2**32 and type(digest) is bytes and len(digest) == DIGEST_SIZE):

@@ -350,3 +350,6 @@ def test_bad_provenance_headers_are_named(change: dict[str, object], message: st
     raw = msgpack.packb(GOOD_BLOCK | {"certs": [b"C"], "provs": [[RECORD, 0]], "pix": [0, 0]}, use_bin_type=True)
     with pytest.raises(ProtocolError, match="one pix entry per part"):
         FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc")
+    raw = msgpack.packb(GOOD_BLOCK | {"certs": [b"C"]}, use_bin_type=True)   # a partial table is not "unsigned"
+    with pytest.raises(ProtocolError, match="provs must be a list"):
+        FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc")

@@ -63,7 +63,7 @@ from fabric.store import Store
 from fabric.tiers.base import Tier
 from transports.base import Peer
 from transports.buffers import tune_allocator
-from transports.certs import CA_CERT, CA_KEY, CRL, issue_node
+from transports.certs import CA_CERT, CA_KEY, CRL, CertificateError, issue_node
 from transports.codec import MissReason
 from transports.factory import create_client, create_server
 from transports.identity import NodeSigner, TrustAnchor
@@ -221,11 +221,16 @@ class NodeActor:
     def _reload_revocations(self) -> None:
         """Pick up a new revocation list (crl.pem beside ca.pem) without a restart."""
         mtime = self._crl_path.stat().st_mtime_ns if self._crl_path.exists() else 0
-        if mtime != self._crl_mtime:
-            self._crl_mtime = mtime
+        if mtime == self._crl_mtime:
+            return
+        self._crl_mtime = mtime
+        try:
             self.trust = TrustAnchor.from_files(self._crl_path.with_name(CA_CERT))
-            self.verifier.trust = self.trust
-            logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
+        except CertificateError as e:   # keep the list we have: an unreadable one revokes nothing new
+            logger.error("new revocation list not used: %s", e)
+            return
+        self.verifier.trust = self.trust
+        logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     def _drain_store_events(self, now: float) -> None:
         events = self.kv_store.take_events()

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -99,6 +100,12 @@ def test_a_revoked_producers_blocks_are_refused_by_pullers(fabric: LocalCluster)
     assert a.store(NS, tokens, data).num_stored == 6
     _wait(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), 10, "the directory lists A")
     cert_dir = Path(fabric.config.transport.cert_dir)
+    (cert_dir / "crl.pem").write_text("not a revocation list")   # a node keeps what it has
+    time.sleep(3 * fabric.config.cluster.heartbeat_s)   # (no event to wait for: a few heartbeats pass)
+    assert b.stats()["revoked_certificates"] == 0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{b.stats()['metrics_port']}/metrics", timeout=10).read()
+    assert b'reason="sync_error"' not in metrics   # the directory upkeep was not disturbed by it
+    (cert_dir / "crl.pem").unlink()
     name = a.stats()["node_name"]
     serial = x509.load_pem_x509_certificate((cert_dir / f"{name}.pem").read_bytes()).serial_number
     revoke(cert_dir, {serial})

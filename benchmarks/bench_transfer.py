@@ -6,6 +6,8 @@ Each method moves about `--total-mb` of random payloads as 1 MiB, 256 KiB and 64
 distinct blocks, cycled), every server in its own process:
 
     tls_tcp       kvfabric TLS-TCP: PULLs of 16 MiB of blocks, 2 in flight, every payload's BLAKE3 verified
+    tls_tcp_provenance  the same with every payload's producer record checked too (benchmarks/
+                  transfer_provenance.py); interleaved with tls_tcp, so the pair is a before/after
     quic          kvfabric QUIC at 8952- and 1452-byte datagrams, and aioquic with its default settings
                   (benchmarks/transfer_quic.py; time-bounded: QUIC moves less than the others)
     tcp_socket    plain TCP sockets, server sendall / client recv_into into one reused buffer (no framing,
@@ -26,7 +28,9 @@ Client and server share this machine's cores, so each method is also charged the
 per MiB pulled (1 MiB blocks; the client is this process, the server is read from /proc by PID), and
 BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
 The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k / *_mb_s_64k for 256 / 64 KiB,
-*_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, and ratios). `--quick` moves
+*_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, provenance_sign_ms_per_mib /
+provenance_verify_ms_per_mib (blocks of 32 layers of 64 KiB), and ratios, tls_tcp_provenance_over_plain*
+among them). `--quick` moves
 ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
 
@@ -65,9 +69,12 @@ from benchmarks.transfer_baselines import (
     redis_server_binary,
     stop_process,
 )
+from benchmarks.transfer_provenance import NAMESPACE, SignedSource, sign_verify_ms_per_mib, signed_address
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import Hit, Peer
 from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.identity import NodeSigner, TrustAnchor
+from transports.provenance_check import ProvenanceVerifier
 from transports.tls_tcp import TlsTcpClient, TlsTcpServer
 
 logger = logging.getLogger("bench_transfer")
@@ -120,8 +127,10 @@ class _Source:
         return self.blocks.get(addr)
 
 
-async def _serve_kvfabric(cert_dir: Path) -> None:
-    server = TlsTcpServer(creds(cert_dir, SERVER_NODE), _Source(), "127.0.0.1", 0)
+async def _serve_kvfabric(cert_dir: Path, signed: bool) -> None:
+    source = SignedSource(NodeSigner(cert_dir / f"{SERVER_NODE}.pem", cert_dir / f"{SERVER_NODE}.key")) \
+        if signed else _Source()
+    server = TlsTcpServer(creds(cert_dir, SERVER_NODE), source, "127.0.0.1", 0)
     _, port = await server.start()
     print(f"READY {port}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
@@ -210,8 +219,11 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
     return run
 
 
-def kvfabric_run(port: int, cert_dir: Path) -> Run:
+def kvfabric_run(port: int, cert_dir: Path, signed: bool = False) -> Run:
+    """TLS-TCP pulls; `signed`: of a server whose payloads carry records, each record checked."""
     peer = Peer(SERVER_NODE, "127.0.0.1", port)
+    name = signed_address if signed else address
+    trust = TrustAnchor.from_files(cert_dir / CA_CERT)
 
     async def pulls(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         client = TlsTcpClient(creds(cert_dir, CLIENT_NODE), tune_malloc=True)  # the process is ours: opt in
@@ -220,10 +232,13 @@ def kvfabric_run(port: int, cert_dir: Path) -> Run:
         async def one_pull() -> None:
             first = counts["next"]
             counts["next"] += batch_blocks(block_size)
-            batch = [address(block_size, (first + i) % num_distinct(block_size))
+            batch = [name(block_size, (first + i) % num_distinct(block_size))
                      for i in range(batch_blocks(block_size))]
+            verifier = ProvenanceVerifier(trust)   # per pull: each block's signature is checked in it
             async for result in client.pull(peer, batch):
-                if isinstance(result, Hit):
+                if isinstance(result, Hit) and (not signed or verifier.check(
+                        result.provenance, NAMESPACE, result.address.hash, result.address.layer,
+                        result.digest) is None):
                     counts["moved"] += len(result.payload)
                 else:
                     counts["misses"] += 1
@@ -285,14 +300,14 @@ def main() -> None:
     parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per run, at most")
     parser.add_argument("--quic-time-limit", type=float, default=4.0, help="seconds per QUIC run")
     parser.add_argument("--dir", default=None, help="where to put certificates, Redis and Ray files (removed after)")
-    parser.add_argument("--serve", choices=["kvfabric", "tcp", "tls"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["kvfabric", "kvfabric-signed", "tcp", "tls"], help=argparse.SUPPRESS)
     parser.add_argument("--cert-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.serve:
         cert_dir = Path(args.cert_dir)
-        if args.serve == "kvfabric":
-            asyncio.run(_serve_kvfabric(cert_dir))
+        if args.serve in ("kvfabric", "kvfabric-signed"):
+            asyncio.run(_serve_kvfabric(cert_dir, signed=args.serve == "kvfabric-signed"))
         else:
             _serve_socket(cert_dir, use_tls=args.serve == "tls")
         return
@@ -308,7 +323,7 @@ def main() -> None:
 
 
 # Methods whose both ends are measurable (the server by PID):
-CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "redis_get")
+CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get")
 
 
 class Totals:
@@ -367,10 +382,11 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         runs: dict[str, tuple[Run, int]] = {}
         try:
             for name, kind in (("tcp_socket", "tcp"), ("tls_socket", "tls"), ("tls_socket_blake3", "tls"),
-                               ("tls_tcp", "kvfabric")):
+                               ("tls_tcp", "kvfabric"), ("tls_tcp_provenance", "kvfabric-signed")):
                 server = Server(kind, cert_dir)  # one each: a socket server serves one connection at a time
                 stoppers.append(server.stop)
-                runs[name] = (kvfabric_run(server.port, cert_dir) if kind == "kvfabric"
+                runs[name] = (kvfabric_run(server.port, cert_dir, signed=kind == "kvfabric-signed")
+                              if kind.startswith("kvfabric")
                               else socket_run(server.port, cert_dir, use_tls=kind == "tls",
                                               hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
             redis_binary = redis_server_binary()
@@ -406,7 +422,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                 timed(name, run, suffix, size, quic_limit, None)
     for note in notes:
         logger.warning(note)
-    names = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "redis_get", "ray_object", "quic",
+    names = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get",
+             "ray_object", "quic",
              "quic_1452", "quic_default"]
     out: dict[str, float | None] = {}
     for suffix in BLOCK_SIZES:
@@ -418,6 +435,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         out[f"{name}_client_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
         out[f"{name}_server_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
     out["blake3_ms_per_mib"] = blake3_ms_per_mib()
+    out["provenance_sign_ms_per_mib"], out["provenance_verify_ms_per_mib"] = sign_verify_ms_per_mib(
+        cert_dir, SERVER_NODE)
     return out
 
 
@@ -428,7 +447,9 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: int) -> None:
     labels = {"tcp_socket": "plain TCP sockets (ceiling)", "tls_socket": "plain TLS 1.3 sockets",
               "tls_socket_blake3": "plain TLS 1.3 sockets + BLAKE3 per block",
-              "tls_tcp": "kvfabric TLS-TCP (verified)", "redis_get": "Redis GET (redis-py, pipelined)",
+              "tls_tcp": "kvfabric TLS-TCP (verified)",
+              "tls_tcp_provenance": "kvfabric TLS-TCP (verified + provenance)",
+              "redis_get": "Redis GET (redis-py, pipelined)",
               "ray_object": "Ray object store, actor to actor", "quic": "kvfabric QUIC, 8952-byte datagrams",
               "quic_1452": "kvfabric QUIC, 1452-byte datagrams", "quic_default": "aioquic default settings"}
     rows = []
@@ -445,6 +466,10 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         out[f"tls_tcp_vs_tls_socket{suffix}"] = _ratio(tls_tcp, result[f"tls_socket_mb_s{suffix}"])
         out[f"tls_tcp_vs_redis{suffix}"] = _ratio(tls_tcp, result[f"redis_get_mb_s{suffix}"])
         out[f"tls_tcp_vs_tls_socket_blake3{suffix}"] = _ratio(tls_tcp, result[f"tls_socket_blake3_mb_s{suffix}"])
+        signed = result[f"tls_tcp_provenance_mb_s{suffix}"]
+        out[f"tls_tcp_provenance_vs_tls_socket_blake3{suffix}"] = _ratio(
+            signed, result[f"tls_socket_blake3_mb_s{suffix}"])
+        out[f"tls_tcp_provenance_over_plain{suffix}"] = _ratio(signed, tls_tcp)
         out[f"tls_socket_blake3_vs_tls_socket{suffix}"] = _ratio(result[f"tls_socket_blake3_mb_s{suffix}"],
                                                                  result[f"tls_socket_mb_s{suffix}"])
         out[f"quic_vs_default{suffix}"] = _ratio(result[f"quic_mb_s{suffix}"], result[f"quic_default_mb_s{suffix}"])

@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 
 # Modules that add sub-commands; each has register(subparsers: argparse._SubParsersAction).
-COMMAND_MODULES = ("cluster.cli_cluster", "cluster.cli_demo", "cluster.cli_inspect", "cluster.cli_certs")
+COMMAND_MODULES = ("cluster.cli_cluster", "cluster.cli_demo", "cluster.cli_inspect", "cluster.cli_certs",
+                   "cluster.cli_purge")
 
 
 class CLIError(Exception):

@@ -5,6 +5,7 @@
     kv = client.load(ns, tokens)               # kv.payloads: uint8 (blocks, layers, bytes), zero-copy
     client.store(ns, tokens, payloads, first_block=kv.num_blocks)
     client.load_blocks(ns, block_ids, parent=parent_id)   # the same, for blocks named by the engine's ids
+    client.purge_producer("node-7")            # every node drops the blocks node-7 produced
 
 Each call is one Ray actor call to the NodeActor on the caller's own Ray node, so payloads move
 through that node's shared-memory object store. `a*` methods are the same calls for asyncio code.
@@ -126,6 +127,13 @@ class FabricClient:
         return FabricTimeoutError(f"kvfabric NodeActor of Ray node {self.node_id} did not answer {call} within "
                                   f"{self.call_timeout_s:g} s; recompute instead, or raise call_timeout_s")
 
+    def purge_producer(self, producer: str, *, namespace: str = DEFAULT_NAMESPACE,
+                       timeout_s: float = 60.0) -> dict[str, int | str]:
+        """On every alive node, delete every block whose provenance names `producer` (a node's
+        certificate name). Per node id: how many (block, layer) payloads it removed, or the error
+        that kept it from answering (run it again once that node is back)."""
+        return purge_producer(producer, namespace=namespace, timeout_s=timeout_s)
+
     # ---- asyncio -----------------------------------------------------------------------------------
 
     async def alookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
@@ -169,6 +177,27 @@ class RayLayerStream:
                 if isinstance(e.cause, IncompleteLoadError):
                     raise e.cause from None
                 raise
+
+
+def purge_producer(producer: str, *, namespace: str = DEFAULT_NAMESPACE,
+                   timeout_s: float = 60.0) -> dict[str, int | str]:
+    """`FabricClient.purge_producer` for a driver that has no node of its own (the CLI)."""
+    if not producer:
+        raise ValueError("purge needs a producer node name")
+    calls: dict[str, Any] = {}
+    out: dict[str, int | str] = {}
+    for node_id in sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive")):
+        try:
+            actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
+            calls[node_id] = actor.purge_producer.remote(producer)
+        except ValueError:
+            out[node_id] = "no NodeActor"
+    for node_id, ref in calls.items():
+        try:
+            out[node_id] = int(ray.get(ref, timeout=timeout_s))
+        except ray.exceptions.RayError as e:
+            out[node_id] = type(e).__name__
+    return out
 
 
 def _tokens(tokens: Tokens) -> np.ndarray:

@@ -29,8 +29,9 @@ from cluster.api import (
 )
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
+from fabric.provenance import BlockSigner, Provenance, sign_block
 from fabric.store import Store
-from fabric.tiers.base import Tier
+from fabric.tiers.base import Tier, digest_of
 
 WHERE_OF_TIER = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
 _COLDNESS = {Tier.DEVICE: 0, Tier.RAM: 1, Tier.SSD: 2}
@@ -81,14 +82,27 @@ class LocalFabric:
         return coldest
 
     def write_blocks(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
-                     *, digests: Sequence[Sequence[bytes]] | None = None) -> StoreReply:
+                     *, digests: Sequence[Sequence[bytes]] | None = None,
+                     provenance: Sequence[Provenance | None] | None = None,
+                     signer: BlockSigner | None = None) -> StoreReply:
         """Put `payloads[i]` (all layers) under `hashes[i]`; a block counts once all its layers are held.
-        With `digests` (a pull's, per block and layer) each payload is verified against them first."""
+        With `digests` (a pull's, per block and layer) each payload is verified against them first.
+
+        Provenance: `signer` (this node, when its own engine produced the blocks) signs one record
+        per block over all its layers; `provenance` (a mirror's) is kept verbatim, one per block.
+        Neither: the blocks are unsigned and no peer accepts them."""
         num_layers = payloads.shape[1]
         items = [(BlockAddress(h, layer), memoryview(payloads[i, layer]))
                  for i, h in enumerate(hashes) for layer in range(num_layers)]
+        if signer is not None:
+            if digests is None:
+                digests = [[digest_of(payloads[i, layer]) for layer in range(num_layers)] for i in range(len(hashes))]
+            provenance = [sign_block(ns.root, h, digests[i], signer.node, signer.cert_der, signer.sign)
+                          for i, h in enumerate(hashes)]
         flat_digests = None if digests is None else [d for per_block in digests for d in per_block]
-        results = self.local_store.put_many(items, model=ns.model_id, digests=flat_digests)
+        flat_provenance = None if provenance is None else [p for p in provenance for _ in range(num_layers)]
+        results = self.local_store.put_many(items, model=ns.model_id, digests=flat_digests,
+                                            provenance=flat_provenance)
         num_refused = sum(1 for b in range(len(hashes))
                           if not all(r.ok for r in results[b * num_layers:(b + 1) * num_layers]))
         return StoreReply(num_stored=len(hashes) - num_refused, num_refused=num_refused)

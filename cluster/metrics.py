@@ -30,6 +30,12 @@ class ClusterMetrics:
                                      "Pull runs that failed on a peer (error, timeout, dead peer)", registry=registry)
         self.fallbacks = Counter("kvfabric_pull_fallbacks_total", "Pull runs retried on another owner",
                                  registry=registry)
+        self.provenance_rejections = Counter(
+            "kvfabric_provenance_rejections_total",
+            "Pulled payloads refused because their producer's signature did not hold, by reason",
+            ["reason"], registry=registry)
+        self.purged = Counter("kvfabric_purged_blocks_total", "(block, layer) payloads removed by purge --producer",
+                              registry=registry)
         self.resyncs = Counter("kvfabric_directory_resyncs_total", "Full resyncs of this node's entries, by reason",
                                ["reason"], registry=registry)
         self.batches = Counter("kvfabric_directory_batches_total", "Register/unregister batches by outcome",

@@ -6,6 +6,11 @@
     Store events ──► DirectorySync (ordered, bounded) ──► DirectoryActor.apply / resync
                  └─► KvEventPublisher (when [events] enabled) ──► ZMQ PUB, vLLM's KV event format
 
+Provenance (docs/provenance.md): `store` signs one record per block with this node's certificate
+key (`NodeSigner`); a pull accepts only payloads whose producer's record verifies against the
+cluster CA and its revocation list (`TrustAnchor`, reread when crl.pem changes); a mirror keeps
+the producer's records; `purge_producer` deletes what a producer's records name.
+
 It is an async Ray actor: every method runs on one event loop, Store calls that touch files run on
 a thread pool. It starts itself on its first call (the supervisor pings it right after creation
 and again after Ray restarts it), so a restarted actor reopens its folders under a new incarnation.
@@ -60,15 +65,17 @@ from fabric.config import Config
 from fabric.events import EventKind
 from fabric.keys import BlockHash, Namespace, block_hashes
 from fabric.priority import lower_thread_priority
+from fabric.provenance import Provenance, Rejection
 from fabric.store import Store
 from fabric.tiers.base import Tier
 from transports.base import Peer
 from transports.buffers import tune_allocator
-from transports.certs import CA_CERT, CertificateError
+from transports.certs import CA_CERT, CRL, CertificateError
 from transports.codec import MissReason
 from transports.factory import create_client, create_server
 from transports.identity import NodeSigner, TrustAnchor
 from transports.metrics import TransportMetrics
+from transports.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -147,6 +154,9 @@ class NodeActor:
         self.signer = NodeSigner(cert_dir / f"{self.node_name}.pem", cert_dir / f"{self.node_name}.key")
         self.trust = TrustAnchor.from_files(cert_dir / CA_CERT)
         self.reports = ReportSigner(self.signer, self.node_id, self.incarnation)
+        self.verifier = ProvenanceVerifier(self.trust)
+        self._crl_path = cert_dir / CRL
+        self._crl_mtime = self._crl_path.stat().st_mtime_ns if self._crl_path.exists() else 0
         # This Ray worker process runs only this actor: keep freed payload buffers in the heap, or
         # every pull page-faults them back in, tens of MB per long prefix (buffers.tune_allocator).
         tune_allocator()
@@ -226,6 +236,7 @@ class NodeActor:
                 self._drain_store_events(now)
                 if now >= next_heartbeat:
                     next_heartbeat = now + c.heartbeat_s
+                    self._reload_revocations()
                     await self._heartbeat()
                 await asyncio.gather(*(self._flush_shard(k, now) for k in range(c.directory_shards)))
             except Exception:
@@ -236,6 +247,20 @@ class NodeActor:
                                           flush_blocks=c.flush_blocks, queue_max=c.queue_max)
                 self.sync.mark_all_resync()
             await asyncio.sleep(tick)
+
+    def _reload_revocations(self) -> None:
+        """Pick up a new revocation list (crl.pem beside ca.pem) without a restart."""
+        mtime = self._crl_path.stat().st_mtime_ns if self._crl_path.exists() else 0
+        if mtime == self._crl_mtime:
+            return
+        self._crl_mtime = mtime
+        try:
+            self.trust = TrustAnchor.from_files(self._crl_path.with_name(CA_CERT))
+        except CertificateError as e:   # keep the list we have: an unreadable one revokes nothing new
+            logger.error("new revocation list not used: %s", e)
+            return
+        self.verifier.trust = self.trust
+        logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     def _drain_store_events(self, now: float) -> None:
         events = self.kv_store.take_events()
@@ -338,7 +363,7 @@ class NodeActor:
         peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.address.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
-        return hashes, tiers, owners, plan_pulls(owners, len(tiers)), peers
+        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers
 
     async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
         await self._ensure_started()
@@ -384,7 +409,9 @@ class NodeActor:
         if started is not None:
             started.set_result((planned, progress, out, sources))
         digests = [[b""] * ns.layout.num_layers for _ in range(planned)]
+        provenance: list[Provenance | None] = [None] * planned
         outcome = await pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
+                                    verifier=self.verifier, namespace=ns.root, provenance=provenance,
                                     timeout_s=self.config.cluster.pull_timeout_s,
                                     layer_major=started is not None) if runs else None
         complete = progress.complete_blocks()
@@ -392,11 +419,13 @@ class NodeActor:
             self.metrics.said_yes_owner_no.inc(outcome.said_yes_owner_no)
             self.metrics.pull_failures.inc(outcome.num_failures)
             self.metrics.fallbacks.inc(outcome.num_fallbacks)
+            for reason, count in outcome.rejections.items():
+                self.metrics.provenance_rejections.labels(reason.value).inc(count)
             if self.config.kv.mirror_pulls and complete > num_local:
                 self._pending_mirrors += 1
                 self._note_chain(ns, hashes, num_local, complete, tokens)
                 self._spawn(self._mirror(ns, hashes[num_local:complete], out[num_local:complete],
-                                         digests[num_local:complete]))
+                                         digests[num_local:complete], provenance[num_local:complete]))
         self.metrics.lookups.inc()
         self.metrics.requested_blocks.inc(len(hashes))
         self.metrics.hit_blocks.labels("local").inc(min(num_local, complete))
@@ -407,14 +436,15 @@ class NodeActor:
         return LoadReply(ns.block_size, payloads, tuple(sources[:complete]), pulled_bytes=pulled)
 
     async def _mirror(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
-                      digests: Sequence[Sequence[bytes]]) -> None:
+                      digests: Sequence[Sequence[bytes]], provenance: Sequence[Provenance | None]) -> None:
         # Off the critical path of the request that pulled: its engine is computing on this node's
         # cores right now, and a mirror (verify, copy, write-behind flush, disk writeback) would
         # compete with it. A copy is an optimisation; a node that dies first just has none.
         try:
             await asyncio.sleep(self.config.kv.mirror_delay_s)
             await asyncio.get_running_loop().run_in_executor(
-                self._mirror_pool, lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests))
+                self._mirror_pool,   # the producer's records, verbatim: a mirror never signs
+                lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests, provenance=provenance))
         finally:
             self._pending_mirrors -= 1
 
@@ -456,7 +486,7 @@ class NodeActor:
         hashes = block_hashes(ns, tokens)[:first_block + num_blocks]
         self._note_chain(ns, hashes, first_block, len(hashes), tokens)
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.local.write_blocks(ns, hashes[first_block:], payloads))
+            None, lambda: self.local.write_blocks(ns, hashes[first_block:], payloads, signer=self.signer))
 
     def _note_chain(self, ns: Namespace, hashes: Sequence[BlockHash], start: int, end: int,
                     tokens: Tokens | None) -> None:
@@ -493,13 +523,22 @@ class NodeActor:
         hashes = block_id_hashes(ns, block_ids[:first_block + num_blocks], parent)
         self._note_chain(ns, hashes, first_block, len(hashes), None)
         return await asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.local.write_blocks(ns, hashes[first_block:], payloads))
+            None, lambda: self.local.write_blocks(ns, hashes[first_block:], payloads, signer=self.signer))
 
     async def held_block_hashes(self) -> list[bytes]:
         """Every block hash this node holds in any tier (any layer of it): what its KV events announce."""
         await self._ensure_started()
         held = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_addresses)
         return sorted({a.hash for a in held})
+
+    async def purge_producer(self, producer: str) -> int:
+        """Delete every block held here whose provenance names `producer`; returns how many
+        (block, layer) payloads. The directory forgets them through the usual removal events."""
+        await self._ensure_started()
+        removed = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.purge_producer, producer)
+        self.metrics.purged.inc(removed)
+        logger.warning("purged %d payloads produced by %s", removed, producer)
+        return removed
 
     async def stats(self) -> dict[str, Any]:
         await self._ensure_started()
@@ -518,6 +557,9 @@ class NodeActor:
                 "hit_blocks_peer": peer, "hit_ratio": (local + peer) / requested if requested else 0.0,
                 "pulls": pulls, "pulled_bytes": count("kvfabric_pull_bytes_total", transport=self.address.transport),
                 "said_yes_owner_no": count("kvfabric_directory_said_yes_owner_said_no_total"),
+                "provenance_rejections": {r.value: count("kvfabric_provenance_rejections_total", reason=r.value)
+                                          for r in Rejection},
+                "revoked_certificates": len(self.trust.revoked),
                 "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows,
                 "pending_mirrors": self._pending_mirrors, "directory": self.directory.breaker_stats(),
                 "kv_events": None if self.kv_events is None else self.kv_events.endpoints()}

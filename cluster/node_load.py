@@ -11,7 +11,11 @@ receives runs of hits straight into their slots (no copy of the pulled bytes on 
 
 The transport has already checked every payload against the digest its authenticated peer
 announced; here a result is also checked to be an address we asked for and of the exact size
-the namespace implies, so a peer cannot fill the wrong slot. The answer is the leading run of
+the namespace implies, so a peer cannot fill the wrong slot, and its provenance is checked: the
+digest must be the one the block's producer signed, for this namespace, block and layer, with a
+certificate of the cluster CA that is not revoked (transports/provenance_check.py). A payload that
+fails is a miss counted by reason (`PullOutcome.rejections`), never filled, so never mirrored or
+advertised, and its peer's blocks move to the next owner. The answer is the leading run of
 blocks complete in every layer — any failure makes a shorter hit, never wrong KV.
 """
 
@@ -26,9 +30,11 @@ import numpy as np
 
 from cluster.planner import PullRun, plan_pulls
 from fabric.keys import BlockAddress, BlockHash
+from fabric.provenance import Provenance, Rejection
 from transports.base import Hit, Peer, TransportClient
 from transports.certs import CertificateError
 from transports.codec import ProtocolError
+from transports.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +46,29 @@ class PullOutcome:
     num_failures: int = 0          # a peer that errored or timed out
     num_fallbacks: int = 0         # runs (or their rest) retried on an alternate owner
     said_yes_owner_no: int = 0     # runs whose owner did not have what the directory said
+    rejections: dict[Rejection, int] = field(default_factory=dict)   # payloads whose provenance failed
+
+
+@dataclass(slots=True)
+class Provenances:
+    """What a pull checks provenance against, and the record each pulled block keeps (for a mirror):
+    `records[b]` is the record its layers were accepted under, or None when they came under
+    different records (the block is then kept unsigned)."""
+
+    verifier: ProvenanceVerifier
+    namespace: bytes
+    records: list[Provenance | None]
+    _seen: list[bool] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._seen = [False] * len(self.records)
+
+    def accept(self, b: int, record: Provenance | None) -> None:
+        if not self._seen[b]:
+            self._seen[b] = True
+            self.records[b] = record
+        elif self.records[b] != record:
+            self.records[b] = None
 
 
 @dataclass(slots=True)
@@ -76,14 +105,18 @@ class LayerProgress:
 
 async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash],
                       owners: Sequence[Sequence[str]], start: int, out: np.ndarray, digests: list[list[bytes]],
-                      progress: LayerProgress, sources: list[str], *, timeout_s: float,
+                      progress: LayerProgress, sources: list[str], *, verifier: ProvenanceVerifier,
+                      namespace: bytes, provenance: list[Provenance | None], timeout_s: float,
                       max_rounds: int = 3, layer_major: bool = True) -> PullOutcome:
     """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
 
     Each round plans runs over the owners not yet seen failing, from the first incomplete block,
-    and pulls them concurrently; a failed run's blocks are planned again over the others.
+    and pulls them concurrently; a failed run's blocks are planned again over the others. Only
+    payloads whose provenance `verifier` accepts for `namespace` are filled; `provenance[b]` gets
+    the record block b was accepted under.
     """
     outcome = PullOutcome()
+    provs = Provenances(verifier, namespace, provenance)
     bad: set[str] = set()
     for _ in range(max_rounds):
         first = progress.complete_blocks()
@@ -91,18 +124,19 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
             break
         usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
                   for i in range(progress.num_blocks)]
-        runs = plan_pulls(usable, first)
+        runs = plan_pulls(usable, first, hashes=hashes)
         if not runs:
             break
         await asyncio.gather(*(_pull_run(client, peers, hashes, run, out, digests, progress, sources, outcome,
-                                         bad, timeout_s, layer_major) for run in runs))
+                                         provs, bad, timeout_s, layer_major) for run in runs))
         outcome.num_fallbacks += bool(bad)
     return outcome
 
 
 async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash], run: PullRun,
                     out: np.ndarray, digests: list[list[bytes]], progress: LayerProgress, sources: list[str],
-                    outcome: PullOutcome, bad: set[str], timeout_s: float, layer_major: bool) -> None:
+                    outcome: PullOutcome, provs: Provenances, bad: set[str], timeout_s: float,
+                    layer_major: bool) -> None:
     num_layers, nbytes = out.shape[1], out.shape[2]
     for attempt, node_id in enumerate((run.node_id, *run.alternates)):
         peer = peers.get(node_id)
@@ -125,7 +159,9 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
             continue
         slot = {BlockAddress(hashes[b], layer): (b, layer) for b, layer in missing}
         got_miss = False
+        refused: dict[Rejection, int] = {}   # this attempt's provenance rejections, by reason
         source = f"peer:{node_id}"
+        check, namespace, rejections = provs.verifier.check, provs.namespace, outcome.rejections
         try:
             async with asyncio.timeout(timeout_s):
                 into = None if flat is None else memoryview(flat)  # type: ignore[arg-type]  # numpy's buffer stubs
@@ -143,6 +179,12 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                         logger.warning("peer %s sent %d bytes for a %d-byte block; ignored", node_id,
                                        view.nbytes, nbytes)
                         continue
+                    rejected = check(result.provenance, namespace, result.address.hash, layer, result.digest)
+                    if rejected is not None:
+                        rejections[rejected] = rejections.get(rejected, 0) + 1
+                        refused[rejected] = refused.get(rejected, 0) + 1
+                        continue
+                    provs.accept(b, result.provenance)
                     if flat is None or view.obj is not flat:   # type: ignore[comparison-overlap]  # not received in its slot: copied there
                         out[b, layer] = np.frombuffer(view, dtype=np.uint8)
                     digests[b][layer] = result.digest
@@ -155,6 +197,10 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
             logger.info("pull of blocks %d..%d from %s failed (%s); trying the next owner",
                         run.start, run.end, node_id, type(e).__name__ if str(e) == "" else e)
             continue
+        if refused:   # a peer that serves what its producer did not sign is not asked again in this load
+            bad.add(node_id)
+            logger.warning("peer %s served blocks %d..%d without valid provenance (%s); trying the next owner",
+                           node_id, run.start, run.end, ", ".join(f"{r.value}: {n}" for r, n in refused.items()))
         if got_miss:
             bad.add(node_id)
             outcome.num_misses += 1

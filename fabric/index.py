@@ -1,10 +1,14 @@
 """Persistent block index: RocksDB (rocksdict), column family `kv`, storage key -> msgpack meta.
 
     key   : the 32-byte storage key of a (block, layer)
-    value : msgpack map {model, layer, bytes, digest, created_unix, last_seen_unix, tier, hash}
+    value : msgpack map {model, layer, bytes, digest, created_unix, last_seen_unix, tier, hash[, prov, cert]}
 
 `hash` is the block hash of the (block, layer) (what the cluster directory is keyed by); a row
 written before it existed decodes with `block_hash == b""` and is kept, but not advertised.
+`prov` / `cert` are the block's provenance record and its producer's certificate
+(fabric/provenance.py), the same in every layer's row; a row without them is an unsigned block,
+never vouched for to peers. The SSD file header does not repeat them: the record covers all of a
+block's layers, and the row is what makes a file count at all.
 
 A row exists only for a block whose SSD file was committed first (see fabric/store.py for the
 write order and the crash argument), so the files are what is stored and the rows say what is
@@ -36,6 +40,7 @@ import msgpack
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
 from fabric.keys import HASH_SIZE, StorageKey
+from fabric.provenance import Provenance
 from fabric.tiers.base import DIGEST_SIZE, Tier
 from fabric.tiers.ssd import HEADER_SIZE, SsdScan, SsdTier
 
@@ -65,12 +70,16 @@ class BlockMeta:
     last_seen_unix: float
     tier: Tier
     block_hash: bytes = b""     # b"" only in rows written before the hash was persisted
+    provenance: Provenance | None = None
 
     def encode(self) -> bytes:
-        return msgpack.packb({"model": self.model, "layer": self.layer, "bytes": self.num_bytes,
-                              "digest": self.digest, "created_unix": self.created_unix,
-                              "last_seen_unix": self.last_seen_unix, "tier": self.tier.value,
-                              "hash": self.block_hash}, use_bin_type=True)
+        row: dict[str, Any] = {"model": self.model, "layer": self.layer, "bytes": self.num_bytes,
+                               "digest": self.digest, "created_unix": self.created_unix,
+                               "last_seen_unix": self.last_seen_unix, "tier": self.tier.value,
+                               "hash": self.block_hash}
+        if self.provenance is not None:
+            row |= {"prov": self.provenance.encode(), "cert": self.provenance.cert_der}
+        return msgpack.packb(row, use_bin_type=True)
 
     @classmethod
     def decode(cls, raw: bytes) -> BlockMeta:
@@ -79,7 +88,8 @@ class BlockMeta:
             meta = cls(model=str(d["model"]), layer=int(d["layer"]), num_bytes=int(d["bytes"]),
                        digest=bytes(d["digest"]), created_unix=float(d["created_unix"]),
                        last_seen_unix=float(d["last_seen_unix"]), tier=Tier(d["tier"]),
-                       block_hash=bytes(d.get("hash", b"")))
+                       block_hash=bytes(d.get("hash", b"")),
+                       provenance=Provenance.decode(d["prov"], d.get("cert", b"")) if "prov" in d else None)
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             raise BadRowError(f"undecodable index row: {e}") from None
         if len(meta.digest) != DIGEST_SIZE or meta.num_bytes < 0 or meta.layer < 0:

@@ -69,6 +69,7 @@ from fabric.eviction import TierPolicy
 from fabric.index import Index, IndexUnavailableError, reconcile
 from fabric.keys import BlockAddress, BlockHash
 from fabric.metrics import StoreMetrics
+from fabric.provenance import Provenance
 from fabric.store_core import StoreCore
 from fabric.store_types import CloseReport, Lifecycle, LookupResult, PutResult, StoreClosedError, VerifyReport
 from fabric.store_writes import Writer
@@ -101,7 +102,7 @@ class Store:
             self.metrics.reconciled.labels(action).inc(count)
         self.reconciled = dict(report.counts)
         kept = ((key, SsdEntry(m.layer, m.num_bytes, m.digest, m.model, m.created_unix, m.last_seen_unix,
-                               m.block_hash)) for key, m in report.kept)
+                               m.block_hash, m.provenance)) for key, m in report.kept)
         self._core = core = StoreCore(kv, self.policy, self.metrics, clock, ssd, index, kept)
         core.counters.reconciled.update(report.counts)
         self._lock = core.lock
@@ -147,13 +148,19 @@ class Store:
         return self.put_many([(address, payload)], model=model, digests=None if digest is None else [digest])[0]
 
     def put_many(self, items: Sequence[tuple[BlockAddress, Payload]], *, model: str = "",
-                 digests: Sequence[bytes] | None = None) -> list[PutResult]:
-        """Store several payloads; in write-through mode they share one group commit."""
+                 digests: Sequence[bytes] | None = None,
+                 provenance: Sequence[Provenance | None] | None = None) -> list[PutResult]:
+        """Store several payloads; in write-through mode they share one group commit. `provenance`
+        (one per item) is each block's producer record, kept verbatim with it (fabric/provenance.py);
+        a block already held keeps the record it was first stored with."""
         if digests is not None and len(digests) != len(items):
             raise ValueError(f"{len(digests)} digests for {len(items)} payloads")
+        if provenance is not None and len(provenance) != len(items):
+            raise ValueError(f"{len(provenance)} provenance records for {len(items)} payloads")
         self._enter()
         try:
-            return self._writer.put_many(list(items), model, None if digests is None else list(digests))
+            return self._writer.put_many(list(items), model, None if digests is None else list(digests),
+                                         None if provenance is None else list(provenance))
         finally:
             self._leave()
 
@@ -188,6 +195,14 @@ class Store:
         finally:
             self._leave()
         return in_ram or pending is not None or entry is not None
+
+    def purge_producer(self, producer: str) -> int:
+        """Delete every (block, layer) whose provenance names `producer`, from every tier; returns
+        how many. Each leaves with a REMOVED event, so the directory forgets it."""
+        with self._lock:
+            self._check_open_locked()
+            named = self._core.addresses_of_producer_locked(producer)
+        return sum(self.delete(address) for address in named)
 
     def flush(self) -> int:
         """Write every pending write-behind block to SSD now; returns how many are still pending

@@ -19,6 +19,7 @@ replaced meanwhile does not promote.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import mmap
 import threading
@@ -33,6 +34,7 @@ from fabric.eviction import DecayedFrequency, TierPolicy
 from fabric.index import Index
 from fabric.keys import BlockAddress, BlockHash, StorageKey
 from fabric.metrics import StoreMetrics
+from fabric.provenance import Provenance
 from fabric.store_types import LookupResult, Pending, PutResult, StoreCounters
 from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier
 from fabric.tiers.device import DeviceTier
@@ -90,6 +92,22 @@ class StoreCore:
             return digest
         entry = self.ssd.entry(key)
         return None if entry is None else entry.digest
+
+    def provenance_locked(self, key: StorageKey) -> Provenance | None:
+        """The provenance record held for `key` (pending, RAM or SSD), else None."""
+        pending = self.dirty.get(key)
+        if pending is not None:
+            return pending.provenance
+        prov = self.ram.provenance(key)
+        if prov is not None:
+            return prov
+        entry = self.ssd.entry(key)
+        return None if entry is None else entry.provenance
+
+    def addresses_of_producer_locked(self, producer: str) -> list[BlockAddress]:
+        """Every held address whose provenance names `producer`: O(held addresses)."""
+        return [address for key, address in self.held.items()
+                if (prov := self.provenance_locked(key)) is not None and prov.producer == producer]
 
     def hold_locked(self, key: StorageKey, p: Pending) -> None:
         """An acknowledged put: queue STORED unless the key was held already."""
@@ -232,9 +250,10 @@ class StoreCore:
                 self.touch_locked(key, self.clock())
                 if promote and not self.ram.contains(key):
                     self.ram.put(key, block.payload, block.digest, footprint=_footprint(block.payload),
+                                 provenance=entry.provenance,
                                  limit_bytes=self.ram.capacity_bytes)
         self.metrics.observe_hit(Tier.SSD, time.perf_counter() - start)
-        return block
+        return block if entry.provenance is None else dataclasses.replace(block, provenance=entry.provenance)
 
     def drop_file(self, key: StorageKey, entry: SsdEntry, reason: str = "") -> bool:
         """Remove a block's file and row unless its entry changed meanwhile; `reason` is counted

@@ -140,7 +140,7 @@ def persist_last_seen(core: StoreCore) -> int:
     with core.stripes_of(live):
         with core.lock:
             rows = [(k, BlockMeta(e.model, e.layer, e.num_bytes, e.digest, e.created_unix, e.last_seen_unix,
-                                  Tier.RAM if core.ram.contains(k) else Tier.SSD, e.block_hash))
+                                  Tier.RAM if core.ram.contains(k) else Tier.SSD, e.block_hash, e.provenance))
                     for k, e in live.items() if core.ssd.entry(k) is e]
         core.index.put_many(rows, sync=False)
         with core.lock:

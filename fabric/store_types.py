@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from fabric.index import BlockMeta
 from fabric.keys import BlockAddress, BlockHash, StorageKey
+from fabric.provenance import Provenance
 from fabric.tiers.base import Tier
 
 
@@ -80,6 +81,7 @@ class Pending:
     digest: bytes
     payload: memoryview
     created_unix: float
+    provenance: Provenance | None = None
 
     @property
     def address(self) -> BlockAddress:
@@ -88,7 +90,7 @@ class Pending:
     def meta(self, last_seen_unix: float) -> BlockMeta:
         """The index row of this block once committed to the SSD."""
         return BlockMeta(self.model, self.layer, self.payload.nbytes, self.digest, self.created_unix,
-                         last_seen_unix, Tier.SSD, self.block_hash)
+                         last_seen_unix, Tier.SSD, self.block_hash, self.provenance)
 
 
 @dataclass(slots=True)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from fabric.index import IndexUnavailableError
 from fabric.keys import BlockAddress, StorageKey
+from fabric.provenance import Provenance
 from fabric.store_core import StoreCore
 from fabric.store_types import Pending, PutResult
 from fabric.tiers.base import Payload, as_bytes_view, digest_of
@@ -49,7 +50,7 @@ class Writer:
         self.pool = pool
 
     def put_many(self, items: list[tuple[BlockAddress, Payload]], model: str,
-                 digests: list[bytes] | None) -> list[PutResult]:
+                 digests: list[bytes] | None, provenance: list[Provenance | None] | None = None) -> list[PutResult]:
         core = self.core
         now = core.clock()
         results: list[PutResult | None] = [None] * len(items)
@@ -70,7 +71,7 @@ class Writer:
                     results[i] = core.reject_locked(PutResult.DIGEST_MISMATCH)
                 continue
             todo.append(_Todo(i, address.storage_key, Pending(address.hash, address.layer, model, actual,
-                                                               owned, now)))
+                                                               owned, now, provenance[i] if provenance else None)))
         if core.config.write_through:
             self._write_through(todo, results)
         else:
@@ -102,7 +103,8 @@ class Writer:
                 admitted = self._admit_locked(t, need_ssd=False)
                 if admitted is not None:
                     results[t.index] = admitted
-                elif not core.ram.put(t.key, t.pending.payload, t.pending.digest, pinned=True):
+                elif not core.ram.put(t.key, t.pending.payload, t.pending.digest, pinned=True,
+                                      provenance=t.pending.provenance):
                     results[t.index] = core.reject_locked(PutResult.NO_SPACE if core.disk_full else PutResult.FULL)
                 else:
                     core.dirty[t.key] = t.pending
@@ -138,7 +140,7 @@ class Writer:
                         core.hold_locked(t.key, t.pending)
                         if not core.ram.contains(t.key):
                             core.ram.put(t.key, t.pending.payload, t.pending.digest,
-                                         limit_bytes=core.ram.capacity_bytes)
+                                         limit_bytes=core.ram.capacity_bytes, provenance=t.pending.provenance)
                     else:
                         core.reject_locked(outcome[t.key])
 
@@ -168,7 +170,7 @@ class Writer:
                 for key, p in accepted.items():
                     if outcome.get(key) is PutResult.OK:
                         core.ssd.add(key, SsdEntry(p.layer, p.payload.nbytes, p.digest, p.model,
-                                                   p.created_unix, now, p.block_hash))
+                                                   p.created_unix, now, p.block_hash, p.provenance))
         return outcome
 
     def _write_and_index(self, batch: dict[StorageKey, Pending]) -> dict[StorageKey, PutResult]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from fabric.keys import BlockAddress
+from fabric.provenance import Provenance
 from transports.codec import Miss
 
 
@@ -40,11 +41,13 @@ class BlockSource(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class Hit:
-    """A verified payload: its BLAKE3 digest matched the one the peer announced."""
+    """A verified payload: its BLAKE3 digest matched the one the peer announced. `provenance` is
+    the producer's record the peer sent with it (not yet checked: see transports/provenance_check.py)."""
 
     address: BlockAddress
     payload: bytes | bytearray | memoryview
     digest: bytes
+    provenance: Provenance | None = None
 
 
 PullResult = Hit | Miss

@@ -11,8 +11,17 @@ Wire layout of one frame (all integers little-endian):
 The header is a msgpack map whose schema depends on the frame type; only BLOCK and BLOCKS frames
 carry a payload. A BLOCKS frame answers a run of consecutive addresses of one PULL that are all
 hits: one header and one payload (the parts back to back) instead of a frame per part, each part
-with its own digest. Limits are checked on the preamble, before anything is buffered, so a peer
+with its own digest. BLOCK and BLOCKS frames may carry the producers' provenance records (see
+"Provenance" below). Limits are checked on the preamble, before anything is buffered, so a peer
 cannot make us allocate more than `max_header` + `max_payload` bytes per connection.
+
+Provenance (optional header fields of BLOCK and BLOCKS; all three or none)::
+
+    certs  [DER, ...]               each producer certificate once per frame
+    provs  [[record, cert index]]   each distinct record once per frame (fabric/provenance.py)
+    pix    [index or -1, ...]       one per part (a BLOCK has one part): its record, or -1 unsigned
+
+A block's layers share one record, so a frame of many layers of few blocks carries few records.
 
 Error strategy (one place): anything malformed raises `ProtocolError` with a message saying what
 was wrong. The decoder is then poisoned (every later call raises the same error): the transport
@@ -31,6 +40,7 @@ from typing import Any, ClassVar, cast
 import msgpack
 
 from fabric.keys import HASH_SIZE, BlockAddress, BlockHash
+from fabric.provenance import Provenance, ProvenanceError
 
 MAGIC = b"KVFB"
 VERSION = 1
@@ -126,6 +136,7 @@ class Block:
     address: BlockAddress
     digest: bytes
     payload: bytes | bytearray | memoryview = field(repr=False)
+    provenance: Provenance | None = None   # the producer's record, kept verbatim by every holder
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +155,7 @@ class Blocks:
     digests: bytes            # DIGEST_SIZE bytes per part, concatenated
     sizes: tuple[int, ...]
     payload: Payload | tuple[Payload, ...] = field(repr=False)
+    provenances: tuple[Provenance | None, ...] = ()   # one per part, or () when no part is signed
 
     @property
     def num_parts(self) -> int:
@@ -201,10 +213,12 @@ def _header(frame: Frame) -> dict[str, Any]:
             return {"node": node, "version": version, "max_payload": max_payload}
         case Pull(request_id=rid, addresses=addrs):
             return {"rid": rid, "addrs": [[a.hash, a.layer] for a in addrs]}
-        case Block(request_id=rid, address=a, digest=digest):
-            return {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
-        case Blocks(request_id=rid, first=first, digests=digests, sizes=sizes):
-            return {"rid": rid, "first": first, "digests": digests, "sizes": list(sizes)}
+        case Block(request_id=rid, address=a, digest=digest, provenance=prov):
+            header = {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
+            return header if prov is None else header | provenance_fields((prov,))
+        case Blocks(request_id=rid, first=first, digests=digests, sizes=sizes, provenances=provs):
+            header = {"rid": rid, "first": first, "digests": digests, "sizes": list(sizes)}
+            return header | provenance_fields(provs) if any(p is not None for p in provs) else header
         case Miss(request_id=rid, address=a, reason=reason):
             return {"rid": rid, "hash": a.hash, "layer": a.layer, "reason": reason.value}
         case End(request_id=rid):
@@ -223,7 +237,7 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
                  max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[bytes, Payload | tuple[Payload, ...]]:
     """Preamble + header as one bytes object, and the payload unchanged (for vectored writes): one
     buffer, or a BLOCKS frame's tuple of part buffers, to be written in order after the head."""
-    if type(frame) is Block:  # the data path, once per block sent: the same checks, no pattern matching
+    if type(frame) is Block and frame.provenance is None:  # the unsigned data path: the same checks, no matching
         body = frame.payload
         size = len(body) if type(body) is bytes else memoryview(body).nbytes
         a = frame.address
@@ -248,10 +262,30 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
         raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
     if isinstance(frame, Blocks):
         _check_parts(frame.digests, frame.sizes, payload_len, ValueError)
+        if frame.provenances and len(frame.provenances) != len(frame.sizes):
+            raise ValueError(f"BLOCKS carries {len(frame.provenances)} provenances for {len(frame.sizes)} parts")
         if isinstance(payload, tuple) and piece_sizes != frame.sizes:
             raise ValueError("BLOCKS part buffers do not have the sizes the header announces")
     preamble = PREAMBLE.pack(MAGIC, VERSION, int(frame.TYPE), 0, len(header), payload_len)
     return preamble + header, payload
+
+
+def provenance_fields(provs: Iterable[Provenance | None]) -> dict[str, Any]:
+    """The `certs` / `provs` / `pix` header fields for parts with these records (module docstring)."""
+    certs: dict[bytes, int] = {}
+    records: dict[Provenance, int] = {}
+    table: list[list[Any]] = []
+    pix: list[int] = []
+    for prov in provs:
+        if prov is None:
+            pix.append(-1)
+            continue
+        i = records.get(prov)
+        if i is None:
+            i = records[prov] = len(table)
+            table.append([prov.encode(), certs.setdefault(prov.cert_der, len(certs))])
+        pix.append(i)
+    return {"certs": list(certs), "provs": table, "pix": pix}
 
 
 def encode(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
@@ -326,8 +360,38 @@ def _check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Excepti
     return num_parts
 
 
+def _provenances(header: dict[Any, Any], num_parts: int, ftype: FrameType) -> tuple[Provenance | None, ...]:
+    """The record of each part from the `certs` / `provs` / `pix` fields; () when there are none."""
+    if "pix" not in header and "provs" not in header and "certs" not in header:
+        return ()
+    certs, table, pix = header.get("certs"), header.get("provs"), header.get("pix")
+    if type(certs) is not list or any(type(c) is not bytes for c in certs):
+        raise ProtocolError(f"{ftype.name} certs must be a list of bytes")
+    if type(table) is not list or len(table) > num_parts:
+        raise ProtocolError(f"{ftype.name} provs must be a list of at most one record per part")
+    if type(pix) is not list:
+        raise ProtocolError(f"{ftype.name} pix must be a list")
+    if len(pix) != num_parts:
+        raise ProtocolError(f"{ftype.name} needs one pix entry per part ({num_parts}), got {len(pix)}")
+    records: list[Provenance] = []
+    for entry in table:
+        if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not bytes or type(entry[1]) is not int \
+                or not 0 <= entry[1] < len(certs):
+            raise ProtocolError(f"{ftype.name} provs entries must be [record bytes, certificate index]")
+        try:
+            records.append(Provenance.decode(entry[0], certs[entry[1]]))
+        except ProvenanceError as e:
+            raise ProtocolError(f"{ftype.name} carries a bad provenance record: {e}") from None
+    out: list[Provenance | None] = []
+    for i in pix:
+        if type(i) is not int or not -1 <= i < len(records):
+            raise ProtocolError(f"{ftype.name} pix entry {i!r} out of range for {len(records)} records")
+        out.append(None if i < 0 else records[i])
+    return tuple(out)
+
+
 def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
-    if ftype is FrameType.BLOCK:  # the data path: a well-formed BLOCK is checked in one expression
+    if ftype is FrameType.BLOCK and len(header) == 4:  # the unsigned data path: checked in one expression
         rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
         if (type(rid) is int and 0 <= rid < 2**64 and type(hash_) is bytes and len(hash_) == HASH_SIZE
                 and type(layer) is int and 0 <= layer < 2**32 and type(digest) is bytes and len(digest) == DIGEST_SIZE):
@@ -355,12 +419,16 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
         if len(digest) != DIGEST_SIZE:
             raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
         addr = _address(header.get("hash"), header.get("layer"), ftype)
-        return Block(_u64(header, "rid", ftype), addr, digest, payload)
+        provs = _provenances(header, 1, ftype)
+        return Block(_u64(header, "rid", ftype), addr, digest, payload, provs[0] if provs else None)
     if ftype is FrameType.BLOCKS:
         rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
         digests, sizes = header.get("digests"), header.get("sizes")
-        _check_parts(digests, sizes, len(payload), ProtocolError)   # bytes and a list of ints from here on
-        return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload)
+        num_parts = _check_parts(digests, sizes, len(payload), ProtocolError)   # bytes and ints from here on
+        provs = _provenances(header, num_parts, ftype)
+        if not any(p is not None for p in provs):
+            provs = ()
+        return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload, provs)
     if ftype is FrameType.MISS:
         addr = _address(header.get("hash"), header.get("layer"), ftype)
         reason = _enum(MissReason, _field(header, "reason", str, ftype), ftype)

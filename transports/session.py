@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.keys import BlockAddress
+from fabric.provenance import Provenance
 from transports.base import PullResult, SourceBlock
 from transports.codec import (
     DEFAULT_MAX_PAYLOAD,
@@ -74,6 +75,9 @@ Fetched = SourceBlock | None | Exception   # what a store read gave: a block, no
 GROUP_PART_MAX = 128 * 1024
 GROUP_BYTES = 1024 * 1024 + GROUP_PART_MAX   # one store fetch batch (1 MiB and the block crossing it)
 MAX_PARTS = 256   # keeps a BLOCKS header (~36 bytes per part) far below the 64 KiB header limit
+# Provenance records and producer certificates a BLOCKS header may hold before its run is cut: a
+# run of many distinct blocks (a layer-major pull of small layers) stays under the header limit.
+PROVENANCE_HEADER_BUDGET = 32 * 1024
 
 
 class State(enum.Enum):
@@ -265,7 +269,8 @@ class ServerSession(_Session):
         budget = min(GROUP_BYTES, limit)
         out: list[Frame] = []
         run: list[SourceBlock] = []    # consecutive hits not yet framed, starting at address index `start`
-        start = run_bytes = 0
+        start = run_bytes = run_prov_bytes = 0
+        last_prov: Provenance | None = None
         for i, got in enumerate(fetched):
             reason = MissReason.NOT_FOUND
             if got is not None and not isinstance(got, Exception):
@@ -274,14 +279,25 @@ class ServerSession(_Session):
                 if size <= limit:
                     stats.num_hits += 1
                     stats.num_bytes += size
-                    if run and (run_bytes + size > budget or len(run) == MAX_PARTS or size > GROUP_PART_MAX):
+                    # Stores hand out their records; a source without them serves unsigned blocks.
+                    prov: Provenance | None = getattr(got, "provenance", None)
+                    prov_bytes = 0   # header bytes this part's record (and certificate) add to the run
+                    if prov is not None and prov is not last_prov:
+                        prov_bytes = 128 + len(prov.layer_digests) + (
+                            len(prov.cert_der) if last_prov is None or prov.cert_der != last_prov.cert_der else 0)
+                        last_prov = prov
+                    if run and (run_bytes + size > budget or len(run) == MAX_PARTS or size > GROUP_PART_MAX
+                                or run_prov_bytes + prov_bytes > PROVENANCE_HEADER_BUDGET):
                         out.append(self._frame_run(request_id, first + start, addresses[start], run))
                         run = []
                     if size > GROUP_PART_MAX:
-                        out.append(Block(request_id, addresses[i], got.digest, payload))
+                        out.append(Block(request_id, addresses[i], got.digest, payload, prov))
                         continue
                     if not run:
                         start, run_bytes = i, 0
+                        run_prov_bytes = 0 if prov is None else 128 + len(prov.layer_digests) + len(prov.cert_der)
+                    else:
+                        run_prov_bytes += prov_bytes
                     run.append(got)
                     run_bytes += size
                     continue
@@ -299,11 +315,13 @@ class ServerSession(_Session):
 
     @staticmethod
     def _frame_run(request_id: int, first: int, address: BlockAddress, run: list[SourceBlock]) -> Block | Blocks:
+        provs: tuple[Provenance | None, ...] = tuple(getattr(b, "provenance", None) for b in run)
         if len(run) == 1:
-            return Block(request_id, address, run[0].digest, run[0].payload)
+            return Block(request_id, address, run[0].digest, run[0].payload, provs[0])
         payloads = tuple(b.payload for b in run)
         sizes = tuple(len(p) if type(p) is bytes else memoryview(p).nbytes for p in payloads)
-        return Blocks(request_id, first, b"".join([b.digest for b in run]), sizes, payloads)
+        signed = provs if any(p is not None for p in provs) else ()
+        return Blocks(request_id, first, b"".join([b.digest for b in run]), sizes, payloads, signed)
 
     def finish(self, request_id: int, now: float) -> list[Frame]:
         """END of an active pull; starts the next queued one (see `take_pulls`, `reading`)."""

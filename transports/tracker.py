@@ -124,7 +124,7 @@ class PullTracker:
             self.num_digest_mismatches += 1
             return Miss(self.request_id, address, MissReason.DIGEST_MISMATCH)
         self.num_bytes += payload.nbytes if isinstance(payload, memoryview) else len(payload)
-        return Hit(address, payload, frame.digest)
+        return Hit(address, payload, frame.digest, frame.provenance)
 
     def on_blocks(self, frame: Blocks) -> list[PullResult]:
         """The results of a BLOCKS frame of this request: one per part, each a Hit when the part
@@ -138,7 +138,7 @@ class PullTracker:
         self._next = first + n
         pieces = payload_pieces(frame.payload)   # a received frame has one buffer; one built in memory may have parts
         view = memoryview(pieces[0] if len(pieces) == 1 else b"".join(pieces)).cast("B")
-        digests = frame.digests
+        digests, provs = frame.digests, frame.provenances
         out: list[PullResult] = []
         rid, hasher = self.request_id, blake3.blake3
         offset = 0
@@ -147,7 +147,7 @@ class PullTracker:
             digest = digests[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE]
             offset += size
             if hasher(part).digest() == digest:
-                out.append(Hit(addresses[first + i], part, digest))
+                out.append(Hit(addresses[first + i], part, digest, provs[i] if provs else None))
                 self.num_bytes += size
             else:
                 self.num_digest_mismatches += 1

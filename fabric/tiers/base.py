@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import blake3
 
 from fabric.keys import StorageKey
+from fabric.provenance import Provenance
 
 DIGEST_SIZE = 32
 
@@ -48,6 +49,7 @@ class StoredBlock:
     payload: memoryview
     digest: bytes
     tier: Tier
+    provenance: Provenance | None = None   # the producer's signed record; None: unsigned, never vouched for
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,6 +25,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 from fabric.keys import StorageKey
+from fabric.provenance import Provenance
 from fabric.tiers.base import StoredBlock, Tier, TierStats
 
 
@@ -35,6 +36,7 @@ class _Entry:
     footprint: int
     referenced: bool
     pinned: bool
+    provenance: Provenance | None = None   # shared by the block's layers (one object per block)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,15 +86,20 @@ class RamTier:
         if entry is None:
             return None
         entry.referenced = True
-        return StoredBlock(entry.payload, entry.digest, Tier.RAM)
+        return StoredBlock(entry.payload, entry.digest, Tier.RAM, entry.provenance)
 
     def digest(self, key: StorageKey) -> bytes | None:
         """The digest of a resident block without marking it used."""
         entry = self._entries.get(key)
         return None if entry is None else entry.digest
 
+    def provenance(self, key: StorageKey) -> Provenance | None:
+        """The provenance record of a resident block without marking it used."""
+        entry = self._entries.get(key)
+        return None if entry is None else entry.provenance
+
     def put(self, key: StorageKey, payload: memoryview, digest: bytes, *, footprint: int | None = None,
-            pinned: bool = False, limit_bytes: int | None = None) -> bool:
+            pinned: bool = False, limit_bytes: int | None = None, provenance: Provenance | None = None) -> bool:
         """Store a verified payload (replacing any old one); False if it would pass the limit.
 
         `payload` must not be mutated afterwards (pass a view over bytes or a buffer nobody
@@ -106,7 +113,8 @@ class RamTier:
             return False
         if old is not None:
             self._drop(key, old)
-        self._entries[key] = _Entry(payload.toreadonly(), digest, size, referenced=False, pinned=pinned)
+        self._entries[key] = _Entry(payload.toreadonly(), digest, size, referenced=False, pinned=pinned,
+                                    provenance=provenance)
         self._used += size
         self._num_pinned += pinned
         return True

@@ -59,6 +59,7 @@ from pathlib import Path
 import blake3
 
 from fabric.keys import StorageKey
+from fabric.provenance import Provenance
 from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier, TierStats
 from fabric.tiers.sync import fsync_folder, syncfs, syncfs_supported, try_fsync_folder
 
@@ -90,6 +91,7 @@ class SsdEntry:
     created_unix: float
     last_seen_unix: float
     block_hash: bytes = b""     # b"" for a block loaded from a row older than the hash field
+    provenance: Provenance | None = None   # from the index row; None: unsigned (or a row older than it)
     row_seen_unix: float = field(init=False)   # the last_seen_unix its index row holds
 
     def __post_init__(self) -> None:

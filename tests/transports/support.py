@@ -12,17 +12,22 @@ from contextlib import asynccontextmanager, contextmanager
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
+import blake3
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic.configuration import QuicConfiguration
 
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
+from fabric.provenance import Provenance, sign_block
 from fabric.store import Store
-from transports.base import Peer, PullResult
+from transports.base import Hit, Peer, PullResult
 from transports.certs import CredentialFiles, NodeCredentials
+from transports.identity import NodeSigner, TrustAnchor
+from transports.provenance_check import ProvenanceVerifier
 from transports.quic_base import ALPN
 
+SIGNED_NAMESPACE = b"s" * 32   # the namespace root of `signed_store` blocks
 TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this
 NODE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak_node.py"
 
@@ -146,3 +151,35 @@ def node_process(cert_dir: Path, *args: str) -> Iterator[NodeProcess]:
         yield node
     finally:
         node.stop()
+@contextmanager
+def signed_store(root: Path, cert_dir: Path, producer: str, num_layers: int = 4,
+                 size: int = 50_000) -> Iterator[tuple[Store, dict[BlockAddress, bytes], Provenance]]:
+    """A real Store holding one block of `num_layers` random layers, signed by `producer`'s node key
+    (as a NodeActor signs what its engine stores); the payloads by address and the block's record."""
+    kv = KVConfig(ram_gib=0.05, ssd_dir=str(root / "ssd"), index_dir=str(root / "index"),
+                  ssd_gib=0.1, write_through=True, durable=False, o_direct=False)
+    block = BlockHash(os.urandom(32))
+    payloads = {BlockAddress(block, layer): os.urandom(size) for layer in range(num_layers)}
+    signer = NodeSigner(cert_dir / f"{producer}.pem", cert_dir / f"{producer}.key")
+    record = sign_block(SIGNED_NAMESPACE, block, [blake3.blake3(p).digest() for p in payloads.values()],
+                        signer.node, signer.cert_der, signer.sign)
+    with Store.open(kv, background=False) as store:
+        assert all(r.ok for r in store.put_many(list(payloads.items()), provenance=[record] * num_layers))
+        yield store, payloads, record
+
+
+def check_signed_pull(cert_dir: Path, root: Path, serving: Callable[..., Any], client_of: Callable[..., Any]) -> None:
+    """Pull a block signed by "node-b" from a "node-a" server of one transport (`serving(cert_dir,
+    source)` / `client_of(cert_dir)`): every layer arrives with the record, and the record verifies."""
+    async def main() -> tuple[list[PullResult], dict[BlockAddress, bytes]]:
+        with signed_store(root, cert_dir, "node-b") as (store, payloads, _):
+            async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
+                return await pull_all(client, peer, list(payloads)), payloads
+
+    results, payloads = run(main())
+    verifier = ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem"))
+    assert [r.address for r in results] == list(payloads)
+    for r in results:
+        assert isinstance(r, Hit) and bytes(r.payload) == payloads[r.address]
+        assert r.provenance is not None and r.provenance.producer == "node-b"
+        assert verifier.check(r.provenance, SIGNED_NAMESPACE, r.address.hash, r.address.layer, r.digest) is None

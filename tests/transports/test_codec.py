@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fabric.keys import BlockAddress, BlockHash
+from fabric.provenance import Provenance, sign_block
 from transports.codec import (
     MAGIC,
     PREAMBLE,
@@ -301,3 +302,54 @@ def test_no_pickle_in_codec() -> None:
     import transports.codec as codec
     with open(codec.__file__) as f:
         assert "pickle" not in f.read().replace("No pickle", "")
+
+
+# ---- provenance in BLOCK and BLOCKS frames
+
+
+def _record(block: bytes, producer: str = "node-a", cert: bytes = b"C" * 300, num_layers: int = 2) -> Provenance:
+    return sign_block(b"n" * 32, block, [bytes([i]) * 32 for i in range(num_layers)], producer, cert,
+                      lambda m: b"s" * 64)
+
+
+def test_provenance_round_trips_in_block_and_blocks_frames() -> None:
+    a, b = _record(b"a" * 32), _record(b"b" * 32, producer="node-b", cert=b"D" * 200)
+    block = Block(7, BlockAddress(BlockHash(b"a" * 32), 1), b"d" * 32, b"payload", a)
+    blocks = Blocks(8, 3, b"d" * 96, (1, 2, 3), b"xyyzzz", (a, None, b))
+    shared = Blocks(9, 0, b"d" * 64, (1, 1), b"xy", (a, a))
+    got = FrameDecoder().feed(encode_many([block, blocks, shared]))
+    assert isinstance(got[0], Block) and got[0].provenance == a and got[0].provenance.cert_der == b"C" * 300
+    assert isinstance(got[1], Blocks) and got[1].provenances == (a, None, b)
+    assert got[1].provenances[2].cert_der == b"D" * 200
+    assert isinstance(got[2], Blocks) and got[2].provenances[0] is got[2].provenances[1]  # sent once, shared
+    wire = encode(shared)
+    header_len = PREAMBLE.unpack_from(wire)[4]
+    header = msgpack.unpackb(wire[PREAMBLE_SIZE:PREAMBLE_SIZE + header_len], raw=False)
+    assert len(header["provs"]) == 1 and len(header["certs"]) == 1
+    plain = FrameDecoder().feed(encode(Block(1, BlockAddress(BlockHash(b"a" * 32), 0), b"d" * 32, b"p")))
+    assert plain[0].provenance is None   # unsigned: no provenance fields at all
+
+
+RECORD = _record(b"h" * 32).encode()
+GOOD_PROV = {"certs": [b"C" * 10], "provs": [[RECORD, 0]], "pix": [0, -1]}
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"certs": "x"}, "certs must be a list"), ({"certs": [1]}, "certs must be a list of bytes"),
+    ({"provs": "x"}, "provs must be a list"), ({"provs": [[b"x", 0]]}, "provenance record"),
+    ({"provs": [["rec", 0]]}, "provs entries"), ({"provs": [[RECORD, 5]]}, "provs entries"),
+    ({"pix": [0]}, "one pix entry per part"), ({"pix": [0, 2]}, "pix entry 2 out of range"),
+    ({"pix": [True, -1]}, "pix entry"), ({"pix": None}, "pix must be a list"),
+    ({"certs": None}, "certs must be a list"),
+])
+def test_bad_provenance_headers_are_named(change: dict[str, object], message: str) -> None:
+    raw = msgpack.packb(GOOD_BLOCKS | GOOD_PROV | change, use_bin_type=True)
+    wire = _preamble(ftype=FrameType.BLOCKS, header_len=len(raw), payload_len=3) + raw + b"abc"
+    with pytest.raises(ProtocolError, match=message):
+        FrameDecoder().feed(wire)
+    raw = msgpack.packb(GOOD_BLOCK | {"certs": [b"C"], "provs": [[RECORD, 0]], "pix": [0, 0]}, use_bin_type=True)
+    with pytest.raises(ProtocolError, match="one pix entry per part"):
+        FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc")
+    raw = msgpack.packb(GOOD_BLOCK | {"certs": [b"C"]}, use_bin_type=True)   # a partial table is not "unsigned"
+    with pytest.raises(ProtocolError, match="provs must be a list"):
+        FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc")

@@ -20,7 +20,7 @@ import pytest
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
-from support import closing, creds, filled_store, pull_all, raw_peer, run, started, wait_until
+from support import check_signed_pull, closing, creds, filled_store, pull_all, raw_peer, run, started, wait_until
 
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
@@ -490,3 +490,9 @@ def test_config_sets_datagram_size_and_flow_control_windows(cert_dir: Path, memo
             await server.close()
 
     run(main())
+
+
+def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_path: Path) -> None:
+    """The producer's record travels with every layer, and a puller that has never met the producer
+    verifies it from the certificate the frames carry."""
+    check_signed_pull(cert_dir, tmp_path, serving, client_of)

@@ -12,6 +12,7 @@ import msgpack
 import pytest
 
 from fabric.keys import BlockAddress, BlockHash
+from fabric.provenance import Provenance, sign_block
 from transports.base import Hit, PullResult
 from transports.codec import (
     MAGIC,
@@ -407,3 +408,34 @@ def test_a_refused_pull_is_answered_overloaded_and_frees_its_slot() -> None:
     stream.receive(encode(Pull(5, (addr(1),))), 0.0)
     stream.take_pulls()
     assert stream.refuse(5, 0.0, "busy")[0].code is ErrorCode.OVERLOADED and stream.closing   # the stream is done
+
+
+class Signed(Stored):
+    """A stored block with its producer's record (what a Store hands out)."""
+
+    def __init__(self, payload: bytes, provenance: Provenance | None) -> None:
+        super().__init__(payload)
+        self.provenance = provenance
+
+
+def test_each_hit_carries_its_blocks_record_even_across_many_distinct_blocks() -> None:
+    # 600 blocks of 2 layers each, asked layer-major: every part of a BLOCKS frame is another block,
+    # so the records alone would pass the header limit if frames were not cut for them.
+    store: dict[BlockAddress, Fetched] = {}
+    records = {}
+    for i in range(600):
+        payloads = [os.urandom(512) for _ in range(2)]
+        records[i] = None if i % 7 == 3 else sign_block(
+            b"n" * 32, addr(i).hash, [blake3.blake3(p).digest() for p in payloads], "node-p", b"C" * 600,
+            lambda m: b"s" * 64)
+        for layer, p in enumerate(payloads):
+            store[addr(i, layer)] = Signed(p, records[i])
+    pair = Pair(store)
+    asked = [addr(i, layer) for layer in range(2) for i in range(600)]
+    rid = pair.pull(asked[:1024])
+    pair.run()
+    got = pair.results[rid]
+    assert len(got) == 1024 and all(isinstance(r, Hit) for r in got)
+    for r in got:
+        i = next(i for i in range(600) if addr(i).hash == r.address.hash)
+        assert isinstance(r, Hit) and r.provenance == records[i]

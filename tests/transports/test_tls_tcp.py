@@ -17,7 +17,7 @@ from typing import Any
 import blake3
 import pytest
 from cryptography import x509
-from support import closing, creds, filled_store, pull_all, run, started, wait_until
+from support import check_signed_pull, closing, creds, filled_store, pull_all, run, started, wait_until
 
 from fabric.keys import BlockAddress, BlockHash
 from transports import tls_tcp
@@ -798,3 +798,9 @@ def test_a_revoked_certificate_is_refused_on_both_sides_once_the_revocation_list
             assert auth_failures(client.metrics, "server_revoked") == 1
 
     run(main())
+
+
+def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_path: Path) -> None:
+    """The producer's record travels with every layer, and a puller that has never met the producer
+    verifies it from the certificate the frames carry."""
+    check_signed_pull(cert_dir, tmp_path, serving, client_of)

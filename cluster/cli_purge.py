@@ -1,0 +1,43 @@
+"""`kvfabric purge --producer NODE`: remove every block a node produced, on every node.
+
+For a node whose key is compromised or whose engine produced wrong KV: each NodeActor deletes
+the blocks whose provenance record names that producer (mirrors' copies included, since a mirror
+keeps the producer's record), and the directory forgets them through the nodes' removal events.
+Revoke the node's certificate too (`kvfabric certs revoke`, then distribute crl.pem) so that no
+block it signs later is accepted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from cluster.cli import CLIError
+
+
+def register(sub: Any) -> None:
+    purge = sub.add_parser("purge", help="remove every block a node produced, on every node")
+    purge.add_argument("--producer", required=True, help="the producer's node name (its certificate's name)")
+    purge.add_argument("--address", help="Ray address (default: the cluster `up` started, else auto)")
+    purge.add_argument("--json", action="store_true", help="print one JSON object")
+    purge.set_defaults(func=cmd_purge)
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from cluster.cli_cluster import _connect
+    from cluster.client import purge_producer
+
+    if not args.producer.strip():
+        raise CLIError("--producer needs a node name")
+    _connect(args.address)
+    removed = purge_producer(args.producer)
+    if not removed:
+        raise CLIError("no kvfabric nodes found; start the fabric with `kvfabric start` or `kvfabric up`")
+    if args.json:
+        print(json.dumps({"producer": args.producer, "removed": removed}))
+    else:
+        for node_id, count in removed.items():
+            print(f"{node_id[:12]}  {count if isinstance(count, str) else f'{count} payloads removed'}")
+    failed = [n for n, c in removed.items() if isinstance(c, str)]
+    return 1 if failed else 0

@@ -1,0 +1,217 @@
+"""The puller over real TLS-TCP and real stores: only payloads their producer signed are accepted.
+
+Nodes here are real Stores served by real TLS-TCP servers with certificates of one cluster CA;
+the puller is `pull_prefix` as the NodeActor runs it. A liar holds a valid node certificate and
+serves its own bytes with digests that match them, so every transport check passes: only
+provenance can tell its bytes from the producer's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Iterator
+from pathlib import Path
+
+import blake3
+import numpy as np
+import pytest
+from cryptography import x509
+
+from cluster.api import payload_shape
+from cluster.local import LocalFabric
+from cluster.node_load import LayerProgress, Provenances, PullOutcome, pull_prefix
+from cluster.planner import plan_pulls
+from fabric.config import KVConfig
+from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
+from fabric.layout import KVLayout
+from fabric.provenance import Provenance, Rejection, sign_block
+from fabric.store import Store
+from transports.base import Peer
+from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
+from transports.identity import NodeSigner, TrustAnchor
+from transports.provenance_check import ProvenanceVerifier
+from transports.tls_tcp import TlsTcpClient, TlsTcpServer
+
+LAYOUT = KVLayout.mha(3, 2, 32, "f16")
+NS = Namespace("prov-model", LAYOUT, block_size=16, weights_fingerprint="prov")
+TOKENS = list(range(16 * 6))
+HASHES = block_hashes(NS, TOKENS)
+NUM_BLOCKS = len(HASHES)
+NODES = ("node-honest", "node-mirror", "node-puller", "node-revoked", *(f"liar-{i}" for i in range(8)))
+
+
+@pytest.fixture(scope="module")
+def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("certs")
+    init_ca(d)
+    for node in NODES:
+        issue_node(d, node)
+    return d
+
+
+def _signer(cert_dir: Path, node: str) -> NodeSigner:
+    return NodeSigner(cert_dir / f"{node}.pem", cert_dir / f"{node}.key")
+
+
+def _creds(cert_dir: Path, node: str) -> NodeCredentials:
+    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
+
+
+@dataclasses.dataclass
+class Node:
+    name: str
+    store: Store
+    fabric: LocalFabric
+
+
+@pytest.fixture
+def open_node(tmp_path: Path) -> Iterator[object]:
+    stores: list[Store] = []
+
+    def open_(name: str) -> Node:
+        kv = KVConfig(ram_gib=0.05, ssd_dir=str(tmp_path / name / "ssd"), index_dir=str(tmp_path / name / "index"),
+                      ssd_gib=0.1, write_through=True, durable=False, o_direct=False)
+        store = Store.open(kv, background=False)
+        stores.append(store)
+        return Node(name, store, LocalFabric(store, name))
+    yield open_
+    for store in stores:
+        store.close()
+
+
+def _random_payloads(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, payload_shape(NS, NUM_BLOCKS), dtype=np.uint8)
+
+
+async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trust: TrustAnchor,
+                layer_major: bool = True) -> tuple[np.ndarray, int, list[Provenance | None], PullOutcome]:
+    """Pull every block from `owners` (per block, as the directory would name them) into a fresh buffer."""
+    servers = {n.name: TlsTcpServer(_creds(cert_dir, n.name), n.store, "127.0.0.1", 0) for n in nodes}
+    peers = {}
+    for name, server in servers.items():
+        host, port = await server.start()
+        peers[name] = Peer(name, host, port)
+    client = TlsTcpClient(_creds(cert_dir, "node-puller"))
+    out = np.zeros(payload_shape(NS, NUM_BLOCKS), dtype=np.uint8)
+    digests = [[b""] * LAYOUT.num_layers for _ in range(NUM_BLOCKS)]
+    provenance: list[Provenance | None] = [None] * NUM_BLOCKS
+    progress = LayerProgress(NUM_BLOCKS, LAYOUT.num_layers)
+    try:
+        outcome = await pull_prefix(client, peers, HASHES, owners, 0, out, digests, progress, [""] * NUM_BLOCKS,
+                                    verifier=ProvenanceVerifier(trust), namespace=NS.root,
+                                    provenance=provenance, timeout_s=10.0, layer_major=layer_major)
+    finally:
+        await client.close()
+        for server in servers.values():
+            await server.close()
+    return out, progress.complete_blocks(), provenance, outcome
+
+
+def _liar_first() -> str:
+    """A liar's name that the planner puts before the honest node for this prefix."""
+    for i in range(8):
+        name = f"liar-{i}"
+        if plan_pulls([[name, "node-honest"]] * NUM_BLOCKS, 0, hashes=HASHES)[0].node_id == name:
+            return name
+    raise AssertionError("no liar name wins the tie-break: is it still a function of the block?")
+
+
+def _lie(liar: Node, honest: Node, cert_dir: Path, how: str) -> np.ndarray:
+    """The liar stores its own bytes under the honest blocks' addresses, with correct digests."""
+    fake = _random_payloads(99)
+    if how == "unsigned":
+        liar.fabric.write_blocks(NS, HASHES, fake)
+    elif how == "copied_record":   # the honest producer's records beside the liar's bytes
+        records = [honest.store.get_block(a).provenance for a in _first_layers()]
+        liar.fabric.write_blocks(NS, HASHES, fake, provenance=records)
+    else:   # signed with the liar's own key, naming the honest node as producer
+        signer = _signer(cert_dir, liar.name)
+        records = [sign_block(NS.root, h, [blake3.blake3(fake[b, layer]).digest()
+                                           for layer in range(LAYOUT.num_layers)], "node-honest",
+                              signer.cert_der, signer.sign) for b, h in enumerate(HASHES)]
+        liar.fabric.write_blocks(NS, HASHES, fake, provenance=records)
+    return fake
+
+
+def _first_layers() -> list[BlockAddress]:
+    return [BlockAddress(BlockHash(h), 0) for h in HASHES]
+
+
+@pytest.mark.parametrize("layer_major", [True, False], ids=["layer_major", "into_slots"])
+@pytest.mark.parametrize(("how", "reason"), [("unsigned", Rejection.UNSIGNED),
+                                             ("copied_record", Rejection.WRONG_DIGEST),
+                                             ("forged_producer", Rejection.PRODUCER_MISMATCH)])
+def test_a_liar_with_a_valid_certificate_serves_no_byte(cert_dir: Path, open_node, how: str,
+                                                       reason: Rejection, layer_major: bool) -> None:
+    # block-major pulls receive runs of hits straight into the load's slots: a refused payload may
+    # sit in its slot, but the slot never counts and is asked again from the next owner
+    honest, liar = open_node("node-honest"), open_node(_liar_first())
+    truth = _random_payloads(1)
+    stored = honest.fabric.write_blocks(NS, HASHES, truth, signer=_signer(cert_dir, "node-honest"))
+    assert stored.num_stored == NUM_BLOCKS
+    fake = _lie(liar, honest, cert_dir, how)
+    trust = TrustAnchor.from_files(cert_dir / "ca.pem")
+
+    # the liar alone: nothing is accepted, every payload is a named rejection
+    out, complete, provenance, outcome = asyncio.run(
+        _pull(cert_dir, [liar], [[liar.name]] * NUM_BLOCKS, trust, layer_major))
+    assert complete == 0
+    assert outcome.rejections == {reason: NUM_BLOCKS * LAYOUT.num_layers}
+    assert provenance == [None] * NUM_BLOCKS
+
+    # the liar first, the honest producer next: every byte is the producer's, none the liar's
+    out, complete, provenance, outcome = asyncio.run(
+        _pull(cert_dir, [liar, honest], [[liar.name, "node-honest"]] * NUM_BLOCKS, trust, layer_major))
+    assert complete == NUM_BLOCKS
+    assert np.array_equal(out, truth) and not np.array_equal(out, fake)
+    assert outcome.rejections.get(reason, 0) > 0 and outcome.num_fallbacks > 0
+    assert all(p is not None and p.producer == "node-honest" for p in provenance)
+
+
+def test_a_mirrored_block_still_verifies_on_a_third_node(cert_dir: Path, open_node) -> None:
+    honest, mirror = open_node("node-honest"), open_node("node-mirror")
+    truth = _random_payloads(2)
+    honest.fabric.write_blocks(NS, HASHES, truth, signer=_signer(cert_dir, "node-honest"))
+    trust = TrustAnchor.from_files(cert_dir / "ca.pem")
+    out, complete, provenance, _ = asyncio.run(_pull(cert_dir, [honest], [["node-honest"]] * NUM_BLOCKS, trust))
+    assert complete == NUM_BLOCKS
+    # the mirror keeps the producer's records verbatim (what NodeActor._mirror does)
+    digests = [[blake3.blake3(out[b, layer]).digest() for layer in range(LAYOUT.num_layers)]
+               for b in range(NUM_BLOCKS)]
+    assert mirror.fabric.write_blocks(NS, HASHES, out, digests=digests, provenance=provenance).num_stored == NUM_BLOCKS
+    out, complete, provenance, outcome = asyncio.run(
+        _pull(cert_dir, [mirror], [["node-mirror"]] * NUM_BLOCKS, trust))
+    assert complete == NUM_BLOCKS and np.array_equal(out, truth) and not outcome.rejections
+    assert {p.producer for p in provenance if p is not None} == {"node-honest"}
+
+
+def test_a_revoked_producers_blocks_are_refused(cert_dir: Path, open_node, tmp_path: Path) -> None:
+    producer = open_node("node-revoked")
+    producer.fabric.write_blocks(NS, HASHES, _random_payloads(3), signer=_signer(cert_dir, "node-revoked"))
+    cert = x509.load_pem_x509_certificate((cert_dir / "node-revoked.pem").read_bytes())
+    crl_dir = tmp_path / "crl"
+    crl_dir.mkdir()
+    for name in ("ca.pem", "ca.key"):
+        (crl_dir / name).write_bytes((cert_dir / name).read_bytes())
+    revoke(crl_dir, {cert.serial_number})
+    trust = TrustAnchor.from_files(crl_dir / "ca.pem")
+    out, complete, _, outcome = asyncio.run(_pull(cert_dir, [producer], [["node-revoked"]] * NUM_BLOCKS, trust))
+    assert complete == 0 and not out.any()
+    assert outcome.rejections == {Rejection.REVOKED: NUM_BLOCKS * LAYOUT.num_layers}
+
+
+def test_a_block_whose_layers_came_under_two_records_is_kept_unsigned(cert_dir: Path) -> None:
+    # Two producers computed the same block (their records differ): a mirror cannot vouch for a
+    # mix, so the block's record for mirroring is None (kept, never served to peers as verified).
+    records = {}
+    for node in ("node-honest", "node-mirror"):
+        signer = _signer(cert_dir, node)
+        records[node] = sign_block(NS.root, HASHES[0], [b"d" * 32] * LAYOUT.num_layers, signer.node,
+                                   signer.cert_der, signer.sign)
+    provs = Provenances(ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem")), NS.root, [None, None])
+    provs.accept(0, records["node-honest"])
+    provs.accept(0, records["node-honest"])
+    provs.accept(1, records["node-honest"])
+    provs.accept(1, records["node-mirror"])
+    assert provs.records == [records["node-honest"], None]

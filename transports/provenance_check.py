@@ -1,0 +1,77 @@
+"""Checking a payload's provenance against the cluster CA: the puller's side of fabric/provenance.py.
+
+    Hit(address, payload, digest, provenance) ──► ProvenanceVerifier.check ──► None (accept) | Rejection
+
+A payload is accepted only when (in this order, cheapest first) it carries a record; the record is
+for that namespace, block and layer and signs that digest; the certificate beside it chains to the
+cluster CA, is valid now and not revoked (`TrustAnchor.identity`, itself cached); the certificate
+names the record's producer; and the signature verifies with the certificate's key.
+
+The signature check is the costly step and is the same for every layer of a block: its result is
+cached per record (bounded, least recently used out), so a block of L layers costs one signature
+verification and L - 1 dictionary lookups. Revocation is checked for every record object: the
+layers of one block decoded from one frame share one object, and the last one accepted skips
+straight to the per-layer digest check.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from fabric.provenance import Provenance, Rejection
+from transports.identity import IdentityError, NodeIdentity, TrustAnchor
+
+_IDENTITY_REJECTIONS = {r.value: r for r in (Rejection.UNTRUSTED, Rejection.EXPIRED, Rejection.REVOKED,
+                                             Rejection.NOT_A_NODE, Rejection.MALFORMED)}
+
+
+class ProvenanceVerifier:
+    """Decides whether a received payload is the producer's, per the cluster CA. Not thread-safe
+    (one per event loop)."""
+
+    def __init__(self, trust: TrustAnchor, *, cache_size: int = 8192) -> None:
+        self._trust = trust
+        self._verified: OrderedDict[Provenance, bool] = OrderedDict()
+        self._cache_size = cache_size
+        self._last_accepted: Provenance | None = None   # this very object passed every check below
+
+    @property
+    def trust(self) -> TrustAnchor:
+        return self._trust
+
+    @trust.setter
+    def trust(self, trust: TrustAnchor) -> None:
+        """A new CA view (a new revocation list): nothing accepted under the old one is skipped."""
+        self._trust = trust
+        self._last_accepted = None
+
+    def check(self, provenance: Provenance | None, namespace: bytes | None, block_hash: bytes, layer: int,
+              digest: bytes) -> Rejection | None:
+        """None when `digest` (already checked against the payload) is what the producer signed for
+        (block_hash, layer) in `namespace`; else why not."""
+        if provenance is None:
+            return Rejection.UNSIGNED
+        claim = provenance.check_claim(namespace, block_hash, layer, digest)
+        if claim is not None or provenance is self._last_accepted:
+            return claim
+        try:
+            ident = self._trust.identity(provenance.cert_der)
+        except IdentityError as e:
+            return _IDENTITY_REJECTIONS.get(e.reason, Rejection.UNTRUSTED)
+        if ident.node != provenance.producer:
+            return Rejection.PRODUCER_MISMATCH
+        if not self._signature_ok(ident, provenance):
+            return Rejection.BAD_SIGNATURE
+        self._last_accepted = provenance
+        return None
+
+    def _signature_ok(self, ident: NodeIdentity, provenance: Provenance) -> bool:
+        ok = self._verified.get(provenance)
+        if ok is None:
+            ok = ident.verify(provenance.signature, provenance.message())
+            self._verified[provenance] = ok
+            if len(self._verified) > self._cache_size:
+                self._verified.popitem(last=False)
+        else:
+            self._verified.move_to_end(provenance)
+        return ok

@@ -8,7 +8,8 @@ distinct blocks, cycled), every server in its own process:
     tls_tcp       kvfabric TLS-TCP: PULLs of 16 MiB of blocks, 2 in flight, every payload's BLAKE3 verified
     tls_tcp_provenance  the same with every payload's producer record checked too (benchmarks/
                   transfer_provenance.py); interleaved with tls_tcp, so the pair is a before/after
-    quic          kvfabric QUIC at 8952- and 1452-byte datagrams, and aioquic with its default settings
+    quic          kvfabric QUIC at 8952- and 1452-byte datagrams on aioquic and on qh3 (mTLS enforced on
+                  both), and aioquic with its default settings
                   (benchmarks/transfer_quic.py; time-bounded: QUIC moves less than the others)
     tcp_socket    plain TCP sockets, server sendall / client recv_into into one reused buffer (no framing,
                   no verification): the loopback ceiling
@@ -286,6 +287,9 @@ def quic_runs(cert_dir: Path) -> dict[str, Run] | None:
         "quic": timed(lambda bs, total, limit: tq.measure_kvfabric_quic(total, bs, 8952, cert_dir, limit)),
         "quic_1452": timed(lambda bs, total, limit: tq.measure_kvfabric_quic(total, bs, 1452, cert_dir, limit)),
         "quic_default": timed(lambda bs, total, limit: tq.measure_aioquic_default(total, bs, cert_dir, limit)),
+        "quic_qh3": timed(lambda bs, total, limit: tq.measure_kvfabric_quic(total, bs, 8952, cert_dir, limit, "qh3")),
+        "quic_qh3_1452": timed(lambda bs, total, limit: tq.measure_kvfabric_quic(total, bs, 1452, cert_dir, limit,
+                                                                                "qh3")),
     }
 
 
@@ -423,8 +427,7 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     for note in notes:
         logger.warning(note)
     names = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get",
-             "ray_object", "quic",
-             "quic_1452", "quic_default"]
+             "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3", "quic_qh3_1452"]
     out: dict[str, float | None] = {}
     for suffix in BLOCK_SIZES:
         for name in names:
@@ -451,7 +454,9 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
               "tls_tcp_provenance": "kvfabric TLS-TCP (verified + provenance)",
               "redis_get": "Redis GET (redis-py, pipelined)",
               "ray_object": "Ray object store, actor to actor", "quic": "kvfabric QUIC, 8952-byte datagrams",
-              "quic_1452": "kvfabric QUIC, 1452-byte datagrams", "quic_default": "aioquic default settings"}
+              "quic_1452": "kvfabric QUIC, 1452-byte datagrams", "quic_default": "aioquic default settings",
+              "quic_qh3": "kvfabric QUIC on qh3, 8952-byte datagrams",
+              "quic_qh3_1452": "kvfabric QUIC on qh3, 1452-byte datagrams"}
     rows = []
     for name, label in labels.items():
         cpu = [result.get(f"{name}_{end}_cpu_ms_per_mib") for end in ("client", "server")]
@@ -473,6 +478,11 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         out[f"tls_socket_blake3_vs_tls_socket{suffix}"] = _ratio(result[f"tls_socket_blake3_mb_s{suffix}"],
                                                                  result[f"tls_socket_mb_s{suffix}"])
         out[f"quic_vs_default{suffix}"] = _ratio(result[f"quic_mb_s{suffix}"], result[f"quic_default_mb_s{suffix}"])
+        qh3_1452 = result[f"quic_qh3_1452_mb_s{suffix}"]
+        out[f"quic_qh3_vs_aioquic_1452{suffix}"] = _ratio(qh3_1452, result[f"quic_1452_mb_s{suffix}"])
+        out[f"quic_qh3_vs_aioquic_8952{suffix}"] = _ratio(result[f"quic_qh3_mb_s{suffix}"],
+                                                          result[f"quic_mb_s{suffix}"])
+        out[f"quic_qh3_vs_tls_tcp_1452{suffix}"] = _ratio(qh3_1452, tls_tcp)
     out["quick"] = quick
     emit_json(out)
 

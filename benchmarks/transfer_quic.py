@@ -169,7 +169,7 @@ async def _stock_pull_throughput(port: int, cert_dir: Path, total_bytes: int, bl
 # -- the server subprocess -----------------------------------------------------------------
 
 
-async def _serve(cert_dir: Path, block_size: int, max_datagram_size: int | None) -> None:
+async def _serve(cert_dir: Path, block_size: int, max_datagram_size: int | None, backend: str = "aioquic") -> None:
     """max_datagram_size: ours with that size, 0 ours with stock settings, None stock aioquic."""
     source = _RandomSource(num_blocks(block_size), block_size)
     max_payload = max(block_size, 1 << 20)
@@ -177,7 +177,8 @@ async def _serve(cert_dir: Path, block_size: int, max_datagram_size: int | None)
         stock, port = await _stock_serve(cert_dir, source, max_payload)
     else:
         creds = NodeCredentials(CredentialFiles.for_node(cert_dir, SERVER_NODE))
-        server = QuicTransportServer(creds, source, tuning=_tuning(max_datagram_size), max_payload=max_payload)
+        server = QuicTransportServer(creds, source, tuning=_tuning(max_datagram_size), max_payload=max_payload,
+                                     backend=backend)
         _, port = await server.start()
     print(f"READY {port}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
@@ -187,9 +188,10 @@ async def _serve(cert_dir: Path, block_size: int, max_datagram_size: int | None)
         await server.close()
 
 
-def _start_server(cert_dir: Path, block_size: int, max_datagram_size: int | None) -> tuple[subprocess.Popen[str], int]:
+def _start_server(cert_dir: Path, block_size: int, max_datagram_size: int | None,
+                  backend: str = "aioquic") -> tuple[subprocess.Popen[str], int]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--serve", "--cert-dir", str(cert_dir),
-           "--block-size", str(block_size)]
+           "--block-size", str(block_size), "--backend", backend]
     if max_datagram_size is not None:
         cmd += ["--max-datagram-size", str(max_datagram_size)]
     proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -239,10 +241,10 @@ async def _drive(one_pull: Callable[[Sequence[BlockAddress]], Awaitable[None]], 
 
 
 async def _pull_throughput(port: int, cert_dir: Path, total_bytes: int, block_size: int,
-                           max_datagram_size: int, time_limit_s: float) -> float:
+                           max_datagram_size: int, time_limit_s: float, backend: str = "aioquic") -> float:
     creds = NodeCredentials(CredentialFiles.for_node(cert_dir, CLIENT_NODE))
     client = QuicTransportClient(creds, tuning=_tuning(max_datagram_size), max_payload=max(block_size, 1 << 20),
-                                 max_inflight=CONCURRENT_PULLS)
+                                 max_inflight=CONCURRENT_PULLS, backend=backend)
     peer = Peer(SERVER_NODE, "127.0.0.1", port)
     counts = {"moved": 0, "misses": 0}
 
@@ -260,12 +262,14 @@ async def _pull_throughput(port: int, cert_dir: Path, total_bytes: int, block_si
 
 
 async def ameasure_kvfabric_quic(total_bytes: int, block_size: int, max_datagram_size: int,
-                                 cert_dir: str | os.PathLike[str], time_limit_s: float) -> float:
-    """MB/s of verified pulls with kvfabric's QUIC tuning at `max_datagram_size`."""
+                                 cert_dir: str | os.PathLike[str], time_limit_s: float,
+                                 backend: str = "aioquic") -> float:
+    """MB/s of verified pulls (mTLS enforced) with kvfabric's QUIC tuning at `max_datagram_size`
+    over the QUIC library `backend`."""
     d = ensure_certs(cert_dir)
-    proc, port = _start_server(d, block_size, max_datagram_size)
+    proc, port = _start_server(d, block_size, max_datagram_size, backend)
     try:
-        return await _pull_throughput(port, d, total_bytes, block_size, max_datagram_size, time_limit_s)
+        return await _pull_throughput(port, d, total_bytes, block_size, max_datagram_size, time_limit_s, backend)
     finally:
         _stop_server(proc)
 
@@ -289,9 +293,10 @@ async def ameasure_kvfabric_default_settings(total_bytes: int, block_size: int,
 
 
 def measure_kvfabric_quic(total_bytes: int, block_size: int, max_datagram_size: int,
-                          cert_dir: str | os.PathLike[str], time_limit_s: float) -> float:
+                          cert_dir: str | os.PathLike[str], time_limit_s: float, backend: str = "aioquic") -> float:
     """Synchronous `ameasure_kvfabric_quic` (max_datagram_size 0: aioquic's default settings)."""
-    return asyncio.run(ameasure_kvfabric_quic(total_bytes, block_size, max_datagram_size, cert_dir, time_limit_s))
+    return asyncio.run(ameasure_kvfabric_quic(total_bytes, block_size, max_datagram_size, cert_dir, time_limit_s,
+                                              backend))
 
 
 def measure_aioquic_default(total_bytes: int, block_size: int, cert_dir: str | os.PathLike[str],
@@ -309,10 +314,11 @@ def main() -> None:
     parser.add_argument("--cert-dir", default=None)
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--max-datagram-size", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--backend", default="aioquic", help=argparse.SUPPRESS)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.serve:
-        asyncio.run(_serve(Path(args.cert_dir), args.block_size, args.max_datagram_size))
+        asyncio.run(_serve(Path(args.cert_dir), args.block_size, args.max_datagram_size, args.backend))
         return
     rounds, limit, total = (1, 0.5, 32 * MB) if args.quick else (args.rounds, args.time_limit,
                                                                   int(args.total_mb * MB))

@@ -29,6 +29,7 @@ def kvfabric_home() -> Path:
 
 
 TransportKind = Literal["quic", "tls-tcp", "rdma"]
+QuicBackendName = Literal["auto", "aioquic", "qh3"]
 
 
 @dataclass(slots=True)
@@ -69,6 +70,7 @@ class TransportConfig:
     kind: TransportKind = "tls-tcp"
     host: str = "127.0.0.1"
     quic_port: int = 0
+    quic_backend: QuicBackendName = "auto"       # QUIC library: qh3 when installed (auto), or pinned
     tcp_port: int = 0
     cert_dir: str = str(kvfabric_home() / "certs")
     node_name: str = "node-0"

@@ -27,6 +27,7 @@ from aioquic.quic.connection import QuicConnection
 
 from fabric.config import TransportConfig
 from transports.codec import Frame, encode_parts, payload_pieces
+from transports.quic_backend import QuicBackend
 
 ALPN = "kvfabric/1"
 TRANSPORT = "quic"
@@ -65,10 +66,12 @@ class QuicTuning:
         return cls(d.max_datagram_size, d.max_data, d.max_stream_data, 1024 * 1024, 0)
 
 
-def base_configuration(is_client: bool, tuning: QuicTuning, idle_timeout_s: float) -> QuicConfiguration:
-    return QuicConfiguration(is_client=is_client, alpn_protocols=[ALPN], idle_timeout=idle_timeout_s,
-                             max_datagram_size=tuning.max_datagram_size, max_data=tuning.max_data,
-                             max_stream_data=tuning.max_stream_data)
+def base_configuration(is_client: bool, tuning: QuicTuning, idle_timeout_s: float,
+                       backend: QuicBackend) -> QuicConfiguration:
+    """The library's QuicConfiguration (typed as aioquic's: qh3's has the same fields)."""
+    return cast(QuicConfiguration, backend.configuration(
+        is_client=is_client, alpn_protocols=[ALPN], idle_timeout=idle_timeout_s,
+        max_datagram_size=tuning.max_datagram_size, max_data=tuning.max_data, max_stream_data=tuning.max_stream_data))
 
 
 def send_frame(quic: QuicConnection, stream_id: int, frame: Frame, max_payload: int,
@@ -80,9 +83,3 @@ def send_frame(quic: QuicConnection, stream_id: int, frame: Frame, max_payload: 
     for i, view in enumerate(pieces):  # aioquic copies into its send buffer: hand it the payload's own memory
         quic.send_stream_data(stream_id, cast(bytes, view), end_stream=end_stream and i == len(pieces) - 1)
     return len(head) + sum(v.nbytes for v in pieces)
-
-
-def stop_reading(quic: QuicConnection, stream_id: int, code: int) -> None:
-    """STOP_SENDING to the peer, unless aioquic already discarded the stream."""
-    if stream_id in quic._streams and quic._stream_can_receive(stream_id):
-        quic.stop_stream(stream_id, code)

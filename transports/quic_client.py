@@ -1,4 +1,4 @@
-"""QUIC client (aioquic): pooled connections, one bidirectional stream per PULL, each stream a
+"""QUIC client (aioquic or qh3, `quic_backend`): pooled connections, one bidirectional stream per PULL, each stream a
 `ClientSession(hello=False)` that checks every digest and turns what the server left unanswered into
 misses.
 
@@ -22,11 +22,10 @@ import socket
 from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
-from functools import partial
-from typing import Any, cast
+from functools import cache, partial
+from typing import TYPE_CHECKING, Any, cast
 
 from aioquic import tls
-from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.quic import events
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
@@ -38,6 +37,7 @@ from transports.base import Peer, PullResult
 from transports.certs import CertificateError, NodeCredentials
 from transports.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
 from transports.metrics import TransportMetrics
+from transports.quic_backend import QuicBackend, resolve
 from transports.quic_base import (
     MAX_ADDRESSES_PER_STREAM,
     STREAM_CANCELLED,
@@ -45,11 +45,15 @@ from transports.quic_base import (
     TRANSPORT,
     QuicTuning,
     base_configuration,
-    stop_reading,
 )
-from transports.quic_tls import QuicTlsMaterial, server_revoked
+from transports.quic_tls import QuicTlsMaterial
 from transports.session import ClientSession
-from transports.udp import UdpEndpoint, udp_socket
+from transports.udp import udp_socket
+
+if TYPE_CHECKING:   # typed against aioquic; at run time the base is the chosen backend's (see _connection_class)
+    from aioquic.asyncio.protocol import QuicConnectionProtocol
+else:
+    QuicConnectionProtocol = object
 
 logger = logging.getLogger("transports.quic")
 
@@ -70,6 +74,7 @@ class _ClientConnection(QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, *, client: QuicTransportClient, peer: Peer) -> None:
         super().__init__(quic)
         self.client = client
+        self.events = client.backend.events
         self.peer = peer
         self.pulls: dict[int, _PullStream] = {}
         self.slots = asyncio.Semaphore(client.max_inflight)
@@ -94,14 +99,19 @@ class _ClientConnection(QuicConnectionProtocol):
                 waiter.set_exception(ConnectionError(self._quic._close_event.reason_phrase))
         self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
 
+    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
+        for datagram in data:   # a batch from a GRO / recvmmsg endpoint
+            self.datagram_received(datagram, addr)
+
     def quic_event_received(self, event: events.QuicEvent) -> None:
-        if isinstance(event, events.StreamDataReceived):
+        ev = self.events
+        if isinstance(event, ev.StreamDataReceived):
             self._on_data(event.stream_id, event.data, event.end_stream)
-        elif isinstance(event, events.StreamReset):
+        elif isinstance(event, ev.StreamReset):
             self._finish(event.stream_id, MissReason.PEER_ERROR)
-        elif isinstance(event, events.HandshakeCompleted):
+        elif isinstance(event, ev.HandshakeCompleted):
             self.session_resumed = event.session_resumed
-        elif isinstance(event, events.ConnectionTerminated):
+        elif isinstance(event, ev.ConnectionTerminated):
             self._on_terminated(event)
 
     def _on_terminated(self, event: events.ConnectionTerminated) -> None:
@@ -111,7 +121,7 @@ class _ClientConnection(QuicConnectionProtocol):
         if self._connected:
             self.client.metrics.connections.labels(TRANSPORT, "client").dec()
         if QuicErrorCode.CRYPTO_ERROR <= event.error_code < QuicErrorCode.CRYPTO_ERROR + 256:
-            ours = self._quic.tls.state != tls.State.CLIENT_POST_HANDSHAKE
+            ours = self._quic.tls.state.name != tls.State.CLIENT_POST_HANDSHAKE.name
             reason = "server_untrusted" if ours else "refused_by_server"
             self.client.metrics.auth_failures.labels(TRANSPORT, reason).inc()
             logger.warning("QUIC handshake with %s failed (%s): %s", self.peer.node, reason, event.reason_phrase)
@@ -137,7 +147,7 @@ class _ClientConnection(QuicConnectionProtocol):
         if error is not None:
             logger.warning("QUIC pull %d from %s: bad answer: %s", pull.request_id, self.peer.node, error)
             self.client.metrics.protocol_errors.labels(TRANSPORT).inc()
-            stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
+            self.client.backend.stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
         if pull.done:
             del self.pulls[stream_id]
         pull.wakeup.set()
@@ -169,7 +179,7 @@ class _ClientConnection(QuicConnectionProtocol):
     def abandon(self, stream_id: int) -> None:
         """Stop a pull early: ask the server to stop sending and forget the stream."""
         if self.pulls.pop(stream_id, None) is not None and not self.closed:
-            stop_reading(self._quic, stream_id, STREAM_CANCELLED)
+            self.client.backend.stop_reading(self._quic, stream_id, STREAM_CANCELLED)
             self.transmit()
 
 
@@ -192,7 +202,9 @@ class QuicTransportClient:
     def __init__(self, credentials: NodeCredentials, *, tuning: QuicTuning | None = None,
                  max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = 5.0,
                  idle_timeout_s: float = 30.0, frame_timeout_s: float = 10.0, max_inflight: int = 32,
-                 metrics: TransportMetrics | None = None) -> None:
+                 metrics: TransportMetrics | None = None, backend: str = "auto") -> None:
+        """`backend`: the QUIC library (see `quic_backend`); pair it with the servers' for resumption."""
+        self.backend = resolve(backend)
         self.credentials = credentials
         self.tuning = tuning or QuicTuning()
         self.max_payload = max_payload
@@ -201,11 +213,11 @@ class QuicTransportClient:
         self.frame_timeout_s = frame_timeout_s
         self.max_inflight = max_inflight
         self.metrics = metrics or TransportMetrics()
-        self._pool: dict[str, tuple[_ClientConnection, UdpEndpoint]] = {}
+        self._pool: dict[str, tuple[_ClientConnection, asyncio.DatagramTransport]] = {}
         self._locks: dict[str, asyncio.Lock] = {}
         self._tickets: dict[str, tls.SessionTicket] = {}
         self._num_connects: dict[str, int] = {}
-        self.tls = QuicTlsMaterial(credentials, base_configuration(True, self.tuning, idle_timeout_s))
+        self.tls = QuicTlsMaterial(credentials, base_configuration(True, self.tuning, idle_timeout_s, self.backend))
         self._tickets_generation = -1
         self._request_ids = itertools.count(1)
 
@@ -215,7 +227,7 @@ class QuicTransportClient:
         return cls(credentials, tuning=QuicTuning.from_config(config),
                    max_payload=config.max_payload_bytes, connect_timeout_s=config.connect_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, frame_timeout_s=config.frame_timeout_s,
-                   max_inflight=config.max_inflight, metrics=metrics)
+                   max_inflight=config.max_inflight, metrics=metrics, backend=config.quic_backend)
 
     def connection_info(self, peer: Peer) -> ConnectionInfo | None:
         entry = self._pool.get(peer.node)
@@ -309,8 +321,9 @@ class QuicTransportClient:
 
     async def _connect(self, peer: Peer) -> _ClientConnection | None:
         loop = asyncio.get_running_loop()
-        quic = QuicConnection(configuration=self._client_configuration(peer),
-                              session_ticket_handler=partial(self._tickets.__setitem__, peer.node))
+        quic = cast(QuicConnection, self.backend.connection(
+            configuration=self._client_configuration(peer),
+            session_ticket_handler=partial(self._tickets.__setitem__, peer.node) if self.backend.resumption else None))
         try:
             infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_DGRAM)
             family, addr = infos[0][0], infos[0][4]
@@ -318,8 +331,8 @@ class QuicTransportClient:
         except OSError as e:
             logger.warning("cannot reach QUIC peer %s at %s:%d: %s", peer.node, peer.host, peer.port, e)
             return None
-        conn = _ClientConnection(quic, client=self, peer=peer)
-        transport = UdpEndpoint(sock, conn)
+        conn = cast(_ClientConnection, _connection_class(self.backend)(quic, client=self, peer=peer))
+        transport = await self.backend.endpoint(sock, conn)
         self._num_connects[peer.node] = self._num_connects.get(peer.node, 0) + 1
         self._pool[peer.node] = (conn, transport)
         conn.connect(addr)
@@ -331,7 +344,7 @@ class QuicTransportClient:
             await self.disconnect(peer)
             return None
         self.metrics.connections.labels(TRANSPORT, "client").inc()   # disconnect() counts it down
-        if server_revoked(quic, self.tls.current().revoked):
+        if self.backend.server_revoked(quic, self.tls.current().revoked):
             self.metrics.auth_failures.labels(TRANSPORT, "server_revoked").inc()
             logger.warning("QUIC peer %s presented a revoked certificate; refused", peer.node)
             self._tickets.pop(peer.node, None)
@@ -359,3 +372,8 @@ class QuicTransportClient:
             await self.disconnect(entry[0].peer)
         await asyncio.sleep(0)
 
+
+@cache
+def _connection_class(backend: QuicBackend) -> type:
+    """The client connection class over `backend`'s asyncio protocol."""
+    return type(f"ClientConnection[{backend.name}]", (_ClientConnection, backend.protocol_base), {})

@@ -1,4 +1,4 @@
-"""QUIC server (aioquic): one `ServerSession` per PULL stream, answers pumped round-robin.
+"""QUIC server (aioquic or qh3, see `quic_backend`): one `ServerSession` per PULL stream, answers pumped round-robin.
 
     client stream: HELLO + PULL + FIN ──► ServerSession(hello=False, one_pull=True): the client's
                    payload limit, rules, frame deadline
@@ -38,14 +38,12 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, cast
+from functools import cache
+from typing import TYPE_CHECKING, Any, cast
 
-from aioquic._buffer import Buffer
-from aioquic.asyncio.protocol import QuicConnectionProtocol
-from aioquic.asyncio.server import QuicServer
 from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.packet import QuicErrorCode, QuicPacketType, pull_quic_header
+from aioquic.quic.packet import QuicErrorCode
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
@@ -54,6 +52,7 @@ from transports.budget import PeerBudgets, PeerRates, peer_rates
 from transports.certs import NodeCredentials
 from transports.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
 from transports.metrics import TransportMetrics
+from transports.quic_backend import QuicBackend, resolve
 from transports.quic_base import (
     ALPN,
     STREAM_PROTOCOL_ERROR,
@@ -62,12 +61,17 @@ from transports.quic_base import (
     QuicTuning,
     base_configuration,
     send_frame,
-    stop_reading,
 )
-from transports.quic_tls import QuicTlsMaterial, auth_failure, install_client_auth, peer_node
+from transports.quic_tls import QuicTlsMaterial
 from transports.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
 from transports.session import Fetched, ServerSession
-from transports.udp import UdpEndpoint, udp_socket
+from transports.udp import udp_socket
+
+if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's (see _classes)
+    from aioquic.asyncio.protocol import QuicConnectionProtocol
+    from aioquic.asyncio.server import QuicServer
+else:
+    QuicConnectionProtocol = QuicServer = object
 
 logger = logging.getLogger("transports.quic")
 
@@ -94,8 +98,10 @@ class _ServerConnection(QuicConnectionProtocol):
                  server: QuicTransportServer, host: str) -> None:
         super().__init__(quic)
         self._server = server
+        self._backend = server.backend
+        self.events = server.backend.events
         self.host = host   # the source address that opened it
-        install_client_auth(quic, server.tls.current)
+        self._backend.install_client_auth(quic, server.tls.current)
         self.node: str | None = None
         self._streams: dict[int, _Stream] = {}
         self._ready: deque[_Stream] = deque()   # streams with answers left to make or send
@@ -124,31 +130,36 @@ class _ServerConnection(QuicConnectionProtocol):
             self._on_terminated(self._quic._close_event)  # closing/draining: done serving it
         self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
 
+    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
+        for datagram in data:   # a batch from a GRO / recvmmsg endpoint
+            self.datagram_received(datagram, addr)
+
     def transmit(self) -> None:
         self._pump()
         super().transmit()
 
     def _check_refused(self) -> None:
         """Count and log a refused client as soon as the TLS hook refuses it (not after draining)."""
-        reason = auth_failure(self._quic)
+        reason = self._backend.auth_failure(self._quic)
         if reason is None:
             return
         self._refused = True
         close = self._quic._close_event
-        addr = self._quic._network_paths[0].addr if self._quic._network_paths else "?"
+        addr = self._backend.remote_address(self._quic)
         self._server.metrics.auth_failures.labels(TRANSPORT, reason.value).inc()
         logger.warning("refused QUIC client %s: %s (%s)", addr, reason.value, close.reason_phrase if close else "")
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
-        if isinstance(event, events.StreamDataReceived):
+        ev = self.events
+        if isinstance(event, ev.StreamDataReceived):
             self._on_data(event.stream_id, event.data, event.end_stream)
-        elif isinstance(event, events.HandshakeCompleted):
+        elif isinstance(event, ev.HandshakeCompleted):
             self._on_handshake(event)
-        elif isinstance(event, events.StreamReset):
+        elif isinstance(event, ev.StreamReset):
             self._close(event.stream_id, peer_finished=True)
-        elif isinstance(event, events.StopSendingReceived):
+        elif isinstance(event, ev.StopSendingReceived):
             self._close(event.stream_id)
-        elif isinstance(event, events.ConnectionTerminated):
+        elif isinstance(event, ev.ConnectionTerminated):
             self._on_terminated(event)
 
     # -- events --------------------------------------------------------------------------------
@@ -174,7 +185,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self.transmit()
 
     def _on_handshake(self, event: events.HandshakeCompleted) -> None:
-        node = peer_node(self._quic)
+        node = self._backend.peer_node(self._quic)
         self._end_half_open()
         if node is None:  # cannot happen with the hook installed; never serve an unknown peer
             self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
@@ -227,7 +238,7 @@ class _ServerConnection(QuicConnectionProtocol):
         if stream is None:
             if stream_id % 4 != 0:  # only client-initiated bidirectional streams carry PULLs
                 self._server.metrics.protocol_errors.labels(TRANSPORT).inc()
-                stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
+                self._backend.stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
                 return
             server = self._server
             session = ServerSession(server.node, self.node, now, max_payload=server.max_payload, max_inflight=1,
@@ -268,7 +279,8 @@ class _ServerConnection(QuicConnectionProtocol):
                     self._server.metrics.protocol_errors.labels(TRANSPORT).inc()
                 if not stream.peer_finished:
                     timed_out = session.close_reason is MissReason.TIMEOUT
-                    stop_reading(self._quic, stream.stream_id, STREAM_TIMEOUT if timed_out else STREAM_PROTOCOL_ERROR)
+                    self._backend.stop_reading(self._quic, stream.stream_id,
+                                               STREAM_TIMEOUT if timed_out else STREAM_PROTOCOL_ERROR)
 
     def _close(self, stream_id: int, peer_finished: bool = False) -> None:
         """Stop answering a stream and free its session."""
@@ -284,13 +296,12 @@ class _ServerConnection(QuicConnectionProtocol):
             self._streams.pop(stream_id, None)
 
     def _can_send(self, stream_id: int) -> bool:
-        qs = self._quic._streams.get(stream_id)
-        return qs is None or (qs.sender._buffer_fin is None and qs.sender._reset_error_code is None)
+        return self._backend.can_send(self._quic, stream_id)
 
     # -- sending -------------------------------------------------------------------------------
 
     def _unacked(self) -> int:
-        return sum(len(qs.sender._buffer) for qs in self._quic._streams.values())
+        return self._backend.queued(self._quic)
 
     def _pump(self) -> None:
         """Move answers into aioquic, round-robin over streams, up to the high-water mark."""
@@ -417,7 +428,8 @@ class _BoundedQuicServer(QuicServer):
         self._source = ""   # the address of the datagram being handled
 
     def _new_connection(self, quic: QuicConnection, stream_handler: Any = None) -> _ServerConnection:
-        return _ServerConnection(quic, stream_handler, server=self._owner, host=self._source)
+        return cast(_ServerConnection, _classes(self._owner.backend)[0](quic, stream_handler, server=self._owner,
+                                                                        host=self._source))
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
         owner = self._owner
@@ -434,16 +446,23 @@ class _BoundedQuicServer(QuicServer):
     def _new_initial(self, data: bytes) -> str | None:
         """None unless `data` is an Initial of a new connection; then "retry" if it only gets a
         (stateless) Retry, "connects" if it would make a connection."""
-        try:
-            header = pull_quic_header(Buffer(data=data), host_cid_length=self._configuration.connection_id_length)
-        except ValueError:
+        header = self._owner.backend.initial_header(data, self._configuration.connection_id_length)
+        if header is None:
             return None
-        if header.packet_type != QuicPacketType.INITIAL or header.destination_cid in self._protocols:
+        is_initial, destination_cid, token = header
+        if not is_initial or destination_cid in self._protocols:
             return None
-        return "retry" if self._retry is not None and not header.token else "connects"
+        return "retry" if self._retry is not None and not token else "connects"
 
     def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
         cast(_CidTable, self._protocols).forget(protocol)
+
+
+@cache
+def _classes(backend: QuicBackend) -> tuple[type, type]:
+    """The connection and server classes over `backend`'s asyncio protocol and server."""
+    return (type(f"ServerConnection[{backend.name}]", (_ServerConnection, backend.protocol_base), {}),
+            type(f"QuicServer[{backend.name}]", (_BoundedQuicServer, backend.server_base), {}))
 
 
 class QuicTransportServer(ServingServer):
@@ -457,12 +476,13 @@ class QuicTransportServer(ServingServer):
                  metrics: TransportMetrics | None = None, ticket_lifetime_s: float = 3600.0,
                  retry: bool = True, max_half_open: int = 128, max_half_open_per_address: int = 16,
                  handshake_timeout_s: float = 5.0, max_connections_per_peer: int = 8,
-                 peer_rates: PeerRates | None = None, io_threads: int = 4) -> None:
+                 peer_rates: PeerRates | None = None, io_threads: int = 4, backend: str = "auto") -> None:
         """`retry`: validate client addresses with a Retry before any handshake state is kept;
         `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
         them from one source address, each for at most `handshake_timeout_s`;
         `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);
-        `io_threads`: for slow reads."""
+        `io_threads`: for slow reads; `backend`: the QUIC library (see `quic_backend`)."""
+        self.backend = resolve(backend)
         self.credentials = credentials
         self.node = credentials.node
         self.source = source
@@ -482,7 +502,7 @@ class QuicTransportServer(ServingServer):
         self._half_open: dict[str, int] = {}   # source address -> its connections mid-handshake
         self.num_dropped_initials = 0
         self.num_throttled_datagrams = 0   # dropped from peers over their budget
-        self.tls = QuicTlsMaterial(credentials, base_configuration(False, self.tuning, idle_timeout_s),
+        self.tls = QuicTlsMaterial(credentials, base_configuration(False, self.tuning, idle_timeout_s, self.backend),
                                    ticket_lifetime_s)
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-quic-io") if io_threads else None
         self.fetches: set[asyncio.Task[None]] = set()
@@ -499,7 +519,7 @@ class QuicTransportServer(ServingServer):
                    max_half_open=config.quic_max_half_open,
                    max_half_open_per_address=config.quic_max_half_open_per_address,
                    max_connections_per_peer=config.max_connections_per_peer, peer_rates=peer_rates(config),
-                   metrics=metrics)
+                   metrics=metrics, backend=config.quic_backend)
 
     def half_open_of(self, host: str) -> int:
         """Connections from source address `host` still mid-handshake."""
@@ -530,12 +550,14 @@ class QuicTransportServer(ServingServer):
         if self._server is not None:
             raise RuntimeError("QUIC server already started")
         # Each connection takes its TLS material from self.tls when its handshake starts.
-        server = _BoundedQuicServer(owner=self, configuration=self.tls.current().configuration, retry=self.retry)
+        server = cast(_BoundedQuicServer, _classes(self.backend)[1](
+            owner=self, configuration=self.tls.current().configuration, retry=self.retry))
         sock = udp_socket(self.host, self.port, self.tuning.socket_buffer)
-        UdpEndpoint(sock, server)
-        self._server = server
         self.host, self.port = sock.getsockname()[:2]
-        logger.info("QUIC server listening on %s:%d (ALPN %s, retry %s)", self.host, self.port, ALPN, self.retry)
+        await self.backend.endpoint(sock, server)
+        self._server = server
+        logger.info("QUIC server listening on %s:%d (%s, ALPN %s, retry %s)", self.host, self.port,
+                    self.backend.name, ALPN, self.retry)
         return self.host, self.port
 
     async def close(self) -> None:

@@ -34,7 +34,6 @@ The hook relies on private aioquic names, hence the exact version pin checked at
 from __future__ import annotations
 
 import dataclasses
-import enum
 import logging
 import ssl
 import time
@@ -48,10 +47,9 @@ from aioquic import tls
 from aioquic._buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from cryptography import x509
-from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from transports.certs import CertificateError, NodeCredentials, node_name_of
+from transports.client_auth import AuthFailure, client_auth_allowed
 
 PINNED_AIOQUIC = "1.7.2"
 if aioquic.__version__ != PINNED_AIOQUIC:
@@ -69,17 +67,6 @@ class AlertCertificateRequired(tls.Alert):
 
 class AlertCertificateRevoked(tls.Alert):
     description = tls.AlertDescription.certificate_revoked
-
-
-class AuthFailure(enum.StrEnum):
-    """Why a server refused a client (the `reason` label of auth_failures_total)."""
-
-    NO_CERTIFICATE = "no_certificate"
-    EXPIRED = "expired"
-    REVOKED = "revoked"              # on the cluster CA's revocation list (crl.pem)
-    UNTRUSTED = "untrusted"          # chain does not lead to the cluster CA
-    NOT_A_NODE = "not_a_node"        # no DNS SAN, or not valid for client authentication
-    HANDSHAKE = "handshake"          # any other TLS failure (bad signature, no common ALPN, ...)
 
 
 @dataclass(slots=True)
@@ -170,14 +157,6 @@ class QuicTlsMaterial:
         return self._current
 
 
-def _client_auth_allowed(cert: x509.Certificate) -> bool:
-    try:
-        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
-    except x509.ExtensionNotFound:
-        return True  # no extended key usage: valid for every purpose
-    return ExtendedKeyUsageOID.CLIENT_AUTH in usage
-
-
 class ClusterServerContext(tls.Context):
     """aioquic's server TLS context with client authentication against the cluster CA."""
 
@@ -221,7 +200,7 @@ class ClusterServerContext(tls.Context):
             node = node_name_of(cert)
         except CertificateError as e:
             self._refuse(AuthFailure.NOT_A_NODE, tls.AlertBadCertificate(str(e)))
-        if not _client_auth_allowed(cert):
+        if not client_auth_allowed(cert):
             self._refuse(AuthFailure.NOT_A_NODE,
                          tls.AlertBadCertificate("certificate is not valid for client authentication"))
         self._candidate = (node, cert.not_valid_after_utc.timestamp())

@@ -47,6 +47,7 @@ def test_events_are_off_by_default_and_load_from_their_section(tmp_path: Path) -
     ("[kv]\nram_gib = -1\n", "kv.ram_gib must be > 0"),
     ("[kv]\nprefetch_threshold = 1.5\n", r"must be in \(0, 1\]"),
     ("[transport]\nkind = \"udp\"\n", "must be one of"),
+    ("[transport]\nquic_backend = \"quiche\"\n", "quic_backend: must be one of 'auto', 'aioquic', 'qh3'"),
     ("[transport]\nmax_datagram_size = 100000\n", "max_datagram_size must be in"),
     ("[cluster]\nlease_s = 1\nheartbeat_s = 2\n", "must exceed"),
     ("kv = 3\n", "must be a table"),

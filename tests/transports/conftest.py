@@ -7,6 +7,8 @@
   whose SAN is "node-a" (to impersonate a real node from outside the cluster CA).
 * `odd_certs` (session): certificates signed by the cluster CA that must still not authenticate
   a node: "rogue-ca" carries CA:TRUE (a CA, not a node), "server-only" lacks the clientAuth usage.
+* `quic_backend`: each QUIC library the transport runs on ("aioquic", "qh3"); a test taking it
+  runs once per library.
 * `memory_source`: a factory of `MemorySource`, a dict-backed `BlockSource` filled with random
   payloads whose BLAKE3 digests are computed on insertion.
 """
@@ -165,3 +167,8 @@ def memory_source() -> MemorySourceFactory:
         return src
 
     return make
+
+
+@pytest.fixture(params=["aioquic", "qh3"])
+def quic_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)

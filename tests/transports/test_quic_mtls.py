@@ -1,4 +1,4 @@
-"""Mutual TLS on the QUIC transport, over real loopback handshakes.
+"""Mutual TLS on the QUIC transport, over real loopback handshakes, with each QUIC library.
 
 The server must refuse clients without a certificate, with one from a foreign CA (made by the
 `openssl` CLI) or with an expired one, count and log each refusal, serve nothing to them, and
@@ -36,9 +36,10 @@ def node_files(cert_dir: Path, node: str) -> CredentialFiles:
 
 
 @asynccontextmanager
-async def serving(files: CredentialFiles, source: Any, node: str = "node-a") -> AsyncIterator[
+async def serving(files: CredentialFiles, source: Any, backend: str, node: str = "node-a") -> AsyncIterator[
         tuple[QuicTransportServer, Peer]]:
-    server = QuicTransportServer(NodeCredentials(files), source)
+    server = QuicTransportServer(NodeCredentials(files), source, backend=backend)
+    assert server.backend.name == backend
     host, port = await server.start()
     try:
         yield server, Peer(node, host, port)
@@ -46,8 +47,9 @@ async def serving(files: CredentialFiles, source: Any, node: str = "node-a") -> 
         await server.close()
 
 
-async def pull_with(files: CredentialFiles, peer: Peer, addresses: Any) -> tuple[list[Any], QuicTransportClient]:
-    client = QuicTransportClient(NodeCredentials(files), connect_timeout_s=5.0)
+async def pull_with(files: CredentialFiles, peer: Peer, addresses: Any,
+                    backend: str) -> tuple[list[Any], QuicTransportClient]:
+    client = QuicTransportClient(NodeCredentials(files), connect_timeout_s=5.0, backend=backend)
     try:
         return [r async for r in client.pull(peer, addresses)], client
     finally:
@@ -60,8 +62,8 @@ def auth_failures(server_or_client: Any, reason: str) -> float:
     return value or 0.0
 
 
-async def good_client_is_served(cert_dir: Path, peer: Peer, addresses: Any) -> None:
-    results, _ = await pull_with(node_files(cert_dir, "client-1"), peer, addresses)
+async def good_client_is_served(cert_dir: Path, peer: Peer, addresses: Any, backend: str) -> None:
+    results, _ = await pull_with(node_files(cert_dir, "client-1"), peer, addresses, backend)
     assert [r.address for r in results] == addresses and all(isinstance(r, Hit) for r in results)
 
 
@@ -75,11 +77,11 @@ def assert_refused(results: list[Any], addresses: Any) -> None:
 
 
 def test_client_without_certificate_is_refused_counted_and_logged(
-        cert_dir: Path, memory_source: Any, caplog: pytest.LogCaptureFixture) -> None:
+        cert_dir: Path, memory_source: Any, caplog: pytest.LogCaptureFixture, quic_backend: str) -> None:
     source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
 
     async def main() -> None:
-        async with serving(node_files(cert_dir, "node-a"), source) as (server, peer):
+        async with serving(node_files(cert_dir, "node-a"), source, quic_backend) as (server, peer):
             # Stock aioquic client: trusts our CA but presents no certificate of its own.
             config = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], server_name="node-a")
             config.load_verify_locations(cadata=(cert_dir / "ca.pem").read_bytes())
@@ -93,7 +95,7 @@ def test_client_without_certificate_is_refused_counted_and_logged(
             assert closed is not None and closed.error_code == 0x100 + 116  # certificate_required alert
             assert auth_failures(server, "no_certificate") == 1
             assert source.num_gets == 0
-            await good_client_is_served(cert_dir, peer, source.addresses)
+            await good_client_is_served(cert_dir, peer, source.addresses, quic_backend)
             # The refused connection never became a peer; the good client's may already be closed.
             assert server.peer_nodes in ([], ["client-1"])
 
@@ -103,54 +105,55 @@ def test_client_without_certificate_is_refused_counted_and_logged(
 
 
 def test_client_with_openssl_made_foreign_certificate_is_refused(
-        cert_dir: Path, openssl_foreign: Any, memory_source: Any) -> None:
+        cert_dir: Path, openssl_foreign: Any, memory_source: Any, quic_backend: str) -> None:
     source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
     intruder = CredentialFiles(cert_dir / "ca.pem", openssl_foreign.client_cert, openssl_foreign.client_key)
 
     async def main() -> None:
-        async with serving(node_files(cert_dir, "node-a"), source) as (server, peer):
-            results, _ = await pull_with(intruder, peer, source.addresses)
+        async with serving(node_files(cert_dir, "node-a"), source, quic_backend) as (server, peer):
+            results, _ = await pull_with(intruder, peer, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(server, "untrusted") == 1
             assert source.num_gets == 0 and server.peer_nodes == []
-            await good_client_is_served(cert_dir, peer, source.addresses)
+            await good_client_is_served(cert_dir, peer, source.addresses, quic_backend)
 
     run(main())
 
 
-def test_client_with_expired_certificate_is_refused(cert_dir: Path, memory_source: Any) -> None:
+def test_client_with_expired_certificate_is_refused(cert_dir: Path, memory_source: Any, quic_backend: str) -> None:
     source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
 
     async def main() -> None:
-        async with serving(node_files(cert_dir, "node-a"), source) as (server, peer):
-            results, client = await pull_with(node_files(cert_dir, "expired-1"), peer, source.addresses)
+        async with serving(node_files(cert_dir, "node-a"), source, quic_backend) as (server, peer):
+            results, client = await pull_with(node_files(cert_dir, "expired-1"), peer, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(server, "expired") == 1
             assert auth_failures(client, "refused_by_server") == 1
             assert source.num_gets == 0
-            await good_client_is_served(cert_dir, peer, source.addresses)
+            await good_client_is_served(cert_dir, peer, source.addresses, quic_backend)
 
     run(main())
 
 
 @pytest.mark.parametrize("node", ["rogue-ca", "server-only"])
 def test_cluster_signed_certificate_that_is_no_client_node_certificate_is_refused(
-        odd_certs: Path, memory_source: Any, node: str) -> None:
+        odd_certs: Path, memory_source: Any, node: str, quic_backend: str) -> None:
     """Signed by the cluster CA, but a CA certificate or one not valid for client authentication."""
     source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
 
     async def main() -> None:
-        async with serving(node_files(odd_certs, "node-a"), source) as (server, peer):
-            results, _ = await pull_with(node_files(odd_certs, node), peer, source.addresses)
+        async with serving(node_files(odd_certs, "node-a"), source, quic_backend) as (server, peer):
+            results, _ = await pull_with(node_files(odd_certs, node), peer, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(server, "not_a_node") == 1
             assert source.num_gets == 0 and server.peer_nodes == []
-            await good_client_is_served(odd_certs, peer, source.addresses)
+            await good_client_is_served(odd_certs, peer, source.addresses, quic_backend)
 
     run(main())
 
 
-def test_a_revoked_client_is_refused_once_the_revocation_list_appears(tmp_path: Path, memory_source: Any) -> None:
+def test_a_revoked_client_is_refused_once_the_revocation_list_appears(
+        tmp_path: Path, memory_source: Any, quic_backend: str) -> None:
     d = tmp_path / "certs"
     init_ca(d)
     for node in ("node-a", "client-1", "client-2"):
@@ -159,15 +162,15 @@ def test_a_revoked_client_is_refused_once_the_revocation_list_appears(tmp_path: 
     serial = x509.load_pem_x509_certificate((d / "client-2.pem").read_bytes()).serial_number
 
     async def main() -> None:
-        async with serving(node_files(d, "node-a"), source) as (server, peer):
-            results, _ = await pull_with(node_files(d, "client-2"), peer, source.addresses)
+        async with serving(node_files(d, "node-a"), source, quic_backend) as (server, peer):
+            results, _ = await pull_with(node_files(d, "client-2"), peer, source.addresses, quic_backend)
             assert all(isinstance(r, Hit) for r in results)
             revoke(d, {serial})
-            results, client = await pull_with(node_files(d, "client-2"), peer, source.addresses)
+            results, client = await pull_with(node_files(d, "client-2"), peer, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(server, "revoked") == 1
             assert auth_failures(client, "refused_by_server") == 1
-            await good_client_is_served(d, peer, source.addresses)
+            await good_client_is_served(d, peer, source.addresses, quic_backend)
 
     run(main())
 
@@ -176,12 +179,13 @@ def test_a_revoked_client_is_refused_once_the_revocation_list_appears(tmp_path: 
 # The client refuses bad servers
 
 
-def test_client_refuses_a_cluster_server_whose_certificate_expired(cert_dir: Path, memory_source: Any) -> None:
+def test_client_refuses_a_cluster_server_whose_certificate_expired(
+        cert_dir: Path, memory_source: Any, quic_backend: str) -> None:
     source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
 
     async def main() -> None:
-        async with serving(node_files(cert_dir, "expired-1"), source, node="expired-1") as (_, peer):
-            results, client = await pull_with(node_files(cert_dir, "client-1"), peer, source.addresses)
+        async with serving(node_files(cert_dir, "expired-1"), source, quic_backend, node="expired-1") as (_, peer):
+            results, client = await pull_with(node_files(cert_dir, "client-1"), peer, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(client, "server_untrusted") == 1
             assert source.num_gets == 0
@@ -190,13 +194,13 @@ def test_client_refuses_a_cluster_server_whose_certificate_expired(cert_dir: Pat
 
 
 def test_client_refuses_a_server_certified_by_a_foreign_ca(
-        cert_dir: Path, openssl_foreign: Any, memory_source: Any) -> None:
+        cert_dir: Path, openssl_foreign: Any, memory_source: Any, quic_backend: str) -> None:
     source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
     impostor = CredentialFiles(openssl_foreign.ca, openssl_foreign.server_cert, openssl_foreign.server_key)
 
     async def main() -> None:
-        async with serving(impostor, source) as (_, peer):  # its certificate does say "node-a"
-            results, client = await pull_with(node_files(cert_dir, "client-1"), peer, source.addresses)
+        async with serving(impostor, source, quic_backend) as (_, peer):  # its certificate does say "node-a"
+            results, client = await pull_with(node_files(cert_dir, "client-1"), peer, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(client, "server_untrusted") == 1
             assert source.num_gets == 0
@@ -204,22 +208,24 @@ def test_client_refuses_a_server_certified_by_a_foreign_ca(
     run(main())
 
 
-def test_client_refuses_a_cluster_server_that_is_not_the_dialled_node(cert_dir: Path, memory_source: Any) -> None:
+def test_client_refuses_a_cluster_server_that_is_not_the_dialled_node(
+        cert_dir: Path, memory_source: Any, quic_backend: str) -> None:
     source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
 
     async def main() -> None:
-        async with serving(node_files(cert_dir, "node-b"), source, node="node-b") as (_, peer_b):
+        async with serving(node_files(cert_dir, "node-b"), source, quic_backend, node="node-b") as (_, peer_b):
             posing = Peer("node-a", peer_b.host, peer_b.port)  # we dial node-a, node-b answers
-            results, client = await pull_with(node_files(cert_dir, "client-1"), posing, source.addresses)
+            results, client = await pull_with(node_files(cert_dir, "client-1"), posing, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(client, "server_untrusted") == 1
             assert source.num_gets == 0
-            await good_client_is_served(cert_dir, peer_b, source.addresses)
+            await good_client_is_served(cert_dir, peer_b, source.addresses, quic_backend)
 
     run(main())
 
 
-def test_client_refuses_a_cluster_server_whose_certificate_was_revoked(tmp_path: Path, memory_source: Any) -> None:
+def test_client_refuses_a_cluster_server_whose_certificate_was_revoked(
+        tmp_path: Path, memory_source: Any, quic_backend: str) -> None:
     d = tmp_path / "certs"
     init_ca(d)
     for node in ("node-a", "client-1"):
@@ -228,8 +234,8 @@ def test_client_refuses_a_cluster_server_whose_certificate_was_revoked(tmp_path:
     source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
 
     async def main() -> None:
-        async with serving(node_files(d, "node-a"), source) as (_, peer):
-            results, client = await pull_with(node_files(d, "client-1"), peer, source.addresses)
+        async with serving(node_files(d, "node-a"), source, quic_backend) as (_, peer):
+            results, client = await pull_with(node_files(d, "client-1"), peer, source.addresses, quic_backend)
             assert all(not isinstance(r, Hit) for r in results)
             assert auth_failures(client, "server_revoked") == 1
             assert source.num_gets == 0

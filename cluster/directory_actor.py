@@ -27,7 +27,7 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,8 @@ from cryptography import x509
 
 from cluster.breaker import BreakerState, CircuitBreaker
 from cluster.directory import ApplyOutcome, DirectoryShard, LocateReply, NodeAddress, NodeInfo, shard_of
-from cluster.directory_auth import DirectoryGate
+from cluster.directory_auth import DirectoryGate, Proof
+from cluster.directory_upkeep import ShardUnavailable
 from fabric.config import ClusterConfig
 from transports.certs import CA_CERT, CRL, CertificateError, revoked_serials
 from transports.identity import TrustAnchor
@@ -193,10 +194,8 @@ class DirectoryClient:
             out.setdefault(shard_of(h, self.num_shards), []).append(i)
         return out
 
-    async def call(self, shard: int, method: str, *args: Any, timeout_s: float | None = None) -> Any:
-        """Call one shard; returns the answer and records its epoch. Raises one of SHARD_DOWN.
-        A shard that does not answer within `timeout_s` (default `directory_call_timeout_s`) opens its
-        breaker; any answer closes it."""
+    async def _invoke(self, shard: int, what: str, remote: Callable[[Any], Any], timeout_s: float | None = None
+                      ) -> Any:
         breaker = self.breakers[shard]
         try:
             handle = self.handle(shard)
@@ -204,13 +203,12 @@ class DirectoryClient:
             breaker.failure(time.monotonic())
             raise ray.exceptions.RayActorError() from None
         try:
-            epoch, *answer = await asyncio.wait_for(getattr(handle, method).remote(*args),
-                                                    timeout_s or self.call_timeout_s)
+            epoch, *answer = await asyncio.wait_for(remote(handle), timeout_s or self.call_timeout_s)
         except SHARD_DOWN:
             self._handles.pop(shard, None)
             if breaker.state is BreakerState.CLOSED:
                 logger.warning("directory shard %d did not answer %s in time: lookups answer local-only "
-                               "until it does", shard, method)
+                               "until it does", shard, what)
             breaker.failure(time.monotonic())
             raise
         if breaker.state is not BreakerState.CLOSED:
@@ -218,6 +216,47 @@ class DirectoryClient:
         breaker.success()
         self.epochs[shard] = epoch
         return answer[0] if len(answer) == 1 else tuple(answer)
+
+    async def _report(self, shard: int, what: str, remote: Callable[[Any], Any]) -> Any:
+        try:
+            return await self._invoke(shard, what, remote)
+        except SHARD_DOWN as e:
+            raise ShardUnavailable(f"directory shard {shard} did not answer {what}: {type(e).__name__}") from None
+
+    # ---- the calls a node's DirectoryUpkeep makes (DirectoryApi), one typed method each ----------------
+
+    def epoch(self, shard: int) -> str | None:
+        return self.epochs.get(shard)
+
+    async def heartbeat(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
+                        acked_seq: int | None, proof: Proof) -> ApplyOutcome:
+        outcome: ApplyOutcome = await self._report(shard, "heartbeat", lambda h: h.heartbeat.remote(
+            node_id, incarnation, address, acked_seq, proof))
+        return outcome
+
+    async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
+                    removed: Sequence[bytes], address: NodeAddress, proof: Proof) -> ApplyOutcome:
+        outcome: ApplyOutcome = await self._report(shard, "apply", lambda h: h.apply.remote(
+            node_id, incarnation, seq, stored, removed, address, proof))
+        return outcome
+
+    async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
+                           proof: Proof) -> int:
+        rid: int = await self._report(shard, "begin_resync", lambda h: h.begin_resync.remote(
+            node_id, incarnation, address, proof))
+        return rid
+
+    async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
+                           hashes: Sequence[bytes], proof: Proof) -> bool:
+        ok: bool = await self._report(shard, "resync_batch", lambda h: h.resync_batch.remote(
+            node_id, incarnation, resync_id, hashes, proof))
+        return ok
+
+    async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
+                         proof: Proof) -> bool:
+        ok: bool = await self._report(shard, "end_resync", lambda h: h.end_resync.remote(
+            node_id, incarnation, resync_id, seq, proof))
+        return ok
 
     def _probe_if_due(self, shard: int) -> None:
         """Send the one probe of an open breaker, off the request path."""
@@ -227,7 +266,7 @@ class DirectoryClient:
         async def probe() -> None:
             # On failure call() re-opens the breaker; the next lookup after probe_s probes again.
             with contextlib.suppress(*SHARD_DOWN):
-                await self.call(shard, "probe")
+                await self._invoke(shard, "probe", lambda h: h.probe.remote())
 
         task = asyncio.get_running_loop().create_task(probe())
         self._probes.add(task)
@@ -245,8 +284,9 @@ class DirectoryClient:
                 self._probe_if_due(shard)
                 return
             try:
-                reply, addrs = await self.call(shard, "locate", [hashes[i] for i in positions], list(exclude),
-                                               timeout_s=self.lookup_timeout_s)
+                asked = [hashes[i] for i in positions]
+                reply, addrs = await self._invoke(shard, "locate", lambda h: h.locate.remote(asked, list(exclude)),
+                                                  self.lookup_timeout_s)
             except SHARD_DOWN as e:
                 logger.info("directory shard %d did not answer a lookup (%s): treating as no owners",
                             shard, type(e).__name__)
@@ -267,7 +307,7 @@ class DirectoryClient:
         out = []
         for k in range(self.num_shards):
             try:
-                out.append(await self.call(k, "stats"))
+                out.append(await self._invoke(k, "stats", lambda h: h.stats.remote()))
             except SHARD_DOWN as e:
                 out.append({"shard": k, "error": type(e).__name__})
         return out

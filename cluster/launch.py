@@ -15,6 +15,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 import dataclasses
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,14 +100,15 @@ def ensure_ca(cert_dir: str) -> None:
         init_ca(cert_dir)
 
 
-def issue_local_certs(cert_dir: str, node_ids: list[str]) -> list[str]:
+def issue_local_certs(cert_dir: str, node_ids: list[str], hosts: Mapping[str, str] | None = None) -> list[str]:
     """As the operator of a local cluster (this process holds the CA): issue the certificate of each
-    node that has none, naming its node and 127.0.0.1, before its NodeActor starts. Returns the names."""
+    node that has none, naming its node and its address (`hosts[node_id]`, else 127.0.0.1), before
+    its NodeActor starts. Returns the names."""
     names = []
     for node_id in node_ids:
         name = node_name_for(node_id)
         if not (Path(cert_dir) / f"{name}.pem").exists():
-            issue_node(cert_dir, name, extra_sans=(LOOPBACK,))
+            issue_node(cert_dir, name, extra_sans=((hosts or {}).get(node_id, LOOPBACK),))
             names.append(name)
     return names
 

@@ -1,4 +1,5 @@
-"""`kvfabric up / stats / down` as a user runs them: separate processes, a real local Ray cluster."""
+"""`kvfabric up / stats / down` as a user runs them: separate processes, a real local Ray cluster
+(on 127.0.0.1, or with `--netns` one Ray node per network namespace of a test bed)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from cluster.netbed import missing_capability
+
 ROOT = Path(__file__).resolve().parents[2]
 KVFABRIC = [str(Path(sys.executable).parent / "kvfabric")]  # the installed entry point
+_missing = missing_capability()
 
 
 def run(args: list[str], home: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
@@ -50,6 +56,44 @@ def test_errors_a_user_can_fix_are_one_line(tmp_path: Path) -> None:
     stats = run(["stats", "--address", "127.0.0.1:1"], tmp_path, timeout=120)
     assert stats.returncode == 2 and "Traceback" not in stats.stderr
     assert "no Ray cluster at '127.0.0.1:1'" in stats.stderr.strip().splitlines()[-1]
+
+
+
+def _namespaces() -> set[str]:
+    return set(subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=False).stdout.split())
+
+
+def _links() -> str:
+    return subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=False).stdout
+
+
+@pytest.mark.skipif(_missing is not None, reason=f"network test bed needs {_missing}")
+def test_up_netns_puts_each_node_in_its_own_host_and_down_removes_the_bed(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    up = run(["up", "--nodes", "2", "--netns", "--link", "lan"], home)
+    state = json.loads((home / "local-cluster.json").read_text()) if (home / "local-cluster.json").exists() else {}
+    try:
+        assert up.returncode == 0, up.stderr[-3000:]
+        bed = json.loads(Path(state["netbed"]).read_text())
+        prefix = bed["prefix"]
+        assert {f"{prefix}h0", f"{prefix}h1"} <= _namespaces()
+        assert f"2 Ray nodes at {state['address']}" in up.stdout and "host 1 at" in up.stdout
+        assert "delay not applied" in up.stdout
+    finally:
+        down = run(["down"], home)
+    assert down.returncode == 0, down.stderr[-3000:]
+    assert not any(name.startswith(prefix) for name in _namespaces())
+    assert f"{prefix}br" not in _links() and f"{prefix}v0" not in _links()
+    assert not any(_alive(pid) for pid in bed["pids"])
+    assert not (home / "local-cluster.json").exists() and not Path(bed["root"]).exists()
+
+
+def test_link_options_a_user_gets_wrong_are_one_line(tmp_path: Path) -> None:
+    no_netns = run(["up", "--nodes", "2", "--link", "dc"], tmp_path)
+    assert no_netns.returncode == 2 and "--link needs --netns" in no_netns.stderr
+    bad = run(["up", "--nodes", "2", "--netns", "--link", "fast"], tmp_path)
+    assert bad.returncode == 2 and "unknown link profile 'fast'" in bad.stderr and "Traceback" not in bad.stderr
+    assert not (tmp_path / "local-cluster.json").exists()
 
 
 def _alive(pid: int) -> bool:

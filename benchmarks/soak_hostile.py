@@ -57,10 +57,11 @@ RESULTS = HERE / "results" / "soak_hostile.json"
 class Node:
     """The node process; a thread keeps its per-second loop-lag reports (and drains its stdout)."""
 
-    def __init__(self, cert_dir: Path) -> None:
+    def __init__(self, cert_dir: Path, config: Path | None = None) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, str(HERE / "soak_node.py"), "--cert-dir", str(cert_dir), "--node", SERVER_NODE,
-             "--blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--big-bytes", str(BIG_BYTES)],
+             "--blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--big-bytes", str(BIG_BYTES),
+             *(["--config", str(config)] if config is not None else [])],
             stdout=subprocess.PIPE, text=True)
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
@@ -166,10 +167,11 @@ class Phase:
         return max(w for w, _ in picked), percentile([p for _, p in picked], 99)
 
 
-async def soak(cert_dir: Path, idle_s: float, attack_s: float, rounds: int) -> dict[str, Any]:
+async def soak(cert_dir: Path, idle_s: float, attack_s: float, rounds: int,
+               config: Path | None = None) -> dict[str, Any]:
     """`rounds` times: the good client alone for idle_s / rounds, then attacked for attack_s / rounds
     (interleaved, so that a change in the machine's load touches both phases alike)."""
-    node = Node(cert_dir)
+    node = Node(cert_dir, config)
     good = GoodClient(cert_dir, node)
     idle, attack = Phase(), Phase()
     counts: dict[str, int] = {}
@@ -234,7 +236,8 @@ def report(raw: dict[str, Any], quick: bool, idle_s: float, attack_s: float, rou
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="4 s idle, 8 s attacked (smoke test)")
+    parser.add_argument("--quick", action="store_true",
+                        help="4 s idle, 8 s attacked, per-peer PULL budget 100/s (smoke test)")
     parser.add_argument("--idle-s", type=float, default=12.0)
     parser.add_argument("--attack-s", type=float, default=30.0)
     parser.add_argument("--rounds", type=int, default=3, help="idle / attacked phases interleaved this many times")
@@ -246,7 +249,14 @@ def main() -> None:
         init_ca(cert_dir)
         for node in (SERVER_NODE, GOOD, ATTACKER):
             issue_node(cert_dir, node, days=1)
-        raw = asyncio.run(soak(cert_dir, idle_s, attack_s, rounds))
+        config = None
+        if args.quick:
+            # A short run on a slow or busy machine may not flood past the default PULL budget
+            # (1,000/s): a small one makes sure the overloaded answers are exercised. Budgets are per
+            # peer, so the good client (well under it) is unaffected.
+            config = cert_dir / "quick.toml"
+            config.write_text("[transport]\npeer_pulls_per_s = 100.0\npeer_pull_burst = 100.0\n")
+        raw = asyncio.run(soak(cert_dir, idle_s, attack_s, rounds, config))
     result = report(raw, args.quick, idle_s, attack_s, rounds)
     if args.write_results:
         RESULTS.parent.mkdir(exist_ok=True)

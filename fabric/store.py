@@ -5,6 +5,7 @@
     get ──► RAM hit ─────────────────────────────────────────────────────────► view, no copy
         └─► SSD file ─► verify header + digest ─► promote to RAM ─────────────► view over the read
     lookup(addresses) ─► tier per address (device / RAM / SSD catalog, no I/O), leading run length
+    peek(addresses)   ─► the same answer; recency and access frequency stay untouched
     mirror(address, payload, digest) ─► a put checked against the peer's digest if [kv].mirror_pulls
 
 Modules: store_types (results, errors, counters), store_core (shared state, holdings, SSD reads),
@@ -239,13 +240,21 @@ class Store:
         finally:
             self._leave()
 
-    def lookup(self, addresses: Sequence[BlockAddress]) -> LookupResult:
-        """Which tier holds each address (device first), without reading any payload."""
+    def lookup(self, addresses: Sequence[BlockAddress], *, peek: bool = False) -> LookupResult:
+        """Which tier holds each address (device first), without reading any payload.
+
+        A lookup is an access: it refreshes the blocks' recency and access frequency, as a get
+        does. `peek=True` answers the same without touching either (see `peek`)."""
         keys = [a.storage_key for a in addresses]
         now = self._clock()
         with self._lock:
             self._check_open_locked()
-            return self._core.lookup_locked(addresses, keys, now)
+            return self._core.lookup_locked(addresses, keys, now, peek=peek)
+
+    def peek(self, addresses: Sequence[BlockAddress]) -> LookupResult:
+        """`lookup` that leaves recency and access frequency untouched: for a router probing nodes
+        that may not serve the request, so probing alone never reorders their eviction."""
+        return self.lookup(addresses, peek=True)
 
     async def aget_block(self, address: BlockAddress, *, promote: bool = True) -> StoredBlock | None:
         """`get_block` for an event loop: a RAM hit answers inline, a file read runs on the store's pool."""

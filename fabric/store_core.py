@@ -151,19 +151,22 @@ class StoreCore:
             self.metrics.evictions.labels(tier.value).inc(n)
 
     def lookup_locked(self, addresses: Sequence[BlockAddress], keys: Sequence[StorageKey],
-                      now: float) -> LookupResult:
-        """Which tier holds each address (device first), no I/O; RAM and SSD hits count as accesses."""
+                      now: float, *, peek: bool = False) -> LookupResult:
+        """Which tier holds each address (device first), no I/O. RAM and SSD hits count as accesses
+        (access frequency, SSD recency) unless `peek`: a peek leaves every eviction order as it was."""
         tiers: list[Tier | None] = []
         for address, key in zip(addresses, keys, strict=True):
             if self.device.contains(address.hash):
                 tiers.append(Tier.DEVICE)
             elif self.ram.contains(key):
                 tiers.append(Tier.RAM)
-                self.touch_locked(key, now)
+                if not peek:
+                    self.touch_locked(key, now)
             elif self.ssd.contains(key):
                 tiers.append(Tier.SSD)
-                self.touch_locked(key, now)
-                self.touched_ssd.add(key)
+                if not peek:
+                    self.touch_locked(key, now)
+                    self.touched_ssd.add(key)
             else:
                 tiers.append(None)
         num_leading = next((i for i, t in enumerate(tiers) if t is None), len(tiers))

@@ -445,3 +445,29 @@ def test_a_delete_racing_a_read_is_a_miss_not_a_lost_file(tmp_path: Path) -> Non
         assert store.get(addr(1)) is None
         assert store.metrics.value("kvfabric_index_reconciled_total", action="row_without_file") == 0
         assert store.metrics.value("kvfabric_lookup_seconds_count", tier="none", outcome="miss") == 1
+
+
+@pytest.mark.parametrize(("access", "evicted"), [("none", 0), ("peek", 0), ("lookup", 1), ("get", 1)])
+def test_a_peek_leaves_recency_as_if_the_block_was_never_looked_at(tmp_path: Path, access: str,
+                                                                   evicted: int) -> None:
+    """Five files past the SSD's low-water line: maintenance drops the least recently seen one.
+    Block 0 is the oldest; a peek at it leaves it the oldest, a lookup or a get saves it."""
+    clock = Clock()
+    per_file = HEADER_SIZE + 64 * 1024
+    cfg = kv(tmp_path, write_through=True, ssd_gib=5.5 * per_file / GIB)
+    with Store.open(cfg, background=False, clock=clock) as store:
+        for i in range(5):
+            clock.now += 1
+            assert store.put(addr(i), os.urandom(64 * 1024)) is PutResult.OK
+        clock.now += 1
+        if access == "peek":
+            assert store.peek([addr(0)]).tiers == (Tier.RAM,)
+            assert store.lookup([addr(0)], peek=True).num_leading == 1
+        elif access == "lookup":
+            store.lookup([addr(0)])
+        elif access == "get":
+            assert store.get(addr(0)) is not None
+        assert store.run_maintenance()["ssd_evicted"] == 1
+    with Store.open(cfg, background=False, clock=clock) as store:    # RAM is empty: only SSD answers
+        tiers = store.peek([addr(i) for i in range(5)]).tiers
+        assert [i for i, t in enumerate(tiers) if t is None] == [evicted]

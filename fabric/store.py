@@ -41,13 +41,21 @@ flushes, and always shuts the pools down and releases the index lock, even when 
 returns a CloseReport naming the acknowledged write-behind blocks it could not flush.
 
 Full disk: a flush that meets ENOSPC / EDQUOT / EFBIG (or an index that cannot write) leaves its
-blocks pinned in RAM and marks the disk full; write-behind puts keep landing in RAM up to its
-high-water mark and answer NO_SPACE past it; every tick retries, and the first success clears the
-state. The index keeps a reserve file so it can reopen on a full disk (fabric/index.py).
+blocks pinned in RAM and marks the disk full; write-behind puts keep landing in RAM while unpinned
+payloads can make room, and answer NO_SPACE (PINNED for a failing disk) once all of RAM is pinned;
+every tick retries, and the first success clears the state. The index keeps a reserve file so it
+can reopen on a full disk (fabric/index.py).
 
-Writes never wait for eviction: a put that would pass RAM's high-water mark (write-behind) or the
-SSD capacity (write-through) answers FULL, and the background thread (every eviction_interval_s)
-frees room. Costs: lookup O(addresses); a RAM get O(1) plus one BLAKE3 of 36 bytes for the
+A write is never refused for want of room while room can be made (fabric/store_writes.py). A put
+that would pass RAM's high-water mark or `ram_blocks` evicts unpinned payloads inline (CLOCK order;
+each is on SSD already, unless the SSD evictor dropped it). If all of RAM is pinned, the put
+commits the oldest pending write-behind blocks itself, through the same commit path in the same
+order (1-4 above), and only then evicts them from RAM: an acknowledged block is always in RAM or
+committed on SSD. A write that would pass the SSD's bytes or `ssd_blocks` evicts its least
+recently seen files first. What is still refused is counted by reason: FULL (larger than the SSD
+may hold), PINNED, NO_SPACE. The background thread (every eviction_interval_s) still trims each
+tier to its offload / low-water line, so most writes find room without evicting.
+Costs: lookup O(addresses); a RAM get O(1) plus one BLAKE3 of 36 bytes for the
 storage key; an SSD get one open + one read + one BLAKE3 of the payload.
 """
 
@@ -92,7 +100,7 @@ class Store:
         self.policy = TierPolicy.from_config(kv)
         self.metrics = StoreMetrics(registry)
         ssd = SsdTier(kv.ssd_dir, capacity_bytes=self.policy.ssd_capacity_bytes, durable=kv.durable,
-                      o_direct=kv.o_direct)
+                      o_direct=kv.o_direct, capacity_blocks=kv.ssd_blocks)
         index = Index(kv.index_dir, sync=kv.durable)
         try:
             report = reconcile(index, ssd)
@@ -115,8 +123,10 @@ class Store:
         self._writers = ThreadPoolExecutor(kv.io_threads, thread_name_prefix="kvfabric-ssd-write")
         self._async_pool = ThreadPoolExecutor(kv.io_threads, thread_name_prefix="kvfabric-io")
         self._writer = Writer(core, self._writers)
-        self.metrics.bind_tier(Tier.RAM, lambda: core.ram.num_blocks, lambda: core.ram.used_bytes)
-        self.metrics.bind_tier(Tier.SSD, lambda: core.ssd.num_blocks, lambda: core.ssd.used_bytes)
+        self.metrics.bind_tier(Tier.RAM, lambda: core.ram.num_blocks, lambda: core.ram.used_bytes,
+                               lambda: core.ram.num_held_blocks)
+        self.metrics.bind_tier(Tier.SSD, lambda: core.ssd.num_blocks, lambda: core.ssd.used_bytes,
+                               lambda: core.ssd.num_held_blocks)
         self.metrics.bind_tier(Tier.DEVICE, lambda: len(core.device), lambda: 0)
         self.metrics.pending_writes.set_function(lambda: len(core.dirty))
         self._background: maintenance.Background | None = None

@@ -243,15 +243,23 @@ def test_reads_rewrite_last_seen_rows_only_once_they_are_a_minute_old(tmp_path: 
         assert [store.get(addr(i)) is not None for i in (0, 9, 10, 19)] == [True, True, False, False]
 
 
+def filled_ssd(tmp_path: Path, clock: Clock, num_blocks: int, size: int,
+               capacity_files: float) -> tuple[Store, KVConfig]:
+    """A write-through store whose SSD takes `capacity_files` files of `size` payload bytes, with
+    blocks 0 .. num_blocks-1 put one second apart; and its config, for reopening."""
+    cfg = kv(tmp_path, write_through=True, ssd_gib=capacity_files * (HEADER_SIZE + size) / GIB)
+    store = Store.open(cfg, background=False, clock=clock)
+    for i in range(num_blocks):
+        clock.now += 1
+        assert store.put(addr(i), os.urandom(size)) is PutResult.OK
+    clock.now += 1
+    return store, cfg
+
+
 def test_a_full_ssd_evicts_its_least_recently_seen_file_inline_for_a_put(tmp_path: Path) -> None:
     clock = Clock()
-    per_file = HEADER_SIZE + 256 * 1024
-    cfg = kv(tmp_path, write_through=True, ssd_gib=4.5 * per_file / GIB)
-    with Store.open(cfg, background=False, clock=clock) as store:
-        for i in range(4):
-            clock.now += 1
-            assert store.put(addr(i), os.urandom(256 * 1024)) is PutResult.OK
-        clock.now += 1
+    store, cfg = filled_ssd(tmp_path, clock, 4, 256 * 1024, 4.5)
+    with store:
         store.lookup([addr(0)])                         # 0 is now the most recently seen
         assert store.put(addr(4), os.urandom(256 * 1024)) is PutResult.OK
         stats = store.stats()
@@ -474,13 +482,8 @@ def test_a_peek_leaves_recency_as_if_the_block_was_never_looked_at(tmp_path: Pat
     """Five files past the SSD's low-water line: maintenance drops the least recently seen one.
     Block 0 is the oldest; a peek at it leaves it the oldest, a lookup or a get saves it."""
     clock = Clock()
-    per_file = HEADER_SIZE + 64 * 1024
-    cfg = kv(tmp_path, write_through=True, ssd_gib=5.5 * per_file / GIB)
-    with Store.open(cfg, background=False, clock=clock) as store:
-        for i in range(5):
-            clock.now += 1
-            assert store.put(addr(i), os.urandom(64 * 1024)) is PutResult.OK
-        clock.now += 1
+    store, cfg = filled_ssd(tmp_path, clock, 5, 64 * 1024, 5.5)
+    with store:
         if access == "peek":
             assert store.peek([addr(0)]).tiers == (Tier.RAM,)
             assert store.lookup([addr(0)], peek=True).num_leading == 1

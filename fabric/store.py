@@ -153,8 +153,9 @@ class Store:
         """Store one (block, layer) payload. With `digest` (e.g. from the network) verify it first.
 
         Write-through: OK once the SSD file and its index row are committed (fsynced when durable).
-        Write-behind: OK once the payload is in RAM; the SSD copy follows. CONFLICT: the address
-        already holds other bytes (they stay). Raises StoreClosedError once `close()` has begun.
+        Write-behind: OK once the payload is in RAM; the SSD copy follows. A full tier makes room
+        first (module docstring); FULL / PINNED / NO_SPACE only when it cannot. CONFLICT: the
+        address already holds other bytes (they stay). Raises StoreClosedError once `close()` has begun.
         """
         return self.put_many([(address, payload)], model=model, digests=None if digest is None else [digest])[0]
 

@@ -6,7 +6,8 @@
                                      the same, each Ray node in its own network namespace (a test
                                      bed of hosts on a private bridge, links shaped by the profile)
     kvfabric start --address ADDR    the fabric on an existing Ray cluster (Ray jobs, the Helm chart)
-    kvfabric stats [--config F] [--json]  per node: blocks and bytes per tier, hit ratio, pulls by outcome;
+    kvfabric stats [--config F] [--json]  per node: blocks (of their block capacity) and bytes per tier,
+                                          refused puts, hit ratio, pulls by outcome;
                                      directory entries per shard
     kvfabric down                    stop the fabric (and the local cluster `up` started)
 """
@@ -231,6 +232,14 @@ def gather_stats(cluster: ClusterConfig) -> dict[str, Any]:
     return {"nodes": nodes, "directory": shards}
 
 
+def blocks_cell(tier: dict[str, Any]) -> str:
+    """Blocks a tier holds (distinct block hashes, all layers counted once), over its block
+    capacity when one is set: "120 / 1000"."""
+    held = tier.get("held_blocks", tier.get("blocks", "?"))
+    capacity = tier.get("capacity_blocks", 0)
+    return f"{held} / {capacity}" if capacity else str(held)
+
+
 def cmd_stats(args: argparse.Namespace) -> int:
     _, state = _connect(args.address)
     # The config the local cluster was started with, unless one is named: its namespace and shards.
@@ -242,17 +251,19 @@ def cmd_stats(args: argparse.Namespace) -> int:
     if not stats["nodes"]:
         raise CLIError("no kvfabric nodes found; start the fabric with `kvfabric start` or `kvfabric up`")
     table = Table(title="kvfabric nodes")
-    for col in ("node", "transport", "RAM blocks", "RAM MB", "SSD blocks", "SSD MB", "hit ratio", "pulled MB",
-                "pull hits", "pull misses", "said yes / had no"):
+    columns = ("node", "transport", "RAM blocks", "RAM MB", "SSD blocks", "SSD MB", "refused puts", "hit ratio",
+               "pulled MB", "pull hits", "pull misses", "said yes / had no")
+    for col in columns:
         table.add_column(col, justify="right")
     for n in stats["nodes"]:
         if "error" in n:
-            table.add_row(n["node_id"][:12], f"unreachable: {n['error']}", *[""] * 9)
+            table.add_row(n["node_id"][:12], f"unreachable: {n['error']}", *[""] * (len(columns) - 2))
             continue
-        ram, ssd = n["store"].get("ram", {}), n["store"].get("ssd", {})
-        table.add_row(n["node_id"][:12], f"{n['transport']} {n['address']}", str(ram.get("blocks", "?")),
-                      f"{ram.get('bytes', 0) / 1e6:.1f}", str(ssd.get("blocks", "?")),
-                      f"{ssd.get('bytes', 0) / 1e6:.1f}",
+        store = n["store"]
+        ram, ssd = store.get("ram", {}), store.get("ssd", {})
+        table.add_row(n["node_id"][:12], f"{n['transport']} {n['address']}", blocks_cell(ram),
+                      f"{ram.get('bytes', 0) / 1e6:.1f}", blocks_cell(ssd), f"{ssd.get('bytes', 0) / 1e6:.1f}",
+                      str(sum(store.get("put_rejected", {}).values())),
                       f"{n['hit_ratio']:.3f}", f"{n['pulled_bytes'] / 1e6:.1f}", f"{n['pulls'].get('hit', 0):.0f}",
                       f"{sum(v for k, v in n['pulls'].items() if k != 'hit'):.0f}", f"{n['said_yes_owner_no']:.0f}")
     console = Console(width=160)

@@ -51,16 +51,18 @@ class LocalFabric:
 
     # ---- building blocks the NodeActor reuses ------------------------------------------------------
 
-    def local_tiers(self, hashes: Sequence[BlockHash], num_layers: int) -> list[Tier]:
-        """The tier of each leading block held in full (its coldest layer), up to the first gap."""
+    def local_tiers(self, hashes: Sequence[BlockHash], num_layers: int, *, peek: bool = False) -> list[Tier]:
+        """The tier of each leading block held in full (its coldest layer), up to the first gap.
+        `peek`: answer without counting it as an access (a routing probe, not a load)."""
         if not hashes:
             return []
         # Layer 0 first: a prefix that is mostly on a peer then costs one lookup per block here,
-        # not one per (block, layer) (7,680 for a 4k-token SmolLM2 prompt).
-        hashes = hashes[:self.local_store.lookup([BlockAddress(h, 0) for h in hashes]).num_leading]
+        # not one per (block, layer) (7,680 for a 4k-token SmolLM2 prompt). Layer 0 is always a
+        # peek: the full lookup below is the access, if any.
+        hashes = hashes[:self.local_store.peek([BlockAddress(h, 0) for h in hashes]).num_leading]
         if not hashes:
             return []
-        result = self.local_store.lookup(block_addresses(hashes, num_layers))
+        result = self.local_store.lookup(block_addresses(hashes, num_layers), peek=peek)
         num_full = result.num_leading // num_layers
         tiers: list[Tier] = []
         for b in range(num_full):
@@ -109,8 +111,8 @@ class LocalFabric:
 
     # ---- by block hash: what both the token and the block-id paths come down to ------------------
 
-    def lookup_hashes(self, ns: Namespace, hashes: Sequence[BlockHash]) -> LookupReply:
-        tiers = self.local_tiers(hashes, ns.layout.num_layers)
+    def lookup_hashes(self, ns: Namespace, hashes: Sequence[BlockHash], *, peek: bool = False) -> LookupReply:
+        tiers = self.local_tiers(hashes, ns.layout.num_layers, peek=peek)
         return LookupReply(ns.block_size, tuple(BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers))
 
     def load_hashes(self, ns: Namespace, hashes: Sequence[BlockHash]) -> LoadReply:
@@ -128,8 +130,8 @@ class LocalFabric:
 
     # ---- the Fabric protocol -----------------------------------------------------------------------
 
-    def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        return self.lookup_hashes(ns, block_hashes(ns, tokens))
+    def lookup(self, ns: Namespace, tokens: Tokens, *, peek: bool = False) -> LookupReply:
+        return self.lookup_hashes(ns, block_hashes(ns, tokens), peek=peek)
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply:
         return self.load_hashes(ns, block_hashes(ns, tokens)[:max_blocks])
@@ -144,8 +146,8 @@ class LocalFabric:
         return self.write_blocks(ns, hashes, payloads)
 
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
-                      parent: BlockId | None = None) -> LookupReply:
-        return self.lookup_hashes(ns, block_id_hashes(ns, block_ids, parent))
+                      parent: BlockId | None = None, peek: bool = False) -> LookupReply:
+        return self.lookup_hashes(ns, block_id_hashes(ns, block_ids, parent), peek=peek)
 
     def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
                     max_blocks: int | None = None) -> LoadReply:

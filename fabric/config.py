@@ -35,8 +35,10 @@ QuicBackendName = Literal["auto", "aioquic", "qh3"]
 @dataclass(slots=True)
 class KVConfig:
     ram_gib: float = 1.0
+    ram_blocks: int = 0                  # at most this many blocks (all their layers) in RAM too (0: bytes only)
     ssd_dir: str = str(kvfabric_home() / "ssd")
     ssd_gib: float = 8.0
+    ssd_blocks: int = 0                  # at most this many blocks on SSD too (0: bytes only)
     ssd_ttl_s: float = 7 * 24 * 3600.0
     index_dir: str = str(kvfabric_home() / "index")
     mirror_pulls: bool = True
@@ -199,6 +201,10 @@ class Config:
             value = getattr(kv, key)
             if not 0.0 < value <= 1.0:
                 raise ConfigError(f"{source}: kv.{key} must be in (0, 1], got {value}")
+        for key in ("ram_blocks", "ssd_blocks"):
+            if getattr(kv, key) < 0:
+                raise ConfigError(f"{source}: kv.{key} must be >= 0 (0: capacity by bytes only), "
+                                  f"got {getattr(kv, key)}")
         if kv.mirror_delay_s < 0:
             raise ConfigError(f"{source}: kv.mirror_delay_s must be >= 0, got {kv.mirror_delay_s}")
         if kv.reply_pool_gib < 0:

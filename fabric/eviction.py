@@ -3,16 +3,20 @@
 Byte lines per tier (C = capacity)::
 
     RAM  0 ........ offload·C ........ C ........ high_water·C
-                    evictor target     ram_gib    put() answers FULL past here
+                    evictor target     ram_gib    a put past here evicts inline first
     SSD  0 ........ low_water·C ...... C
-                    evictor target     ssd_gib: a write that would pass it answers FULL
+                    evictor target     ssd_gib: a write that would pass it evicts inline first
+
+Block lines (B = ram_blocks / ssd_blocks, when set; a block is one block hash with all its
+layers): a put of a new block past B evicts inline first, and the evictor trims to offload·B
+(RAM) or low_water·B (SSD), as for bytes.
 
 * Device -> RAM: `should_offload_device(u)` answers whether the engine pool's utilisation u passes
   gpu_offload_threshold. Advisory: nothing in the fabric acts on it; an engine adapter may ask it
   and put its coldest blocks (no shipped engine does yet).
 * RAM -> SSD: once RAM passes cpu_offload_threshold·C the evictor drops least recently used blocks
   (each already on SSD, written first if it was not) down to that line, so bursts between two
-  evictor ticks land in the headroom instead of being refused.
+  evictor ticks land in the headroom instead of evicting inline.
 * SSD: blocks not seen for ssd_ttl_s expire; past low_water·C the least recently seen go (and,
   after a write was refused for room, as many more as that write needs).
 * SSD -> RAM prefetch: a block whose decayed access frequency is at least prefetch_threshold of
@@ -52,6 +56,8 @@ class TierSnapshot:
     ssd_used_bytes: int
     ssd_wanted_bytes: int     # refused or kept waiting for SSD room since the last pass
     num_pending: int          # write-behind blocks not yet on SSD
+    ram_held_blocks: int = 0  # distinct block hashes in RAM / on SSD
+    ssd_held_blocks: int = 0
     # SSD-only blocks seen since the last pass: (key, frequency relative to the hottest, file bytes)
     prefetch_candidates: tuple[tuple[bytes, float, int], ...] = ()
 
@@ -65,6 +71,8 @@ class MaintenancePlan:
     flush: bool                  # 2. write pending write-behind blocks
     ram_target_bytes: int        # 3. evict unpinned RAM blocks (CLOCK order) down to this
     prefetch: tuple[bytes, ...]  # 4. read these SSD blocks back into RAM, hottest first
+    ssd_evict_blocks: int = 0    # 1'. and take at least this many whole blocks off the SSD
+    ram_evict_blocks: int = 0    # 3'. and out of RAM
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,10 +85,14 @@ class TierPolicy:
     ssd_ttl_s: float
     gpu_offload_threshold: float
     prefetch_threshold: float
+    ram_capacity_blocks: int = 0     # 0: bytes only
+    ssd_capacity_blocks: int = 0
 
     def __post_init__(self) -> None:
         if self.ram_capacity_bytes <= 0 or self.ssd_capacity_bytes <= 0:
             raise ValueError("tier capacities must be positive")
+        if self.ram_capacity_blocks < 0 or self.ssd_capacity_blocks < 0:
+            raise ValueError("block capacities must be >= 0")
         if self.ram_high_water_bytes < self.ram_capacity_bytes:
             raise ValueError("RAM high-water mark must be >= its capacity")
         for name in ("ram_offload_threshold", "ssd_low_water", "gpu_offload_threshold", "prefetch_threshold"):
@@ -95,7 +107,8 @@ class TierPolicy:
                    ram_offload_threshold=kv.cpu_offload_threshold,
                    ssd_capacity_bytes=max(1, int(kv.ssd_gib * GIB)), ssd_low_water=kv.ssd_low_water,
                    ssd_ttl_s=kv.ssd_ttl_s, gpu_offload_threshold=kv.gpu_offload_threshold,
-                   prefetch_threshold=kv.prefetch_threshold)
+                   prefetch_threshold=kv.prefetch_threshold, ram_capacity_blocks=kv.ram_blocks,
+                   ssd_capacity_blocks=kv.ssd_blocks)
 
     @property
     def ram_offload_line(self) -> int:
@@ -131,9 +144,15 @@ class TierPolicy:
                 break
             prefetch.append(key)
             budget -= num_bytes
-        return MaintenancePlan(ssd_expiry_cutoff=self.ssd_expiry_cutoff(now), ssd_target_bytes=target,
-                               flush=snapshot.num_pending > 0, ram_target_bytes=self.ram_offload_line,
-                               prefetch=tuple(prefetch))
+        ssd_blocks = self.ssd_capacity_blocks
+        ram_blocks = self.ram_capacity_blocks
+        return MaintenancePlan(
+            ssd_expiry_cutoff=self.ssd_expiry_cutoff(now), ssd_target_bytes=target,
+            flush=snapshot.num_pending > 0, ram_target_bytes=self.ram_offload_line, prefetch=tuple(prefetch),
+            ssd_evict_blocks=max(0, snapshot.ssd_held_blocks - int(ssd_blocks * self.ssd_low_water))
+            if ssd_blocks else 0,
+            ram_evict_blocks=max(0, snapshot.ram_held_blocks - int(ram_blocks * self.ram_offload_threshold))
+            if ram_blocks else 0)
 
 
 class DecayedFrequency(Generic[K]):

@@ -1,6 +1,7 @@
 """Prometheus metrics of one Store (prefix `kvfabric_`), in a registry of its own.
 
-    kvfabric_blocks{tier}                       gauge, read from the tiers at scrape time
+    kvfabric_blocks{tier}                       gauge, (block, layer) payloads, read from the tiers at scrape time
+    kvfabric_held_blocks{tier}                  gauge, distinct blocks (block hashes) with a layer in the tier
     kvfabric_bytes{tier}                        gauge, idem (SSD counts whole files, header included)
     kvfabric_lookup_seconds{tier,outcome}       histogram of get / get_block: tier that answered
                                                 (device/ram/ssd, "none" on a miss), outcome
@@ -8,7 +9,8 @@
     kvfabric_evictions_total{tier}              counter
     kvfabric_corrupt_blocks_total{tier}         counter: blocks that failed verification and were removed
     kvfabric_index_reconciled_total{action}     counter: see fabric/index.py for the actions
-    kvfabric_put_rejected_total{reason}         counter: full / no_space / digest_mismatch / io_error
+    kvfabric_put_rejected_total{reason}         counter: full / pinned / no_space / digest_mismatch /
+                                                conflict / io_error
     kvfabric_pending_writes                     gauge: write-behind blocks not yet on SSD
 
 An engine's BlockManager is exported beside them by `cluster.engines.allocator_metrics`.
@@ -37,7 +39,9 @@ class StoreMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.blocks = Gauge("kvfabric_blocks", "Blocks held per tier", ["tier"], registry=r)
+        self.blocks = Gauge("kvfabric_blocks", "(block, layer) payloads held per tier", ["tier"], registry=r)
+        self.held_blocks = Gauge("kvfabric_held_blocks", "Distinct blocks with a layer held, per tier", ["tier"],
+                                 registry=r)
         self.bytes = Gauge("kvfabric_bytes", "Bytes held per tier", ["tier"], registry=r)
         self.lookup_seconds = Histogram("kvfabric_lookup_seconds", "Time to answer a block get, by the tier "
                                         "that answered and the outcome", ["tier", "outcome"],
@@ -55,10 +59,12 @@ class StoreMetrics:
         self._miss = self.lookup_seconds.labels("none", "miss")
         self._corrupt = self.lookup_seconds.labels(Tier.SSD.value, "corrupt")
 
-    def bind_tier(self, tier: Tier, num_blocks: Callable[[], float], num_bytes: Callable[[], float]) -> None:
-        """Report a tier's size by calling these at scrape time."""
+    def bind_tier(self, tier: Tier, num_blocks: Callable[[], float], num_bytes: Callable[[], float],
+                  num_held_blocks: Callable[[], float] | None = None) -> None:
+        """Report a tier's size by calling these at scrape time (held blocks: `num_blocks` if not given)."""
         self.blocks.labels(tier.value).set_function(num_blocks)
         self.bytes.labels(tier.value).set_function(num_bytes)
+        self.held_blocks.labels(tier.value).set_function(num_blocks if num_held_blocks is None else num_held_blocks)
 
     def observe_hit(self, tier: Tier, seconds: float) -> None:
         self._hit[tier].observe(seconds)

@@ -5,6 +5,7 @@
     get ──► RAM hit ─────────────────────────────────────────────────────────► view, no copy
         └─► SSD file ─► verify header + digest ─► promote to RAM ─────────────► view over the read
     lookup(addresses) ─► tier per address (device / RAM / SSD catalog, no I/O), leading run length
+    peek(addresses)   ─► the same answer; recency and access frequency stay untouched
     mirror(address, payload, digest) ─► a put checked against the peer's digest if [kv].mirror_pulls
 
 Modules: store_types (results, errors, counters), store_core (shared state, holdings, SSD reads),
@@ -40,13 +41,21 @@ flushes, and always shuts the pools down and releases the index lock, even when 
 returns a CloseReport naming the acknowledged write-behind blocks it could not flush.
 
 Full disk: a flush that meets ENOSPC / EDQUOT / EFBIG (or an index that cannot write) leaves its
-blocks pinned in RAM and marks the disk full; write-behind puts keep landing in RAM up to its
-high-water mark and answer NO_SPACE past it; every tick retries, and the first success clears the
-state. The index keeps a reserve file so it can reopen on a full disk (fabric/index.py).
+blocks pinned in RAM and marks the disk full; write-behind puts keep landing in RAM while unpinned
+payloads can make room, and answer NO_SPACE (PINNED for a failing disk) once all of RAM is pinned;
+every tick retries, and the first success clears the state. The index keeps a reserve file so it
+can reopen on a full disk (fabric/index.py).
 
-Writes never wait for eviction: a put that would pass RAM's high-water mark (write-behind) or the
-SSD capacity (write-through) answers FULL, and the background thread (every eviction_interval_s)
-frees room. Costs: lookup O(addresses); a RAM get O(1) plus one BLAKE3 of 36 bytes for the
+A write is never refused for want of room while room can be made (fabric/store_writes.py). A put
+that would pass RAM's high-water mark or `ram_blocks` evicts unpinned payloads inline (CLOCK order;
+each is on SSD already, unless the SSD evictor dropped it). If all of RAM is pinned, the put
+commits the oldest pending write-behind blocks itself, through the same commit path in the same
+order (1-4 above), and only then evicts them from RAM: an acknowledged block is always in RAM or
+committed on SSD. A write that would pass the SSD's bytes or `ssd_blocks` evicts its least
+recently seen files first. What is still refused is counted by reason: FULL (larger than the SSD
+may hold), PINNED, NO_SPACE. The background thread (every eviction_interval_s) still trims each
+tier to its offload / low-water line, so most writes find room without evicting.
+Costs: lookup O(addresses); a RAM get O(1) plus one BLAKE3 of 36 bytes for the
 storage key; an SSD get one open + one read + one BLAKE3 of the payload.
 """
 
@@ -91,7 +100,7 @@ class Store:
         self.policy = TierPolicy.from_config(kv)
         self.metrics = StoreMetrics(registry)
         ssd = SsdTier(kv.ssd_dir, capacity_bytes=self.policy.ssd_capacity_bytes, durable=kv.durable,
-                      o_direct=kv.o_direct)
+                      o_direct=kv.o_direct, capacity_blocks=kv.ssd_blocks)
         index = Index(kv.index_dir, sync=kv.durable)
         try:
             report = reconcile(index, ssd)
@@ -114,8 +123,10 @@ class Store:
         self._writers = ThreadPoolExecutor(kv.io_threads, thread_name_prefix="kvfabric-ssd-write")
         self._async_pool = ThreadPoolExecutor(kv.io_threads, thread_name_prefix="kvfabric-io")
         self._writer = Writer(core, self._writers)
-        self.metrics.bind_tier(Tier.RAM, lambda: core.ram.num_blocks, lambda: core.ram.used_bytes)
-        self.metrics.bind_tier(Tier.SSD, lambda: core.ssd.num_blocks, lambda: core.ssd.used_bytes)
+        self.metrics.bind_tier(Tier.RAM, lambda: core.ram.num_blocks, lambda: core.ram.used_bytes,
+                               lambda: core.ram.num_held_blocks)
+        self.metrics.bind_tier(Tier.SSD, lambda: core.ssd.num_blocks, lambda: core.ssd.used_bytes,
+                               lambda: core.ssd.num_held_blocks)
         self.metrics.bind_tier(Tier.DEVICE, lambda: len(core.device), lambda: 0)
         self.metrics.pending_writes.set_function(lambda: len(core.dirty))
         self._background: maintenance.Background | None = None
@@ -142,8 +153,9 @@ class Store:
         """Store one (block, layer) payload. With `digest` (e.g. from the network) verify it first.
 
         Write-through: OK once the SSD file and its index row are committed (fsynced when durable).
-        Write-behind: OK once the payload is in RAM; the SSD copy follows. CONFLICT: the address
-        already holds other bytes (they stay). Raises StoreClosedError once `close()` has begun.
+        Write-behind: OK once the payload is in RAM; the SSD copy follows. A full tier makes room
+        first (module docstring); FULL / PINNED / NO_SPACE only when it cannot. CONFLICT: the
+        address already holds other bytes (they stay). Raises StoreClosedError once `close()` has begun.
         """
         return self.put_many([(address, payload)], model=model, digests=None if digest is None else [digest])[0]
 
@@ -239,13 +251,21 @@ class Store:
         finally:
             self._leave()
 
-    def lookup(self, addresses: Sequence[BlockAddress]) -> LookupResult:
-        """Which tier holds each address (device first), without reading any payload."""
+    def lookup(self, addresses: Sequence[BlockAddress], *, peek: bool = False) -> LookupResult:
+        """Which tier holds each address (device first), without reading any payload.
+
+        A lookup is an access: it refreshes the blocks' recency and access frequency, as a get
+        does. `peek=True` answers the same without touching either (see `peek`)."""
         keys = [a.storage_key for a in addresses]
         now = self._clock()
         with self._lock:
             self._check_open_locked()
-            return self._core.lookup_locked(addresses, keys, now)
+            return self._core.lookup_locked(addresses, keys, now, peek=peek)
+
+    def peek(self, addresses: Sequence[BlockAddress]) -> LookupResult:
+        """`lookup` that leaves recency and access frequency untouched: for a router probing nodes
+        that may not serve the request, so probing alone never reorders their eviction."""
+        return self.lookup(addresses, peek=True)
 
     async def aget_block(self, address: BlockAddress, *, promote: bool = True) -> StoredBlock | None:
         """`get_block` for an event loop: a RAM hit answers inline, a file read runs on the store's pool."""

@@ -38,7 +38,7 @@ from fabric.provenance import Provenance
 from fabric.store_types import LookupResult, Pending, PutResult, StoreCounters
 from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier
 from fabric.tiers.device import DeviceTier
-from fabric.tiers.ram import RamTier
+from fabric.tiers.ram import Evicted, RamTier
 from fabric.tiers.ssd import SsdEntry, SsdTier
 
 logger = logging.getLogger(__name__)
@@ -61,7 +61,7 @@ class StoreCore:
         self.lock = threading.Lock()
         self.stripes = tuple(threading.Lock() for _ in range(_NUM_STRIPES))
         self.read_slots = threading.BoundedSemaphore(kv.io_threads)
-        self.ram = RamTier(policy.ram_capacity_bytes, policy.ram_high_water_bytes)
+        self.ram = RamTier(policy.ram_capacity_bytes, policy.ram_high_water_bytes, policy.ram_capacity_blocks)
         self.device = DeviceTier()
         self.ssd = ssd
         self.index = index
@@ -145,37 +145,50 @@ class StoreCore:
         self.metrics.put_rejected.labels(result.value).inc()
         return result
 
+    def drop_ram_victims_locked(self, victims: Sequence[Evicted]) -> None:
+        """RAM evicted these: one that is not on SSD either has left the store."""
+        for v in victims:
+            if not self.ssd.contains(v.key):
+                self.forget_locked(v.key)
+        self.count_evictions_locked(Tier.RAM, len(victims))
+
     def count_evictions_locked(self, tier: Tier, n: int) -> None:
         if n:
             self.counters.evictions[tier.value] += n
             self.metrics.evictions.labels(tier.value).inc(n)
 
     def lookup_locked(self, addresses: Sequence[BlockAddress], keys: Sequence[StorageKey],
-                      now: float) -> LookupResult:
-        """Which tier holds each address (device first), no I/O; RAM and SSD hits count as accesses."""
+                      now: float, *, peek: bool = False) -> LookupResult:
+        """Which tier holds each address (device first), no I/O. RAM and SSD hits count as accesses
+        (access frequency, SSD recency) unless `peek`: a peek leaves every eviction order as it was."""
         tiers: list[Tier | None] = []
         for address, key in zip(addresses, keys, strict=True):
             if self.device.contains(address.hash):
                 tiers.append(Tier.DEVICE)
             elif self.ram.contains(key):
                 tiers.append(Tier.RAM)
-                self.touch_locked(key, now)
+                if not peek:
+                    self.touch_locked(key, now)
             elif self.ssd.contains(key):
                 tiers.append(Tier.SSD)
-                self.touch_locked(key, now)
-                self.touched_ssd.add(key)
+                if not peek:
+                    self.touch_locked(key, now)
+                    self.touched_ssd.add(key)
             else:
                 tiers.append(None)
         num_leading = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
         return LookupResult(num_leading, tuple(tiers))
 
     def stats_locked(self) -> dict[str, Any]:
-        """Sizes per tier and the store's own counters since open."""
+        """Sizes per tier and the store's own counters since open. Per tier, `blocks` counts
+        (block, layer) payloads and `held_blocks` distinct block hashes with a layer there."""
         ram, ssd, c = self.ram.stats(), self.ssd.stats(), self.counters
         return {
-            "ram": {"blocks": ram.num_blocks, "bytes": ram.num_bytes, "capacity_bytes": ram.capacity_bytes,
+            "ram": {"blocks": ram.num_blocks, "held_blocks": self.ram.num_held_blocks, "bytes": ram.num_bytes,
+                    "capacity_bytes": ram.capacity_bytes, "capacity_blocks": self.ram.capacity_blocks,
                     "high_water_bytes": self.ram.high_water_bytes, "pinned_blocks": self.ram.num_pinned},
-            "ssd": {"blocks": ssd.num_blocks, "bytes": ssd.num_bytes, "capacity_bytes": ssd.capacity_bytes,
+            "ssd": {"blocks": ssd.num_blocks, "held_blocks": self.ssd.num_held_blocks, "bytes": ssd.num_bytes,
+                    "capacity_bytes": ssd.capacity_bytes, "capacity_blocks": self.ssd.capacity_blocks,
                     "o_direct": self.ssd.o_direct},
             "device": {"blocks": len(self.device)},
             "pending_writes": len(self.dirty), "disk_full": self.disk_full,
@@ -250,8 +263,8 @@ class StoreCore:
                 self.touch_locked(key, self.clock())
                 if promote and not self.ram.contains(key):
                     self.ram.put(key, block.payload, block.digest, footprint=_footprint(block.payload),
-                                 provenance=entry.provenance,
-                                 limit_bytes=self.ram.capacity_bytes)
+                                 provenance=entry.provenance, limit_bytes=self.ram.capacity_bytes,
+                                 block=entry.block_hash)
         self.metrics.observe_hit(Tier.SSD, time.perf_counter() - start)
         return block if entry.provenance is None else dataclasses.replace(block, provenance=entry.provenance)
 

@@ -89,7 +89,7 @@ def snapshot(core: StoreCore) -> TierSnapshot:
                            for k in core.touched_ssd if core.ssd.contains(k) and not core.ram.contains(k))
         core.touched_ssd.clear()
         return TierSnapshot(core.ram.used_bytes, core.ssd.used_bytes, core.ssd_wanted, len(core.dirty),
-                            candidates)
+                            core.ram.num_held_blocks, core.ssd.num_held_blocks, candidates)
 
 
 def evict_ssd(core: StoreCore, plan: MaintenancePlan) -> int:
@@ -98,7 +98,8 @@ def evict_ssd(core: StoreCore, plan: MaintenancePlan) -> int:
         expired_bytes = sum(core.ssd_entry_locked(k).file_bytes for k in expired)
         extra = max(0, core.ssd.used_bytes - expired_bytes - plan.ssd_target_bytes)
         core.ssd_wanted = 0
-        lru = core.ssd.least_recent(extra, skip=frozenset(expired)) if extra else []
+        lru = core.ssd.least_recent(extra, skip=frozenset(expired), num_blocks=plan.ssd_evict_blocks) \
+            if extra or plan.ssd_evict_blocks else []
         victims = [(k, core.ssd_entry_locked(k)) for k in expired + lru]
     evicted = sum(core.drop_file(key, entry) for key, entry in victims)
     with core.lock:
@@ -108,11 +109,9 @@ def evict_ssd(core: StoreCore, plan: MaintenancePlan) -> int:
 
 def evict_ram(core: StoreCore, plan: MaintenancePlan) -> int:
     with core.lock:
-        victims = core.ram.evict(max(0, core.ram.used_bytes - plan.ram_target_bytes))
-        for v in victims:
-            if not core.ssd.contains(v.key):
-                core.forget_locked(v.key)
-        core.count_evictions_locked(Tier.RAM, len(victims))
+        victims = core.ram.evict(max(0, core.ram.used_bytes - plan.ram_target_bytes),
+                                 num_blocks=plan.ram_evict_blocks)
+        core.drop_ram_victims_locked(victims)
     return len(victims)
 
 

@@ -20,9 +20,12 @@ class PutResult(enum.Enum):
     """The outcome of a put; every value but OK is a rejection and is counted by reason."""
 
     OK = "ok"
-    FULL = "full"                        # RAM past its high-water mark or SSD at ssd_gib
+    FULL = "full"                        # no room can be made on the SSD: the payload is larger than
+    #                                      what it may hold, or every file there is being written
+    PINNED = "pinned"                    # write-behind: RAM is full of payloads not yet on SSD and
+    #                                      the flush cannot proceed (a failing disk or index)
     NO_SPACE = "no_space"                # the filesystem refused the write (ENOSPC / EDQUOT / EFBIG),
-    #                                      or write-behind RAM is at its high-water mark while the disk is full
+    #                                      or write-behind RAM is full of pinned payloads while the disk is full
     DIGEST_MISMATCH = "digest_mismatch"  # the caller's digest is not the payload's BLAKE3
     CONFLICT = "conflict"                # the address already holds other bytes: the first payload stands
     IO_ERROR = "io_error"                # any other file or index error

@@ -26,13 +26,16 @@ from fabric.keys import BlockAddress, StorageKey
 from fabric.provenance import Provenance
 from fabric.store_core import StoreCore
 from fabric.store_types import Pending, PutResult
-from fabric.tiers.base import Payload, as_bytes_view, digest_of
+from fabric.tiers.base import Payload, Tier, as_bytes_view, digest_of
 from fabric.tiers.ssd import HEADER_SIZE, NO_SPACE_ERRNOS, SsdEntry, WriteItem
 
 logger = logging.getLogger(__name__)
 
 FLUSH_BATCH_BLOCKS = 128
 FLUSH_BATCH_BYTES = 64 << 20
+# A write-behind put that finds RAM full of pinned payloads commits at most this many flush
+# batches for its room before it is refused.
+ROOM_FLUSH_ROUNDS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,29 +101,72 @@ class Writer:
     def _write_behind(self, todo: list[_Todo], results: list[PutResult | None]) -> None:
         core = self.core
         added = False
+        waiting: list[_Todo] = []
         with core.lock:
             for t in todo:
                 admitted = self._admit_locked(t, need_ssd=False)
                 if admitted is not None:
                     results[t.index] = admitted
-                elif not core.ram.put(t.key, t.pending.payload, t.pending.digest, pinned=True,
-                                      provenance=t.pending.provenance):
-                    results[t.index] = core.reject_locked(PutResult.NO_SPACE if core.disk_full else PutResult.FULL)
-                else:
-                    core.dirty[t.key] = t.pending
-                    core.hold_locked(t.key, t.pending)
+                elif self._hold_in_ram_locked(t):
                     results[t.index] = PutResult.OK
                     added = True
+                else:
+                    waiting.append(t)
+        for t in waiting:
+            results[t.index] = self._admit_after_flush(t)
+            added |= results[t.index] is PutResult.OK
         if added:
             self.on_dirty()
+
+    def _hold_in_ram_locked(self, t: _Todo) -> bool:
+        """Pin a write-behind payload in RAM, evicting unpinned payloads (each already on SSD, or
+        one the SSD evictor chose to drop) to make room; False if all that is left is pinned."""
+        core, p = self.core, t.pending
+        core.drop_ram_victims_locked(core.ram.make_room(t.key, p.payload.nbytes, block=p.block_hash))
+        if not core.ram.put(t.key, p.payload, p.digest, pinned=True, provenance=p.provenance, block=p.block_hash):
+            return False
+        core.dirty[t.key] = p
+        core.hold_locked(t.key, p)
+        return True
+
+    def _admit_after_flush(self, t: _Todo) -> PutResult:
+        """RAM is full of pinned payloads: commit the oldest pending ones to SSD now (the same
+        commit path as the flusher's, so they are acknowledged on disk before they leave RAM),
+        then evict them, until this payload fits. Refused only when the flush cannot proceed."""
+        core = self.core
+        for _ in range(ROOM_FLUSH_ROUNDS):
+            progressed = self.flush_batch()
+            with core.lock:
+                admitted = self._admit_locked(t, need_ssd=False)
+                if admitted is not None:
+                    return admitted
+                if self._hold_in_ram_locked(t):
+                    return PutResult.OK
+            if not progressed:
+                break
+        with core.lock:
+            return core.reject_locked(PutResult.NO_SPACE if core.disk_full else PutResult.PINNED)
 
     def on_dirty(self) -> None:
         """Hook the Store sets to wake its flusher."""
 
     def _write_through(self, todo: list[_Todo], results: list[PutResult | None]) -> None:
+        """Commit, then keep a RAM copy. A batch the SSD has no room for evicts its least recently
+        seen files inline and is tried once more."""
+        full = self._write_through_once(todo, results)
+        if full:
+            self.make_ssd_room([(t.key, t.pending) for t in full])
+            full = self._write_through_once(full, results)
+        with self.core.lock:
+            for t in full:
+                results[t.index] = self.core.reject_locked(PutResult.FULL)
+
+    def _write_through_once(self, todo: list[_Todo], results: list[PutResult | None]) -> list[_Todo]:
+        """One try; the puts that met a full SSD are returned without a result."""
         core = self.core
+        full: list[_Todo] = []
         if not todo:
-            return
+            return full
         with core.stripes_of(t.key for t in todo):
             batch: dict[StorageKey, Pending] = {}
             with core.lock:
@@ -135,14 +181,52 @@ class Writer:
                 for t in todo:
                     if t.key not in outcome:
                         continue
+                    if outcome[t.key] is PutResult.FULL:
+                        full.append(t)
+                        continue
                     results[t.index] = outcome[t.key]
                     if outcome[t.key].ok:
                         core.hold_locked(t.key, t.pending)
-                        if not core.ram.contains(t.key):
-                            core.ram.put(t.key, t.pending.payload, t.pending.digest,
-                                         limit_bytes=core.ram.capacity_bytes, provenance=t.pending.provenance)
+                        self._copy_to_ram_locked(t)
                     else:
                         core.reject_locked(outcome[t.key])
+        return full
+
+    def _copy_to_ram_locked(self, t: _Todo) -> None:
+        """The RAM copy of a committed block, evicting colder copies (all on SSD) for it."""
+        core, p = self.core, t.pending
+        if core.ram.contains(t.key):
+            return
+        limit = core.ram.capacity_bytes
+        core.drop_ram_victims_locked(core.ram.make_room(t.key, p.payload.nbytes, block=p.block_hash,
+                                                        limit_bytes=limit))
+        core.ram.put(t.key, p.payload, p.digest, limit_bytes=limit, provenance=p.provenance, block=p.block_hash)
+
+    def make_ssd_room(self, items: list[tuple[StorageKey, Pending]]) -> int:
+        """Evict least recently seen SSD files until the leading `items` that an empty SSD could
+        take fit in its bytes and blocks; how many were evicted. The caller holds no stripe (a
+        victim's stripe is taken here)."""
+        core = self.core
+        cap_bytes, cap_blocks = core.policy.ssd_capacity_bytes, core.ssd.capacity_blocks
+        with core.lock:
+            size = 0
+            fresh: set[bytes] = set()
+            for _, p in items:
+                new = set() if core.ssd.holds_block(p.block_hash) else {p.block_hash}
+                if size + p.payload.nbytes + HEADER_SIZE > cap_bytes or (cap_blocks and len(fresh | new) > cap_blocks):
+                    break   # even an empty SSD could not take this one too: evicting for it would only lose blocks
+                size += p.payload.nbytes + HEADER_SIZE
+                fresh |= new
+            extra = core.ssd.used_bytes + core.ssd_reserved + size - cap_bytes
+            need_blocks = core.ssd.num_held_blocks + len(fresh) - cap_blocks if cap_blocks else 0
+            if size == 0 or (extra <= 0 and need_blocks <= 0):
+                return 0
+            keys = core.ssd.least_recent(max(0, extra), num_blocks=max(0, need_blocks))
+            victims = [(k, core.ssd_entry_locked(k)) for k in keys]
+        evicted = sum(core.drop_file(key, entry) for key, entry in victims)
+        with core.lock:
+            core.count_evictions_locked(Tier.SSD, evicted)
+        return evicted
 
     def commit(self, batch: dict[StorageKey, Pending]) -> dict[StorageKey, PutResult]:
         """The one commit path (module docstring) for a batch whose stripes the caller holds."""
@@ -151,11 +235,16 @@ class Writer:
         accepted: dict[StorageKey, Pending] = {}
         with core.lock:
             used = core.ssd.used_bytes + core.ssd_reserved
+            new_blocks: set[bytes] = set()
             for key, p in batch.items():
                 size = p.payload.nbytes + HEADER_SIZE
-                if core.policy.ssd_has_room(used, size):
+                fresh = not core.ssd.holds_block(p.block_hash) and p.block_hash not in new_blocks
+                if core.policy.ssd_has_room(used, size) and (
+                        not fresh or core.ssd.has_block_room(p.block_hash, len(new_blocks))):
                     accepted[key] = p
                     used += size
+                    if fresh:
+                        new_blocks.add(p.block_hash)
                 else:
                     core.ssd_wanted = max(core.ssd_wanted, size)
                     outcome[key] = PutResult.FULL
@@ -220,22 +309,32 @@ class Writer:
                 batch = {k: p for k, p in batch.items() if core.dirty.get(k) is p}
             outcome = self.commit(batch)
             with core.lock:
+                full = [(k, p) for k, p in batch.items() if outcome[k] is PutResult.FULL]
                 for k, p in batch.items():
                     result = outcome[k]
                     if result.ok and core.dirty.get(k) is p:
                         del core.dirty[k]
                         core.ram.unpin(k)
                         core.disk_full = False
-                    elif not result.ok:
-                        # The block stays pinned in RAM until a later tick finds room.
-                        core.flush_blocked = True
-                        core.counters.flush_failures += 1
-                        if result is PutResult.NO_SPACE:
-                            core.disk_full = True
-                        elif result is PutResult.FULL:
-                            core.ssd_wanted = max(core.ssd_wanted, sum(
-                                q.payload.nbytes + HEADER_SIZE for q in core.dirty.values()))
-                return not core.flush_blocked
+                    elif not result.ok and result is not PutResult.FULL:
+                        self._block_flush_locked(result)
+        # No room on the SSD: evict its least recently seen files (outside the stripes) and go
+        # on; only when nothing could be evicted does the flush wait for the next tick.
+        if full and not self.make_ssd_room(full):
+            with core.lock:
+                self._block_flush_locked(PutResult.FULL)
+                core.ssd_wanted = max(core.ssd_wanted, sum(
+                    q.payload.nbytes + HEADER_SIZE for q in core.dirty.values()))
+        with core.lock:
+            return not core.flush_blocked
+
+    def _block_flush_locked(self, result: PutResult) -> None:
+        """A flush failed: its blocks stay pinned in RAM until a later tick."""
+        core = self.core
+        core.flush_blocked = True
+        core.counters.flush_failures += 1
+        if result is PutResult.NO_SPACE:
+            core.disk_full = True
 
     def flush(self) -> int:
         """Write every pending block now; returns how many are still pending."""

@@ -165,11 +165,13 @@ class SsdTier:
     tier = Tier.SSD
 
     def __init__(self, root: str | os.PathLike[str], *, capacity_bytes: int, durable: bool = True,
-                 o_direct: bool = True) -> None:
+                 o_direct: bool = True, capacity_blocks: int = 0) -> None:
         self.root = Path(root)
         self.capacity_bytes = capacity_bytes
+        self.capacity_blocks = capacity_blocks     # distinct block hashes at most (0: bytes only)
         self.durable = durable
         self._catalog: OrderedDict[StorageKey, SsdEntry] = OrderedDict()
+        self._layers: dict[bytes, int] = {}        # block hash -> its (block, layer) files here
         self._used = 0
         self._temp_ids = itertools.count()
         self._make_folders()
@@ -183,7 +185,22 @@ class SsdTier:
 
     @property
     def num_blocks(self) -> int:
+        """(block, layer) files."""
         return len(self._catalog)
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Distinct blocks with at least one layer here (a row without a hash counts alone)."""
+        return len(self._layers)
+
+    def holds_block(self, block: bytes) -> bool:
+        return block in self._layers
+
+    def has_block_room(self, block: bytes, num_new: int = 0) -> bool:
+        """Whether `block` may add a layer here under capacity_blocks, with `num_new` other new
+        blocks already admitted."""
+        return (not self.capacity_blocks or block in self._layers
+                or len(self._layers) + num_new < self.capacity_blocks)
 
     def contains(self, key: StorageKey) -> bool:
         return key in self._catalog
@@ -196,6 +213,8 @@ class SsdTier:
         self.discard(key)
         self._catalog[key] = entry
         self._used += entry.file_bytes
+        block = entry.block_hash or key
+        self._layers[block] = self._layers.get(block, 0) + 1
 
     def load(self, entries: Iterable[tuple[StorageKey, SsdEntry]]) -> None:
         """Fill the catalog from the index at open, least recently seen first."""
@@ -206,6 +225,12 @@ class SsdTier:
         entry = self._catalog.pop(key, None)
         if entry is not None:
             self._used -= entry.file_bytes
+            block = entry.block_hash or key
+            left = self._layers[block] - 1
+            if left:
+                self._layers[block] = left
+            else:
+                del self._layers[block]
         return entry
 
     def touch(self, key: StorageKey, now_unix: float) -> SsdEntry | None:
@@ -225,17 +250,24 @@ class SsdTier:
             out.append(key)
         return out
 
-    def least_recent(self, num_bytes: int, skip: frozenset[StorageKey] = frozenset()) -> list[StorageKey]:
-        """Least recently seen keys whose files add up to at least `num_bytes`."""
+    def least_recent(self, num_bytes: int, skip: frozenset[StorageKey] = frozenset(),
+                     num_blocks: int = 0) -> list[StorageKey]:
+        """Least recently seen keys whose files add up to at least `num_bytes` and take at least
+        `num_blocks` blocks out entirely (a block's layers are seen together, so they sit side by side)."""
         out: list[StorageKey] = []
         freed = 0
+        left: dict[bytes, int] = {}
+        blocks_freed = 0
         for key, entry in self._catalog.items():
-            if freed >= num_bytes:
+            if freed >= num_bytes and blocks_freed >= num_blocks:
                 break
             if key in skip:
                 continue
             out.append(key)
             freed += entry.file_bytes
+            block = entry.block_hash or key
+            left[block] = left.get(block, self._layers[block]) - 1
+            blocks_freed += not left[block]
         return out
 
     def items(self) -> list[tuple[StorageKey, SsdEntry]]:

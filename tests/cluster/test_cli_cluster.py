@@ -41,6 +41,10 @@ def test_up_stats_down_round_trip(tmp_path: Path) -> None:
             assert len(report["nodes"]) == 2 and all("error" not in n for n in report["nodes"])
             assert all(n["address"].startswith("127.0.0.1:") for n in report["nodes"])
             assert [s["shard"] for s in report["directory"]] == [0, 1]
+            assert all(n["store"][tier]["held_blocks"] == 0 for n in report["nodes"] for tier in ("ram", "ssd"))
+        table = run(["stats"], home)
+        assert table.returncode == 0, table.stderr[-3000:]
+        assert "RAM blocks" in table.stdout and "refused puts" in table.stdout
         again = run(["up", "--nodes", "2"], home)
         assert again.returncode == 2 and "already up" in again.stderr and "Traceback" not in again.stderr
     finally:
@@ -48,6 +52,12 @@ def test_up_stats_down_round_trip(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stderr[-3000:]
     assert not (home / "local-cluster.json").exists()
     assert not any(_alive(pid) for pid in state["pids"])
+
+
+def test_the_stats_table_shows_blocks_held_against_the_block_capacity() -> None:
+    from cluster.cli_cluster import blocks_cell
+    assert blocks_cell({"blocks": 36, "held_blocks": 12, "capacity_blocks": 0}) == "12"
+    assert blocks_cell({"blocks": 36, "held_blocks": 12, "capacity_blocks": 1000}) == "12 / 1000"
 
 
 def test_errors_a_user_can_fix_are_one_line(tmp_path: Path) -> None:

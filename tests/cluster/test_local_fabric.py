@@ -18,8 +18,9 @@ NS = Namespace("test-model", KVLayout.mha(3, 2, 4, "f16"), block_size=4)
 
 
 def open_store(tmp_path: Path, **overrides: object) -> Store:
-    kv = KVConfig(ram_gib=0.01, ssd_dir=str(tmp_path / "ssd"), ssd_gib=0.05, index_dir=str(tmp_path / "index"),
-                  o_direct=False, **overrides)  # type: ignore[arg-type]
+    settings: dict[str, object] = dict(ram_gib=0.01, ssd_dir=str(tmp_path / "ssd"), ssd_gib=0.05,
+                                       index_dir=str(tmp_path / "index"), o_direct=False)
+    kv = KVConfig(**{**settings, **overrides})  # type: ignore[arg-type]
     return Store.open(kv, background=False)
 
 
@@ -103,3 +104,25 @@ def test_a_block_id_store_with_bad_ids_or_shape_raises_and_stores_nothing(tmp_pa
         with pytest.raises(ValueError, match="outside the chain's 2 full blocks"):
             fabric.store_blocks(NS, [1, 2], random_payloads(3))
         assert store.held_addresses() == []
+
+
+@pytest.mark.parametrize("peek", [True, False])
+def test_a_peek_at_a_prompt_does_not_save_it_from_eviction(tmp_path: Path, peek: bool) -> None:
+    """Two prompts of 2 blocks x 3 layers fill 12 SSD files; maintenance trims to 90 % (2 files,
+    the least recently seen). Prompt A was stored first: a peek leaves it first in line, a lookup
+    (an access) moves it behind B."""
+    from fabric.keys import block_hashes
+    from fabric.tiers.ssd import HEADER_SIZE
+    per_file = HEADER_SIZE + NS.layout.bytes_per_block_layer(NS.block_size)
+    first, second = list(range(8)), list(range(100, 108))
+    with open_store(tmp_path, write_through=True, ssd_gib=12 * per_file / (1 << 30)) as store:
+        fabric = LocalFabric(store)
+        fabric.store(NS, first, random_payloads(2, seed=1))
+        fabric.store(NS, second, random_payloads(2, seed=2))
+        tiers = fabric.local_tiers(block_hashes(NS, first), NS.layout.num_layers, peek=peek)
+        assert len(tiers) == 2
+        assert store.run_maintenance()["ssd_evicted"] == 2
+    with open_store(tmp_path, write_through=True) as store:     # RAM is empty: only SSD answers
+        fabric = LocalFabric(store)
+        hits = (fabric.lookup(NS, first, peek=True).num_blocks, fabric.lookup(NS, second, peek=True).num_blocks)
+        assert hits == ((0, 2) if peek else (2, 0))

@@ -117,3 +117,38 @@ def test_matches_a_reference_model(ops: list[tuple[str, int, int]]) -> None:
         assert ram.used_bytes == sum(model.values()) <= 1000
         assert set(ram.keys()) == {key(k) for k in model}
         assert ram.num_pinned == len(pinned)
+
+
+def layer_put(ram: RamTier, block: int, layer: int, *, pinned: bool = False) -> bool:
+    payload = bytes([block, layer]) * 50
+    return ram.put(key(block * 16 + layer), memoryview(payload), digest_of(payload), pinned=pinned,
+                   block=bytes([block]) * 32)
+
+
+def test_capacity_blocks_counts_a_block_once_for_all_its_layers() -> None:
+    ram = RamTier(1 << 20, capacity_blocks=2)
+    assert all(layer_put(ram, b, layer) for b in (1, 2) for layer in range(3))
+    assert (ram.num_blocks, ram.num_held_blocks) == (6, 2)
+    assert not layer_put(ram, 3, 0)                   # a third block does not fit ...
+    assert layer_put(ram, 2, 3)                       # ... another layer of a held one does
+    ram.remove(key(1 * 16 + 0))
+    assert ram.num_held_blocks == 2                   # block 1 keeps two layers
+    with pytest.raises(ValueError, match="capacity_blocks"):
+        RamTier(1 << 20, capacity_blocks=-1)
+
+
+def test_make_room_evicts_whole_blocks_in_clock_order_and_never_pinned_ones_or_its_own() -> None:
+    ram = RamTier(1 << 20, capacity_blocks=3)
+    assert all(layer_put(ram, 1, layer, pinned=True) for layer in range(2))
+    assert all(layer_put(ram, b, layer) for b in (2, 3) for layer in range(2))
+    evicted = ram.make_room(key(4 * 16), 100, block=bytes([4]) * 32)
+    assert {e.key for e in evicted} == {key(2 * 16), key(2 * 16 + 1)}     # block 2, whole; 1 is pinned
+    assert layer_put(ram, 4, 0) and ram.num_held_blocks == 3
+    assert ram.make_room(key(4 * 16 + 1), 100, block=bytes([4]) * 32) == []   # a layer of a held block
+
+
+def test_make_room_frees_bytes_up_to_the_high_water_mark() -> None:
+    ram = RamTier(capacity_bytes=1000, high_water_bytes=1000)
+    assert all(put(ram, i, bytes(300)) for i in range(3))
+    assert [e.key for e in ram.make_room(key(9), 300)] == [key(0)]
+    assert put(ram, 9, bytes(300)) and ram.used_bytes == 900

@@ -197,3 +197,18 @@ def test_falls_back_with_a_log_line_where_o_direct_does_not_exist(
     payload = os.urandom(5000)
     ssd.write_file(item(12, payload))
     assert bytes(ssd.read_file(key(12), 3).payload) == payload
+
+
+def test_the_catalog_counts_blocks_once_for_all_their_layers_and_frees_whole_ones(tmp_path: Path) -> None:
+    ssd = SsdTier(tmp_path, capacity_bytes=1 << 30, capacity_blocks=3, o_direct=False)
+    for b in range(3):
+        for layer in range(2):
+            ssd.add(key(b * 16 + layer), SsdEntry(layer, 100, b"d" * 32, "m", 0.0, float(b), bytes([b]) * 32))
+    assert (ssd.num_blocks, ssd.num_held_blocks) == (6, 3)
+    assert ssd.has_block_room(bytes([1]) * 32) and not ssd.has_block_room(bytes([7]) * 32)
+    assert ssd.least_recent(0, num_blocks=1) == [key(0), key(1)]              # block 0, both layers
+    assert ssd.least_recent(1) == [key(0)]
+    ssd.discard(key(0))
+    assert ssd.num_held_blocks == 3
+    ssd.discard(key(1))
+    assert ssd.num_held_blocks == 2 and ssd.has_block_room(bytes([7]) * 32)

@@ -157,23 +157,47 @@ def test_background_thread_flushes_write_behind_and_stops_on_close(tmp_path: Pat
         store.get(addr(1))
 
 
-def test_ram_eviction_writes_unflushed_blocks_before_dropping_them(tmp_path: Path) -> None:
-    # RAM holds 1 MiB; offload line at 90 %. Sixteen 128 KiB blocks (2 MiB) fit under the
-    # 2x high-water mark only while nothing is evicted; nothing has been flushed yet.
+def test_a_full_ram_tier_accepts_a_put_by_demoting_to_ssd(tmp_path: Path) -> None:
+    # RAM holds 1 MiB, high-water mark 2 MiB; sixteen 128 KiB write-behind blocks fill it, every
+    # one pinned (none flushed: no background thread). The next put commits the oldest to SSD
+    # inline and evicts them from RAM instead of being refused.
     cfg = kv(tmp_path, write_through=False, ram_gib=MIB / GIB, ram_high_water=2.0)
     blocks = {i: os.urandom(128 * 1024) for i in range(16)}
+    extra = os.urandom(128 * 1024)
     with Store.open(cfg, background=False) as store:
         for i, p in blocks.items():
             assert store.put(addr(i), p) is PutResult.OK
-        assert store.put(addr(99), os.urandom(128 * 1024)) is PutResult.FULL   # past high water
-        done = store.run_maintenance()
+        assert store.stats()["ram"]["pinned_blocks"] == 16 and store.stats()["ssd"]["blocks"] == 0
+        assert store.put(addr(99), extra) is PutResult.OK
         stats = store.stats()
-        assert done["ram_evicted"] > 0 and stats["evictions"]["ram"] == done["ram_evicted"]
-        assert stats["ram"]["bytes"] <= 0.9 * MIB
-        assert stats["pending_writes"] == 0 and stats["ssd"]["blocks"] == len(blocks)
-        for i, p in blocks.items():                    # nothing was lost on the way out
+        assert sum(stats["put_rejected"].values()) == 0
+        assert stats["evictions"]["ram"] >= 1 and stats["ram"]["bytes"] <= 2 * MIB
+        demoted = [i for i in blocks if store.peek([addr(i)]).tiers[0] is Tier.SSD]
+        assert demoted
+        for i in demoted:                              # still served, from SSD
+            block = store.get_block(addr(i), promote=False)
+            assert block is not None and block.tier is Tier.SSD and block.payload == blocks[i]
+        for i, p in blocks.items():
             assert store.get(addr(i)) == p
-        assert store.put(addr(99), os.urandom(128 * 1024)) is PutResult.OK
+        assert store.get(addr(99)) == extra
+        done = store.run_maintenance()                 # the evictor still trims to its offload line
+        stats = store.stats()
+        assert done["ram_evicted"] > 0 and stats["ram"]["bytes"] <= 0.9 * MIB
+        assert stats["pending_writes"] == 0 and stats["ssd"]["blocks"] == len(blocks) + 1
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_300_puts_into_a_small_ram_tier_between_two_ticks_lose_none(tmp_path: Path, write_through: bool) -> None:
+    """RAM holds eight 64 KiB blocks; no maintenance runs while 300 are put. Every put is
+    acknowledged, lands in RAM, and every acknowledged block is served."""
+    cfg = kv(tmp_path, write_through=write_through, ram_gib=8 * 64 * 1024 / GIB)
+    blocks = {i: os.urandom(64 * 1024) for i in range(300)}
+    with Store.open(cfg, background=False) as store:
+        assert [store.put(addr(i), p) for i, p in blocks.items()] == [PutResult.OK] * 300
+        assert sum(store.stats()["put_rejected"].values()) == 0
+        assert store.peek([addr(299)]).tiers == (Tier.RAM,)      # the newest is in RAM: older copies gave way
+        assert all(store.get(addr(i)) == p for i, p in blocks.items())
+        assert store.stats()["ram"]["bytes"] <= store.stats()["ram"]["high_water_bytes"]
 
 
 def test_ssd_blocks_expire_after_ttl_since_last_seen(tmp_path: Path) -> None:
@@ -219,22 +243,28 @@ def test_reads_rewrite_last_seen_rows_only_once_they_are_a_minute_old(tmp_path: 
         assert [store.get(addr(i)) is not None for i in (0, 9, 10, 19)] == [True, True, False, False]
 
 
-def test_ssd_capacity_refuses_then_evicts_least_recently_seen(tmp_path: Path) -> None:
-    clock = Clock()
-    per_file = HEADER_SIZE + 256 * 1024
-    cfg = kv(tmp_path, write_through=True, ssd_gib=4.5 * per_file / GIB)
-    with Store.open(cfg, background=False, clock=clock) as store:
-        for i in range(4):
-            clock.now += 1
-            assert store.put(addr(i), os.urandom(256 * 1024)) is PutResult.OK
-        assert store.put(addr(4), os.urandom(256 * 1024)) is PutResult.FULL
-        assert store.stats()["put_rejected"]["full"] == 1
+def filled_ssd(tmp_path: Path, clock: Clock, num_blocks: int, size: int,
+               capacity_files: float) -> tuple[Store, KVConfig]:
+    """A write-through store whose SSD takes `capacity_files` files of `size` payload bytes, with
+    blocks 0 .. num_blocks-1 put one second apart; and its config, for reopening."""
+    cfg = kv(tmp_path, write_through=True, ssd_gib=capacity_files * (HEADER_SIZE + size) / GIB)
+    store = Store.open(cfg, background=False, clock=clock)
+    for i in range(num_blocks):
         clock.now += 1
+        assert store.put(addr(i), os.urandom(size)) is PutResult.OK
+    clock.now += 1
+    return store, cfg
+
+
+def test_a_full_ssd_evicts_its_least_recently_seen_file_inline_for_a_put(tmp_path: Path) -> None:
+    clock = Clock()
+    store, cfg = filled_ssd(tmp_path, clock, 4, 256 * 1024, 4.5)
+    with store:
         store.lookup([addr(0)])                         # 0 is now the most recently seen
-        # 4 files are under the 90 % line (4.05 files), but the refused write needs one more.
-        assert store.run_maintenance()["ssd_evicted"] == 1
-        assert store.stats()["ssd"]["blocks"] == 3
         assert store.put(addr(4), os.urandom(256 * 1024)) is PutResult.OK
+        stats = store.stats()
+        assert stats["put_rejected"]["full"] == 0 and stats["evictions"]["ssd"] == 1
+        assert stats["ssd"]["blocks"] == 4
     with Store.open(cfg, background=False, clock=clock) as store:    # RAM is empty: only SSD answers
         tiers = store.lookup([addr(i) for i in range(5)]).tiers
         assert tiers == (Tier.SSD, None, Tier.SSD, Tier.SSD, Tier.SSD)
@@ -262,9 +292,8 @@ def test_write_behind_under_a_full_ssd_replaces_the_oldest_blocks(tmp_path: Path
         for i, p in blocks.items():
             clock.now += 1
             store.put(addr(i), p)
-        assert store.flush() == 2                          # four fit, two wait pinned in RAM
-        store.run_maintenance()                            # evicts old SSD blocks for them
-        assert store.stats()["pending_writes"] == 0
+        assert store.flush() == 0                          # four fit, the two oldest files make room
+        assert store.stats()["pending_writes"] == 0 and store.stats()["evictions"]["ssd"] == 2
         assert store.stats()["ssd"]["bytes"] <= 4 * per_file
         for i, p in blocks.items():                        # every block still served (RAM or SSD)
             assert store.get(addr(i)) == p
@@ -445,3 +474,24 @@ def test_a_delete_racing_a_read_is_a_miss_not_a_lost_file(tmp_path: Path) -> Non
         assert store.get(addr(1)) is None
         assert store.metrics.value("kvfabric_index_reconciled_total", action="row_without_file") == 0
         assert store.metrics.value("kvfabric_lookup_seconds_count", tier="none", outcome="miss") == 1
+
+
+@pytest.mark.parametrize(("access", "evicted"), [("none", 0), ("peek", 0), ("lookup", 1), ("get", 1)])
+def test_a_peek_leaves_recency_as_if_the_block_was_never_looked_at(tmp_path: Path, access: str,
+                                                                   evicted: int) -> None:
+    """Five files past the SSD's low-water line: maintenance drops the least recently seen one.
+    Block 0 is the oldest; a peek at it leaves it the oldest, a lookup or a get saves it."""
+    clock = Clock()
+    store, cfg = filled_ssd(tmp_path, clock, 5, 64 * 1024, 5.5)
+    with store:
+        if access == "peek":
+            assert store.peek([addr(0)]).tiers == (Tier.RAM,)
+            assert store.lookup([addr(0)], peek=True).num_leading == 1
+        elif access == "lookup":
+            store.lookup([addr(0)])
+        elif access == "get":
+            assert store.get(addr(0)) is not None
+        assert store.run_maintenance()["ssd_evicted"] == 1
+    with Store.open(cfg, background=False, clock=clock) as store:    # RAM is empty: only SSD answers
+        tiers = store.peek([addr(i) for i in range(5)]).tiers
+        assert [i for i, t in enumerate(tiers) if t is None] == [evicted]

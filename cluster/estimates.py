@@ -50,16 +50,17 @@ class PeerEstimates:
         self._peers: dict[str, PeerEstimate] = {}
 
     def record_pull(self, peer: str, num_bytes: int, seconds: float, rtt_s: float | None = None) -> None:
-        """A completed pull of `num_bytes` that took `seconds` (and its first answer after `rtt_s`)."""
+        """A pull that moved `num_bytes` in `seconds` (its first answer after `rtt_s`)."""
         if num_bytes < 0 or seconds < 0:
             raise ValueError("num_bytes and seconds must be >= 0")
         est = self._peers.setdefault(peer, PeerEstimate())
         est.num_pulls += 1
         if rtt_s is not None:
             est.rtt_s = _ewma(est.rtt_s, rtt_s, self.alpha)
-        transfer_s = seconds - (rtt_s or 0.0)
-        if num_bytes > 0 and transfer_s > 0:
-            est.bandwidth = _ewma(est.bandwidth, num_bytes / transfer_s, self.alpha)
+        # Bandwidth over the whole pull, round trip included: the first answer is a whole frame
+        # (up to ~1 MiB), so subtracting it would overstate a slow link. Errs on the slow side.
+        if num_bytes > 0 and seconds > 0:
+            est.bandwidth = _ewma(est.bandwidth, num_bytes / seconds, self.alpha)
 
     def record_failure(self, peer: str, now: float) -> None:
         self._peers.setdefault(peer, PeerEstimate()).failures.append(now)
@@ -99,6 +100,24 @@ class PrefillEstimate:
     def compute_s(self, num_tokens: int) -> float | None:
         """Expected seconds to prefill `num_tokens`; None until an engine reported a prefill."""
         return None if not self.tokens_per_s else num_tokens / self.tokens_per_s
+
+
+class PrefillRates:
+    """A `PrefillEstimate` per model (namespace root): each model prefills at its own rate."""
+
+    def __init__(self, alpha: float = 0.3) -> None:
+        self.alpha = alpha
+        self._by_ns: dict[bytes, PrefillEstimate] = {}
+
+    def of(self, ns_root: bytes) -> PrefillEstimate:
+        est = self._by_ns.get(ns_root)
+        if est is None:
+            est = self._by_ns[ns_root] = PrefillEstimate(self.alpha)
+        return est
+
+    def snapshot(self) -> dict[str, float]:
+        """Tokens/s per namespace (its root's first 8 bytes in hex)."""
+        return {root[:8].hex(): est.tokens_per_s or 0.0 for root, est in self._by_ns.items()}
 
 
 @dataclass(frozen=True, slots=True)

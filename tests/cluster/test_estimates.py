@@ -19,9 +19,9 @@ MB = 1_000_000
 def test_peer_bandwidth_and_rtt_follow_completed_pulls() -> None:
     peers = PeerEstimates(alpha=0.5)
     assert peers.expected_s("a", 100 * MB, 0.0) == pytest.approx(0.001 + 100 * MB / DEFAULT_BANDWIDTH)
-    peers.record_pull("a", 10 * MB, 1.01, rtt_s=0.01)          # 10 MB/s
+    peers.record_pull("a", 10 * MB, 1.0, rtt_s=0.01)           # 10 MB/s
     assert peers.expected_s("a", 10 * MB, 0.0) == pytest.approx(1.01)
-    peers.record_pull("a", 30 * MB, 1.01, rtt_s=0.01)          # 30 MB/s: the estimate moves halfway
+    peers.record_pull("a", 30 * MB, 1.0, rtt_s=0.01)           # 30 MB/s: the estimate moves halfway
     assert peers.snapshot(0.0)["a"]["bandwidth_mb_s"] == pytest.approx(20.0)
     assert peers.snapshot(0.0)["a"]["pulls"] == 2
 

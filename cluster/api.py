@@ -144,7 +144,8 @@ class Fabric(Protocol):
              deadline_s: float | None = None) -> LoadReply:
         """The longest verified cached prefix. Pulls are made only where they are expected to land
         before the engine could compute the same tokens, and are cut at `deadline_s` (by default the
-        node's own estimate of that break-even); what arrived in time is returned."""
+        node's own estimate of that break-even); what arrived in time is returned. `deadline_s=math.inf`
+        pulls everything the owners hold and never cuts."""
         ...
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LayerStream: ...

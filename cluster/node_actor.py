@@ -77,6 +77,7 @@ from transports.factory import create_client, create_server
 from transports.identity import NodeSigner, TrustAnchor
 from transports.metrics import TransportMetrics
 from transports.provenance_check import ProvenanceVerifier
+from transports.serving import EgressPacer
 
 logger = logging.getLogger(__name__)
 
@@ -374,10 +375,22 @@ class NodeActor:
             if sample.failed or (sample.cut and not sample.num_bytes):
                 self.peer_estimates.record_failure(sample.node_id, now)
             else:
-                self.peer_estimates.record_pull(sample.node_id, sample.num_bytes, sample.seconds, sample.first_s)
+                self.peer_estimates.record_pull(sample.node_id, sample.num_bytes, sample.seconds, sample.first_s,
+                                                now, cut=sample.cut)
         for peer, est in self.peer_estimates.snapshot(now).items():
             self.metrics.peer_bandwidth.labels(peer).set(est["bandwidth_mb_s"] * 1e6)
             self.metrics.peer_rtt.labels(peer).set(est["rtt_ms"] / 1e3)
+
+    async def set_send_rate(self, mb_s: float) -> None:
+        """Cap (or, with 0, uncap) what this node's TLS-TCP server sends, MB/s, at run time: an
+        operator's throttle, e.g. while the node's NIC serves inference traffic."""
+        await self._ensure_started()
+        if mb_s < 0:
+            raise ValueError(f"send rate must be >= 0 MB/s, got {mb_s}")
+        if not hasattr(self.server, "pacer"):
+            raise ValueError(f"the {self.address.transport} server has no send-rate cap (TLS-TCP has)")
+        self.server.pacer = EgressPacer(mb_s * 1e6) if mb_s > 0 else None
+        logger.info("send rate %s", f"capped at {mb_s:g} MB/s" if mb_s > 0 else "uncapped")
 
     async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
         """An engine on this node computed `num_tokens` of prefill in `seconds` (see `Fabric`)."""

@@ -135,9 +135,11 @@ class HFEngineActor:
         return self.engine.namespace
 
     def answer(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None,
-               mode: str = LoadMode.LAYERWISE.value, export: bool = True) -> Answer:
-        """Prefill through the fabric (`mode`), export the new blocks, decode greedily."""
+               mode: str = LoadMode.LAYERWISE.value, export: bool = True, deadline_s: float | None = None) -> Answer:
+        """Prefill through the fabric (`mode`; a plain load's pulls cut at `deadline_s`, by default the
+        node's own break-even estimate), export the new blocks, decode greedily."""
         with self._request(len(tokens)):
+            self.engine.deadline_s = deadline_s   # under the compute lock: this request's setting
             gen = self.engine.generate(tokens, max_new_tokens, mode=LoadMode(mode), eos_token_id=eos_token_id,
                                        export=export)
         return Answer.of(self.node_id, gen)

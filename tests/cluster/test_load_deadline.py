@@ -20,7 +20,7 @@ from cluster.client import FabricClient
 from cluster.engines.hf import HFEngine, LoadMode
 from cluster.launch import LocalCluster, start_local_cluster
 from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
-from fabric.keys import Namespace, block_hashes
+from fabric.keys import Namespace
 from fabric.layout import KVLayout
 
 SEND_RATE_MB_S = 0.1            # 64 blocks x 16 KiB (1 MiB) take ~10 s over it

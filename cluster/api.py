@@ -47,11 +47,26 @@ class BlockLocation:
 
 
 @dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """What the engines of a node report they have to do (`Fabric.report_load`)."""
+
+    running_requests: int = 0
+    queued_requests: int = 0
+    queued_prefill_tokens: int = 0    # prompt tokens accepted but not yet computed
+
+    @property
+    def requests(self) -> int:
+        return self.running_requests + self.queued_requests
+
+
+@dataclass(frozen=True, slots=True)
 class LookupReply:
-    """The longest cached leading run of a prompt's blocks, local or on a live peer."""
+    """The longest cached leading run of a prompt's blocks, local or on a live peer, and the load
+    the answering node's engines last reported (what a router weighs against the cached prefix)."""
 
     block_size: int
     locations: tuple[BlockLocation, ...]   # one per leading cached block
+    load: EngineLoad = EngineLoad()
 
     @property
     def num_blocks(self) -> int:
@@ -125,9 +140,23 @@ class Fabric(Protocol):
 
     def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply: ...
 
-    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply: ...
+    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
+             deadline_s: float | None = None) -> LoadReply:
+        """The longest verified cached prefix. Pulls are made only where they are expected to land
+        before the engine could compute the same tokens, and are cut at `deadline_s` (by default the
+        node's own estimate of that break-even); what arrived in time is returned. `deadline_s=math.inf`
+        pulls everything the owners hold and never cuts."""
+        ...
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LayerStream: ...
+
+    def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
+        """An engine computed `num_tokens` of prefill in `seconds`: the rate loads are planned by."""
+        ...
+
+    def report_load(self, load: EngineLoad) -> None:
+        """The engine's current load, returned with every lookup of its node (for routers)."""
+        ...
 
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
         """Store `payloads` for blocks `first_block .. first_block + len(payloads)` of `tokens`."""

@@ -19,6 +19,7 @@ import json
 import os
 import statistics
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -141,16 +142,18 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
         with Progress(console=console, transient=True) as progress:
             task = progress.add_task("requests", total=len(prompts))
             for wave in waves(len(prompts), args.wave):
-                queued = dict.fromkeys(nodes, 0)
                 pending = []
                 for i in wave:
                     num_blocks = len(prompts[i]) // args.block_size
-                    views = [NodeView(n, [loc.where.value for loc in clients[n].lookup(ns, prompts[i]).locations],
-                                      queued[n]) for n in nodes]
+                    # Each node's lookup carries the load its engine reported: the router weighs that
+                    # against the cached prefix (a busy node holding the prefix may lose to an idle one).
+                    replies = {n: clients[n].lookup(ns, prompts[i]) for n in nodes}
+                    views = [NodeView(n, [loc.where.value for loc in replies[n].locations], replies[n].load.requests)
+                             for n in nodes]
                     node = router.choose(num_blocks, views, prompt_key=_first_block_key(ns, prompts[i])).node_id
-                    queued[node] += 1
                     pending.append((i, node, engines[node].serve.remote(
                         prompts[i], args.max_new_tokens, eos_token_id=eos, mode=args.mode)))
+                    _await_report(clients[node], ns, prompts[i], replies[node].load.requests)
                 for i, node, ref in pending:
                     fabric, recompute = ray.get(ref)
                     router.record(len(prompts[i]) // args.block_size, fabric.num_reused_tokens // args.block_size)
@@ -165,6 +168,14 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     answers = {s.index: str(tokenizer.decode(s.fabric.tokens, skip_special_tokens=True)) for s in served}
     return served, {"hit_ratio": router.hit_ratio, "pulled": pulled, "answers": answers, "nodes": nodes,
                     "system_tokens": len(tokenizer(system)["input_ids"])}
+
+
+def _await_report(client: Any, ns: Any, tokens: list[int], before: int, timeout_s: float = 5.0) -> None:
+    """Wait until the node's engine has reported the request just sent (its load grew), so the next
+    routing decision sees it."""
+    deadline = time.monotonic() + timeout_s
+    while client.lookup(ns, tokens).load.requests <= before and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 def _first_block_key(ns: Any, tokens: list[int]) -> bytes:

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import ray
 
-from cluster.api import IncompleteLoadError, LoadReply, LookupReply, StoreReply, Tokens
+from cluster.api import EngineLoad, IncompleteLoadError, LoadReply, LookupReply, StoreReply, Tokens
 from cluster.node_actor import node_actor_name
 from fabric.block_ids import BlockId
 from fabric.config import ClusterConfig
@@ -76,9 +76,18 @@ class FabricClient:
         return reply
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-             pulls: bool = True) -> LoadReply:
-        reply: LoadReply = self._get("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls))
+             pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
+        reply: LoadReply = self._get("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls,
+                                                                     deadline_s))
         return reply
+
+    def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
+        """Sent without waiting for an answer: a report never delays the engine."""
+        self.actor.report_prefill.remote(ns, num_tokens, seconds)
+
+    def report_load(self, load: EngineLoad) -> None:
+        """Sent without waiting for an answer: a report never delays the engine."""
+        self.actor.report_load.remote(load)
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> RayLayerStream:
         return RayLayerStream(self.actor.load_layers.remote(ns, _tokens(tokens), max_blocks), self)
@@ -141,8 +150,9 @@ class FabricClient:
         return reply
 
     async def aload(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-                    pulls: bool = True) -> LoadReply:
-        reply: LoadReply = await self._aget("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls))
+                    pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
+        reply: LoadReply = await self._aget("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls,
+                                                                            deadline_s))
         return reply
 
     async def astore(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *,

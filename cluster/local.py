@@ -18,6 +18,7 @@ import numpy as np
 
 from cluster.api import (
     BlockLocation,
+    EngineLoad,
     LoadReply,
     LookupReply,
     StoreReply,
@@ -27,6 +28,7 @@ from cluster.api import (
     check_payloads,
     payload_shape,
 )
+from cluster.estimates import PrefillRates
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
 from fabric.provenance import BlockSigner, Provenance, sign_block
@@ -48,6 +50,8 @@ class LocalFabric:
     def __init__(self, store: Store, node_id: str = "local") -> None:
         self.local_store = store
         self.node_id = node_id
+        self.engine_load = EngineLoad()
+        self.prefill = PrefillRates()
 
     # ---- building blocks the NodeActor reuses ------------------------------------------------------
 
@@ -113,7 +117,8 @@ class LocalFabric:
 
     def lookup_hashes(self, ns: Namespace, hashes: Sequence[BlockHash], *, peek: bool = False) -> LookupReply:
         tiers = self.local_tiers(hashes, ns.layout.num_layers, peek=peek)
-        return LookupReply(ns.block_size, tuple(BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers))
+        return LookupReply(ns.block_size, tuple(BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers),
+                           self.engine_load)
 
     def load_hashes(self, ns: Namespace, hashes: Sequence[BlockHash]) -> LoadReply:
         tiers = self.local_tiers(hashes, ns.layout.num_layers)
@@ -133,8 +138,16 @@ class LocalFabric:
     def lookup(self, ns: Namespace, tokens: Tokens, *, peek: bool = False) -> LookupReply:
         return self.lookup_hashes(ns, block_hashes(ns, tokens), peek=peek)
 
-    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LoadReply:
+    def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
+             deadline_s: float | None = None) -> LoadReply:
+        """Local reads only (no pulls), so there is nothing for `deadline_s` to cut."""
         return self.load_hashes(ns, block_hashes(ns, tokens)[:max_blocks])
+
+    def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
+        self.prefill.of(ns.root).record(num_tokens, seconds)
+
+    def report_load(self, load: EngineLoad) -> None:
+        self.engine_load = load
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LocalLayerStream:
         # Local reads are memory copies: read everything, then hand the layers out in order.

@@ -43,3 +43,18 @@ class ClusterMetrics:
         self.breaker_state = Gauge("kvfabric_directory_breaker_state",
                                    "Each directory shard's breaker: 0 closed, 1 open (lookups answer local-only), "
                                    "2 probing", ["shard"], registry=registry)
+        self.peer_bandwidth = Gauge("kvfabric_peer_bandwidth_bytes_per_second",
+                                    "Pull bandwidth per peer (EWMA of this node's pulls from it)", ["peer"],
+                                    registry=registry)
+        self.peer_rtt = Gauge("kvfabric_peer_rtt_seconds", "Time to a peer's first answer (EWMA)", ["peer"],
+                              registry=registry)
+        self.prefill_rate = Gauge("kvfabric_prefill_tokens_per_second",
+                                  "Prefill rate the engines report, per namespace", ["namespace"], registry=registry)
+        self.engine_load = Gauge("kvfabric_engine_load", "What this node's engines last reported",
+                                 ["kind"], registry=registry)
+        self.skipped_blocks = Counter("kvfabric_pull_skipped_blocks_total",
+                                      "Blocks a peer held that a load did not pull: recomputing them was expected "
+                                      "to be faster", registry=registry)
+        self.deadline_cuts = Counter("kvfabric_load_deadline_cuts_total",
+                                     "Loads whose pulls were cut at their deadline (the leading run that arrived "
+                                     "was returned)", registry=registry)

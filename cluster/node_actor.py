@@ -38,6 +38,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster.api import (
     BlockLocation,
+    EngineLoad,
     IncompleteLoadError,
     LoadReply,
     LookupReply,
@@ -53,10 +54,11 @@ from cluster.directory import NodeAddress
 from cluster.directory_actor import DirectoryClient
 from cluster.directory_auth import ReportSigner
 from cluster.directory_upkeep import DirectoryUpkeep
+from cluster.estimates import PeerEstimates, RunCost, plan_by_deadline
 from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import WHERE_OF_TIER, LocalFabric
 from cluster.metrics import ClusterMetrics
-from cluster.node_load import LayerProgress, pull_prefix
+from cluster.node_load import LayerProgress, PullOutcome, pull_prefix
 from cluster.planner import PullRun, plan_pulls
 from cluster.reply_buffers import ReplyBuffers
 from fabric.block_ids import BlockId, block_id_hashes
@@ -75,6 +77,7 @@ from transports.factory import create_client, create_server
 from transports.identity import NodeSigner, TrustAnchor
 from transports.metrics import TransportMetrics
 from transports.provenance_check import ProvenanceVerifier
+from transports.serving import EgressPacer
 
 logger = logging.getLogger(__name__)
 
@@ -190,6 +193,7 @@ class NodeActor:
                                       address=self.address, reports=self.reports, held=self._held_hashes,
                                       metrics=self.metrics, clock=time.monotonic)
         self._pending_mirrors = 0
+        self.peer_estimates = PeerEstimates()
         self.kv_events: KvEventPublisher | None = None
         if cfg.events.enabled:
             self.kv_events = KvEventPublisher(cfg.events, self.node_name, block_size=kv.block_size)
@@ -285,7 +289,7 @@ class NodeActor:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
         self.metrics.lookups.inc()
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
-        return LookupReply(ns.block_size, tuple(locs))
+        return LookupReply(ns.block_size, tuple(locs), self.local.engine_load)
 
     async def _read_local(self, hashes: Sequence[BlockHash], out: np.ndarray, sources: list[str]) -> int:
         def read() -> int:
@@ -299,9 +303,17 @@ class NodeActor:
 
     async def _load(self, ns: Namespace, hashes: list[BlockHash], pulls: bool,
                     started: asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]] | None = None,
-                    tokens: Tokens | None = None) -> LoadReply:
+                    tokens: Tokens | None = None, deadline_s: float | None = None) -> LoadReply:
         t0 = time.perf_counter()
         hashes, tiers, owners, runs, peers = await self._plan(ns, hashes, pulls=pulls)
+        deadline = None
+        if runs:   # pull only the runs expected to land before the engine could compute them
+            take, deadline = plan_by_deadline(
+                [RunCost(r.node_id, r.num_blocks, r.num_blocks * ns.layout.bytes_per_block(ns.block_size),
+                         r.num_blocks * ns.block_size) for r in runs],
+                self.peer_estimates, self.local.prefill.of(ns.root), time.monotonic(), deadline_s)
+            self.metrics.skipped_blocks.inc(sum(r.num_blocks for r in runs[take:]))
+            runs = runs[:take]
         planned = len(tiers) + sum(r.end - r.start for r in runs)
         out = self._replies.take(payload_shape(ns, planned))
         sources = [""] * planned
@@ -318,10 +330,23 @@ class NodeActor:
             started.set_result((planned, progress, out, sources))
         digests = [[b""] * ns.layout.num_layers for _ in range(planned)]
         provenance: list[Provenance | None] = [None] * planned
-        outcome = await pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
-                                    verifier=self.verifier, namespace=ns.root, provenance=provenance,
-                                    timeout_s=self.config.cluster.pull_timeout_s,
-                                    layer_major=started is not None) if runs else None
+        outcome = PullOutcome() if runs else None
+        if outcome is not None:
+            pull = pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
+                               verifier=self.verifier, namespace=ns.root, provenance=provenance,
+                               timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
+                               outcome=outcome)
+            # A layer stream has promised its blocks: it is planned by the same rule but never cut.
+            if deadline is None or started is not None:
+                await pull
+            else:
+                try:
+                    await asyncio.wait_for(pull, deadline)
+                except TimeoutError:
+                    self.metrics.deadline_cuts.inc()
+                    logger.info("load cut at its %.3f s deadline after %d of %d blocks", deadline,
+                                progress.complete_blocks(), planned)
+            self._learn(outcome)
         complete = progress.complete_blocks()
         if outcome is not None:
             self.metrics.said_yes_owner_no.inc(outcome.said_yes_owner_no)
@@ -343,6 +368,46 @@ class NodeActor:
         pulled = max(0, complete - num_local) * ns.layout.bytes_per_block(ns.block_size)
         return LoadReply(ns.block_size, payloads, tuple(sources[:complete]), pulled_bytes=pulled)
 
+    def _learn(self, outcome: PullOutcome) -> None:
+        """Feed each peer's estimate with this load's attempts on it."""
+        now = time.monotonic()
+        for sample in outcome.samples:
+            if sample.failed or (sample.cut and not sample.num_bytes):
+                self.peer_estimates.record_failure(sample.node_id, now)
+            else:
+                self.peer_estimates.record_pull(sample.node_id, sample.num_bytes, sample.seconds, sample.first_s,
+                                                now, cut=sample.cut)
+        for peer, est in self.peer_estimates.snapshot(now).items():
+            self.metrics.peer_bandwidth.labels(peer).set(est["bandwidth_mb_s"] * 1e6)
+            self.metrics.peer_rtt.labels(peer).set(est["rtt_ms"] / 1e3)
+
+    async def set_send_rate(self, mb_s: float) -> None:
+        """Cap (or, with 0, uncap) what this node's TLS-TCP server sends, MB/s, at run time: an
+        operator's throttle, e.g. while the node's NIC serves inference traffic."""
+        await self._ensure_started()
+        if mb_s < 0:
+            raise ValueError(f"send rate must be >= 0 MB/s, got {mb_s}")
+        if not hasattr(self.server, "pacer"):
+            raise ValueError(f"the {self.address.transport} server has no send-rate cap (TLS-TCP has)")
+        self.server.pacer = EgressPacer(mb_s * 1e6) if mb_s > 0 else None
+        logger.info("send rate %s", f"capped at {mb_s:g} MB/s" if mb_s > 0 else "uncapped")
+
+    async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
+        """An engine on this node computed `num_tokens` of prefill in `seconds` (see `Fabric`)."""
+        await self._ensure_started()
+        self.local.report_prefill(ns, num_tokens, seconds)
+        rate = self.local.prefill.of(ns.root).tokens_per_s
+        if rate:
+            self.metrics.prefill_rate.labels(ns.root[:8].hex()).set(rate)
+
+    async def report_load(self, load: EngineLoad) -> None:
+        """The load an engine on this node reports; every lookup returns it (for routers)."""
+        await self._ensure_started()
+        self.local.report_load(load)
+        self.metrics.engine_load.labels("running_requests").set(load.running_requests)
+        self.metrics.engine_load.labels("queued_requests").set(load.queued_requests)
+        self.metrics.engine_load.labels("queued_prefill_tokens").set(load.queued_prefill_tokens)
+
     async def _mirror(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
                       digests: Sequence[Sequence[bytes]], provenance: Sequence[Provenance | None]) -> None:
         # Off the critical path of the request that pulled: its engine is computing on this node's
@@ -357,9 +422,10 @@ class NodeActor:
             self._pending_mirrors -= 1
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
-                   pulls: bool = True) -> LoadReply:
+                   pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
         await self._ensure_started()
-        return await self._load(ns, block_hashes(ns, tokens)[:max_blocks], pulls, tokens=tokens)
+        return await self._load(ns, block_hashes(ns, tokens)[:max_blocks], pulls, tokens=tokens,
+                                deadline_s=deadline_s)
 
     # A layer stream is never stitched from two runs (the plans may differ): a restart ends it.
     @ray.method(max_task_retries=0)  # type: ignore[untyped-decorator]  # ray.method is untyped
@@ -469,5 +535,8 @@ class NodeActor:
                                           for r in Rejection},
                 "revoked_certificates": len(self.trust.revoked),
                 "pending_directory_ops": self.upkeep.pending(), "overflows": self.upkeep.sync.num_overflows,
-                "pending_mirrors": self._pending_mirrors, "directory": self.directory.breaker_stats(),
+                "pending_mirrors": self._pending_mirrors,
+                "estimates": {"peers": self.peer_estimates.snapshot(time.monotonic()),
+                              "prefill_tokens_per_s": self.local.prefill.snapshot()},
+                "engine_load": dataclasses.asdict(self.local.engine_load), "directory": self.directory.breaker_stats(),
                 "kv_events": None if self.kv_events is None else self.kv_events.endpoints()}

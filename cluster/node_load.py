@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -47,6 +48,20 @@ class PullOutcome:
     num_fallbacks: int = 0         # runs (or their rest) retried on an alternate owner
     said_yes_owner_no: int = 0     # runs whose owner did not have what the directory said
     rejections: dict[Rejection, int] = field(default_factory=dict)   # payloads whose provenance failed
+    samples: list[PullSample] = field(default_factory=list)   # one per attempt on a peer, for estimates
+
+
+@dataclass(frozen=True, slots=True)
+class PullSample:
+    """One attempt to pull a run from a peer: what arrived, how long it took, whether it failed.
+    `cut` attempts were cancelled (the load's deadline) before they finished."""
+
+    node_id: str
+    num_bytes: int
+    seconds: float
+    first_s: float | None     # until the first answer (None: none came)
+    failed: bool = False
+    cut: bool = False
 
 
 @dataclass(slots=True)
@@ -107,15 +122,17 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
                       owners: Sequence[Sequence[str]], start: int, out: np.ndarray, digests: list[list[bytes]],
                       progress: LayerProgress, sources: list[str], *, verifier: ProvenanceVerifier,
                       namespace: bytes, provenance: list[Provenance | None], timeout_s: float,
-                      max_rounds: int = 3, layer_major: bool = True) -> PullOutcome:
+                      max_rounds: int = 3, layer_major: bool = True, outcome: PullOutcome | None = None
+                      ) -> PullOutcome:
     """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
 
     Each round plans runs over the owners not yet seen failing, from the first incomplete block,
     and pulls them concurrently; a failed run's blocks are planned again over the others. Only
     payloads whose provenance `verifier` accepts for `namespace` are filled; `provenance[b]` gets
-    the record block b was accepted under.
+    the record block b was accepted under. `outcome` (made here when not given) collects counts and
+    one `PullSample` per attempt, also when the caller cancels the pull midway (its deadline).
     """
-    outcome = PullOutcome()
+    outcome = outcome if outcome is not None else PullOutcome()
     provs = Provenances(verifier, namespace, provenance)
     bad: set[str] = set()
     for _ in range(max_rounds):
@@ -162,6 +179,7 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
         refused: dict[Rejection, int] = {}   # this attempt's provenance rejections, by reason
         source = f"peer:{node_id}"
         check, namespace, rejections = provs.verifier.check, provs.namespace, outcome.rejections
+        started, first_s, got_bytes = time.perf_counter(), None, 0
         try:
             async with asyncio.timeout(timeout_s):
                 into = None if flat is None else memoryview(flat)  # type: ignore[arg-type]  # numpy's buffer stubs
@@ -170,6 +188,8 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                     if where is None:
                         logger.warning("peer %s answered an address it was not asked for; ignored", node_id)
                         continue
+                    if first_s is None:
+                        first_s = time.perf_counter() - started
                     if not isinstance(result, Hit):
                         got_miss = True
                         continue
@@ -190,13 +210,20 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                     digests[b][layer] = result.digest
                     sources[b] = source
                     outcome.num_bytes += nbytes
+                    got_bytes += nbytes
                     progress.fill(b, layer)
+        except asyncio.CancelledError:   # the load's deadline: what arrived so far says how slow this peer is
+            outcome.samples.append(PullSample(node_id, got_bytes, time.perf_counter() - started, first_s, cut=True))
+            raise
         except (TimeoutError, OSError, ProtocolError, CertificateError) as e:
+            outcome.samples.append(PullSample(node_id, got_bytes, time.perf_counter() - started, first_s,
+                                              failed=True))
             outcome.num_failures += 1
             bad.add(node_id)
             logger.info("pull of blocks %d..%d from %s failed (%s); trying the next owner",
                         run.start, run.end, node_id, type(e).__name__ if str(e) == "" else e)
             continue
+        outcome.samples.append(PullSample(node_id, got_bytes, time.perf_counter() - started, first_s))
         if refused:   # a peer that serves what its producer did not sign is not asked again in this load
             bad.add(node_id)
             logger.warning("peer %s served blocks %d..%d without valid provenance (%s); trying the next owner",

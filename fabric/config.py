@@ -91,6 +91,7 @@ class TransportConfig:
     idle_timeout_s: float = 30.0
     frame_timeout_s: float = 10.0
     max_inflight: int = 32
+    send_rate_mb_s: float = 0.0                  # TLS-TCP: MB/s this node serves at most, all peers (0: no cap)
 
 
 @dataclass(slots=True)
@@ -207,6 +208,8 @@ class Config:
                                   f"got {getattr(kv, key)}")
         if kv.mirror_delay_s < 0:
             raise ConfigError(f"{source}: kv.mirror_delay_s must be >= 0, got {kv.mirror_delay_s}")
+        if self.transport.send_rate_mb_s < 0:
+            raise ConfigError(f"{source}: transport.send_rate_mb_s must be >= 0, got {self.transport.send_rate_mb_s}")
         if kv.reply_pool_gib < 0:
             raise ConfigError(f"{source}: kv.reply_pool_gib must be >= 0, got {kv.reply_pool_gib}")
         if not 0 <= kv.background_nice <= 19:

@@ -26,6 +26,7 @@ BATCH_BYTES = 1024 * 1024         # a server fetches up to this many payload byt
 INLINE_FETCH_S = 0.001            # a get_block slower than this on the loop counts as slow …
 SLOW_STREAK = 3                   # … this many in a row send fetching to the thread pool …
 SLOW_SOURCE_HOLD_S = 1.0          # … for this long
+PACED_BATCH_S = 0.05              # a server with a capped egress sends batches of this long at its rate
 THROTTLE_MIN_S = 0.05             # a peer refused over its budget is not read for at least this long …
 THROTTLE_MAX_S = 1.0              # … and at most this long at a time (far below the frame and idle timeouts)
 
@@ -58,6 +59,31 @@ def watchdog_interval(frame_timeout_s: float, idle_timeout_s: float) -> float:
     return max(0.02, min(frame_timeout_s, idle_timeout_s) / 8)
 
 
+class EgressPacer:
+    """Caps what a server sends to `rate` bytes/s, over all its connections (a node's egress): each
+    batch may leave once the batches before it have had their time. Pure: `now` comes in."""
+
+    def __init__(self, rate: float) -> None:
+        if rate <= 0:
+            raise ValueError(f"rate must be > 0 bytes/s, got {rate}")
+        self.rate = rate
+        self._free_at = 0.0
+
+    def batch_bytes(self, most: int) -> int:
+        """A batch worth at most PACED_BATCH_S of the rate (and `most`): a capped server sends small
+        batches often rather than a burst and then a long pause."""
+        return max(1, min(most, int(self.rate * PACED_BATCH_S)))
+
+    def wait_s(self, num_bytes: int, now: float) -> float:
+        """Seconds to wait before sending the next batch, after one of `num_bytes` was sent now."""
+        self._free_at = max(now, self._free_at) + num_bytes / self.rate
+        return max(0.0, self._free_at - now)
+
+
+def payload_bytes(fetched: Sequence[Fetched]) -> int:
+    return sum(memoryview(f.payload).nbytes for f in fetched if f is not None and not isinstance(f, Exception))
+
+
 class ServingServer:
     """What TLS-TCP and QUIC servers share: where store reads run, counting what was served, and
     each peer's budget. Subclasses set `executor` (a thread pool, or None: always on the loop),
@@ -70,6 +96,7 @@ class ServingServer:
     max_connections_per_peer: int
     slow_until: float = 0.0   # loop time until which store reads run in the thread pool
     slow_streak: int = 0
+    pacer: EgressPacer | None = None   # `[transport] send_rate_mb_s`, when set
 
     def note_fetch(self, slow: bool, now: float) -> None:
         """After SLOW_STREAK slow batches in a row, reads move to the pool for SLOW_SOURCE_HOLD_S."""

@@ -55,7 +55,16 @@ from transports.codec import (
     Pull,
 )
 from transports.metrics import TransportMetrics
-from transports.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, Watchdog, fetch, watchdog_interval
+from transports.serving import (
+    BATCH_BYTES,
+    INLINE_FETCH_S,
+    EgressPacer,
+    ServingServer,
+    Watchdog,
+    fetch,
+    payload_bytes,
+    watchdog_interval,
+)
 from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession, ServerSession
 from transports.tls_link import (
     FrameLink,
@@ -152,12 +161,12 @@ class _ServerConnection:
                 rest = pull.addresses[start:]
                 # RAM-resident blocks are read on the loop; after SLOW_STREAK slow reads in a row
                 # (disk, not a one-off preemption) reading moves to the pool for SLOW_SOURCE_HOLD_S.
+                batch = BATCH_BYTES if server.pacer is None else server.pacer.batch_bytes(BATCH_BYTES)
                 if server.executor is None or self._loop.time() >= server.slow_until:
-                    fetched, slow = fetch(server.source, rest, BATCH_BYTES, INLINE_FETCH_S)
+                    fetched, slow = fetch(server.source, rest, batch, INLINE_FETCH_S)
                     server.note_fetch(slow, self._loop.time())
                 else:
-                    fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest,
-                                                                  BATCH_BYTES)
+                    fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, batch)
                 if link.closed or pull.request_id not in session.active:
                     break
                 now = self._loop.time()
@@ -168,6 +177,8 @@ class _ServerConnection:
                     out += session.finish(pull.request_id, now)
                 server.count_served(session, now)
                 self._carry_out(out)
+                if server.pacer is not None:   # a capped egress: the next batch waits its turn
+                    await asyncio.sleep(server.pacer.wait_s(payload_bytes(fetched), self._loop.time()))
         finally:
             self.pump = None
 
@@ -194,9 +205,10 @@ class TlsTcpServer(ServingServer):
                  *, max_payload: int = DEFAULT_MAX_PAYLOAD, max_inflight: int = 32, frame_timeout_s: float = 10.0,
                  idle_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0, io_threads: int = 4,
                  max_connections_per_peer: int = 8, peer_rates: PeerRates | None = None,
-                 metrics: TransportMetrics | None = None) -> None:
+                 metrics: TransportMetrics | None = None, send_rate: float = 0.0) -> None:
         """`io_threads`: threads for slow (disk) fetches; 0 always fetches on the event loop;
-        `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`)."""
+        `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);
+        `send_rate`: bytes/s this server sends at most, over all connections (0: no cap)."""
         self.credentials = credentials
         self.node = credentials.node
         self.source = source
@@ -208,6 +220,7 @@ class TlsTcpServer(ServingServer):
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections_per_peer = max_connections_per_peer
         self.budgets = PeerBudgets(peer_rates)
+        self.pacer = EgressPacer(send_rate) if send_rate > 0 else None
         self.metrics = metrics or TransportMetrics()
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-tls-io") if io_threads else None
         self.peak_inflight = 0
@@ -225,7 +238,7 @@ class TlsTcpServer(ServingServer):
                    max_inflight=config.max_inflight, frame_timeout_s=config.frame_timeout_s,
                    idle_timeout_s=config.idle_timeout_s, handshake_timeout_s=config.connect_timeout_s,
                    max_connections_per_peer=config.max_connections_per_peer, peer_rates=peer_rates(config),
-                   metrics=metrics)
+                   metrics=metrics, send_rate=config.send_rate_mb_s * 1e6)
 
     @property
     def num_connections(self) -> int:

@@ -79,7 +79,10 @@ class HFEngine:
     """Prefill and greedy decoding of one transformers model with KV reuse through a `Fabric`."""
 
     def __init__(self, model: PreTrainedModel, fabric: Fabric | None, *, block_size: int = 16,
-                 fingerprint: str | None = None, model_id: str | None = None, tenant_salt: bytes = b"") -> None:
+                 fingerprint: str | None = None, model_id: str | None = None, tenant_salt: bytes = b"",
+                 deadline_s: float | None = None) -> None:
+        """`deadline_s`: how long a plain load may wait for pulls before the engine computes the rest
+        itself (None: the node's own estimate of when computing would be faster)."""
         model.train(False)
         self.model = model
         self.fabric = fabric
@@ -88,6 +91,7 @@ class HFEngine:
         self.namespace: Namespace = namespace_for(model, block_size, fingerprint=fingerprint, model_id=model_id,
                                                   tenant_salt=tenant_salt)
         self.block_size = block_size
+        self.deadline_s = deadline_s
 
     # ---- prefill -----------------------------------------------------------------------------------
 
@@ -114,6 +118,9 @@ class HFEngine:
             logits, cache = self._forward(prompt[reused:], cache)
         ttft = time.perf_counter() - start
         overlap = cache.overlap_s(loaded) if isinstance(cache, LayerwiseCache) else 0.0
+        if self.fabric is not None and not isinstance(cache, LayerwiseCache) and len(prompt) > reused:
+            # The rate loads are planned by. A layer-wise prefill's time includes waits for layers: not a rate.
+            self.fabric.report_prefill(self.namespace, len(prompt) - reused, ttft - (loaded - start))
         stored = self.export(prompt, cache, reused // self.block_size) if export else 0
         return Prefill(logits, cache, len(prompt), reused, self._pulled_tokens(sources), pulled, sources, ttft,
                        loaded - start, stored, fell_back, overlap)
@@ -132,7 +139,7 @@ class HFEngine:
             pulled = self._pulled_tokens(sources) // self.block_size * self.namespace.layout.bytes_per_block(
                 self.block_size)
             return LayerwiseCache(feed), feed.num_tokens, pulled, sources
-        reply = self.fabric.load(self.namespace, prompt, max_blocks=max_blocks)
+        reply = self.fabric.load(self.namespace, prompt, max_blocks=max_blocks, deadline_s=self.deadline_s)
         if reply.num_blocks == 0:
             return None, 0, reply.pulled_bytes, reply.sources
         cache = cache_from_payloads(reply.payloads, self.namespace, self.model.config, self.device)

@@ -26,7 +26,9 @@ as a cache.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -34,11 +36,13 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.api import EngineLoad
 from cluster.client import FabricClient
 from cluster.engines.hf import Generation, HFEngine, LoadMode, load_checkpoint
 from fabric.keys import Namespace
 from transports.buffers import tune_allocator
 
+MAX_ACCEPTED = 16       # requests an engine actor accepts at once (they compute one at a time)
 KEEP_FREED_MIB = 1024   # several 4k-token caches of a small model; 0 leaves glibc's defaults
 OMP_SPIN_COUNT = 10_000  # libgomp's GOMP_SPINCOUNT for engine processes; None leaves its default (300k)
 
@@ -69,7 +73,9 @@ class Answer:
 
 
 class HFEngineActor:
-    """The actor body (`spawn_engines` wraps it with `ray.remote`); one request at a time."""
+    """The actor body (`spawn_engines` wraps it with `ray.remote`). Requests are accepted concurrently
+    (a threaded actor) and computed one at a time; the engine's load (requests running and queued,
+    prompt tokens not yet computed) goes to its NodeActor on every change, where routers read it."""
 
     def __init__(self, checkpoint: str, *, fingerprint: str, model_id: str, block_size: int,
                  num_threads: int | None = None, namespace: str = "kvfabric",
@@ -80,9 +86,43 @@ class HFEngineActor:
             tune_allocator(trim_threshold=keep_freed_mib << 20)
         model = load_checkpoint(checkpoint)
         self.node_id = str(ray.get_runtime_context().get_node_id())
-        fabric = FabricClient.connect(namespace=namespace)
-        self.engine = HFEngine(model, fabric, block_size=block_size, fingerprint=fingerprint, model_id=model_id)
+        self.fabric = FabricClient.connect(namespace=namespace)
+        self.engine = HFEngine(model, self.fabric, block_size=block_size, fingerprint=fingerprint,
+                               model_id=model_id)
         self.baseline = HFEngine(model, None, block_size=block_size, fingerprint=fingerprint, model_id=model_id)
+        self._compute = threading.Lock()      # one request computes at a time
+        self._counts = threading.Lock()
+        self._running = self._queued = self._queued_tokens = 0
+
+    @contextmanager
+    def _request(self, num_tokens: int) -> Iterator[None]:
+        """Count a request as queued until it may compute, then as running; report each change."""
+        with self._counts:
+            self._queued += 1
+            self._queued_tokens += num_tokens
+            self._report()
+        try:
+            with self._compute:
+                with self._counts:
+                    self._queued -= 1
+                    self._running += 1
+                    self._report()
+                yield
+        finally:
+            with self._counts:
+                if self._running:
+                    self._running -= 1
+                else:                      # never got to compute
+                    self._queued -= 1
+                self._queued_tokens -= num_tokens
+                self._report()
+
+    def _report(self) -> None:
+        self.fabric.report_load(EngineLoad(self._running, self._queued, self._queued_tokens))
+
+    def load(self) -> EngineLoad:
+        with self._counts:
+            return EngineLoad(self._running, self._queued, self._queued_tokens)
 
     def node(self) -> str:
         return self.node_id
@@ -95,15 +135,22 @@ class HFEngineActor:
         return self.engine.namespace
 
     def answer(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None,
-               mode: str = LoadMode.LAYERWISE.value, export: bool = True) -> Answer:
-        """Prefill through the fabric (`mode`), export the new blocks, decode greedily."""
-        gen = self.engine.generate(tokens, max_new_tokens, mode=LoadMode(mode), eos_token_id=eos_token_id,
-                                   export=export)
+               mode: str = LoadMode.LAYERWISE.value, export: bool = True, deadline_s: float | None = None) -> Answer:
+        """Prefill through the fabric (`mode`; a plain load's pulls cut at `deadline_s`, by default the
+        node's own break-even estimate), export the new blocks, decode greedily."""
+        with self._request(len(tokens)):
+            self.engine.deadline_s = deadline_s   # under the compute lock: this request's setting
+            gen = self.engine.generate(tokens, max_new_tokens, mode=LoadMode(mode), eos_token_id=eos_token_id,
+                                       export=export)
         return Answer.of(self.node_id, gen)
 
     def recompute(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None) -> Answer:
-        """The baseline: the same prompt computed from scratch, nothing read from or written to the fabric."""
-        return Answer.of(self.node_id, self.baseline.generate(tokens, max_new_tokens, eos_token_id=eos_token_id))
+        """The baseline: the same prompt computed from scratch, nothing read from or written to the fabric
+        (its prefill time is reported: it is this node's rate for the model)."""
+        with self._request(len(tokens)):
+            gen = self.baseline.generate(tokens, max_new_tokens, eos_token_id=eos_token_id)
+        self.fabric.report_prefill(self.engine.namespace, gen.prefill.num_tokens, gen.prefill.ttft_s)
+        return Answer.of(self.node_id, gen)
 
     def serve(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None,
               mode: str = LoadMode.LAYERWISE.value) -> tuple[Answer, Answer]:
@@ -120,7 +167,7 @@ def spawn_engines(node_ids: Sequence[str], checkpoint: str, *, fingerprint: str,
 
     `omp_spin_count` sets GOMP_SPINCOUNT in the engines' processes (merged into the job's
     runtime_env); a GOMP_SPINCOUNT in the driver's environment wins over it."""
-    remote = ray.remote(num_cpus=0)(HFEngineActor)
+    remote = ray.remote(num_cpus=0, max_concurrency=MAX_ACCEPTED)(HFEngineActor)
     options: dict[str, object] = {}
     spin = os.environ.get("GOMP_SPINCOUNT", None if omp_spin_count is None else str(omp_spin_count))
     if spin is not None:

@@ -264,10 +264,11 @@ class NodeActor:
 
     # ---- the Fabric API ----------------------------------------------------------------------------
 
-    async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True
+    async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
                     ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer]]:
         loop = asyncio.get_running_loop()
-        tiers = await loop.run_in_executor(None, self.local.local_tiers, hashes, ns.layout.num_layers)
+        tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
+                                                         peek=peek))
         if not pulls or len(tiers) == len(hashes):
             return hashes, tiers, [], [], {}
         located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
@@ -283,7 +284,9 @@ class NodeActor:
 
     async def _lookup(self, ns: Namespace, hashes: list[BlockHash]) -> LookupReply:
         start = time.perf_counter()
-        _, tiers, _, runs, _ = await self._plan(ns, hashes)
+        # A lookup is a peek: routers ask every node, and asking must not reorder eviction on the nodes
+        # that do not serve the request. The load that follows is the access.
+        _, tiers, _, runs, _ = await self._plan(ns, hashes, peek=True)
         locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
         for run in runs:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)

@@ -87,6 +87,8 @@ def test_rendered_toml_is_a_valid_config(case: str, tmp_path: Path) -> None:
 def _sample(prop: dict[str, Any]) -> Any:
     if "enum" in prop:
         return prop["enum"][-1]
+    if "examples" in prop:   # a string with a format of its own (an endpoint, a resource name)
+        return prop["examples"][0]
     kind = prop["type"]
     if kind == "boolean":
         return False

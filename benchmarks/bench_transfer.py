@@ -33,7 +33,8 @@ BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the clie
 The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k / *_mb_s_64k for 256 / 64 KiB,
 *_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, provenance_sign_ms_per_mib /
 provenance_verify_ms_per_mib (blocks of 32 layers of 64 KiB), and ratios, tls_tcp_provenance_over_plain*
-among them). `--quick` moves
+among them; tls_tcp_provenance_over_plain_median* is the median over rounds of each round's pair,
+which a burst of other work on the machine during one run moves less than the totals' ratio). `--quick` moves
 ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
 
@@ -46,6 +47,7 @@ import logging
 import os
 import shutil
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -382,6 +384,7 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     which would tax whichever method runs beside them); then QUIC."""
     cert_dir = ensure_certs(workdir / "certs")
     totals: dict[str, Totals] = {}
+    per_round: dict[str, list[float]] = {}   # MB/s of each run, in order: rounds pair up by index
     notes: list[str] = []
     progress = tqdm(desc="transfer", file=sys.stderr)
 
@@ -389,6 +392,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         window = Window(server_pid)
         moved = run(size, per_run, run_limit, window)
         totals.setdefault(name + suffix, Totals()).add(moved, window)
+        if window.seconds:
+            per_round.setdefault(name + suffix, []).append(moved / MB / window.seconds)
         progress.update()
 
     with progress:
@@ -450,6 +455,10 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         t = totals.get(name)
         out[f"{name}_client_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
         out[f"{name}_server_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
+    for suffix in BLOCK_SIZES:  # each round's provenance run against the plain run just before it
+        pairs = [a / b for a, b in zip(per_round.get("tls_tcp_provenance" + suffix, []),
+                                       per_round.get("tls_tcp" + suffix, []), strict=False) if b]
+        out[f"tls_tcp_provenance_over_plain_median{suffix}"] = round(statistics.median(pairs), 3) if pairs else None
     out["blake3_ms_per_mib"] = blake3_ms_per_mib()
     out["provenance_sign_ms_per_mib"], out["provenance_verify_ms_per_mib"] = sign_verify_ms_per_mib(
         cert_dir, SERVER_NODE)

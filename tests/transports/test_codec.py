@@ -353,3 +353,18 @@ def test_bad_provenance_headers_are_named(change: dict[str, object], message: st
     raw = msgpack.packb(GOOD_BLOCK | {"certs": [b"C"]}, use_bin_type=True)   # a partial table is not "unsigned"
     with pytest.raises(ProtocolError, match="provs must be a list"):
         FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc")
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"digest": b"d" * 31}, "digest must be 32 bytes"), ({"hash": b"h"}, "block hash"),
+    ({"layer": -1}, "invalid layer"), ({"rid": "1"}, "rid"), ({"pix": [1]}, "pix entry 1 out of range"),
+    ({"pix": [True]}, "pix entry"), ({"certs": [1]}, "certs must be a list of bytes"),
+])
+def test_a_signed_block_with_anything_wrong_is_named(change: dict[str, object], message: str) -> None:
+    good = GOOD_BLOCK | {"certs": [b"C" * 10], "provs": [[RECORD, 0]], "pix": [0]}
+    raw = msgpack.packb(good, use_bin_type=True)
+    frame = FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc")[0]
+    assert isinstance(frame, Block) and frame.provenance == Provenance.decode(RECORD, b"C" * 10)
+    raw = msgpack.packb(good | change, use_bin_type=True)
+    with pytest.raises(ProtocolError, match=message):
+        FrameDecoder().feed(_preamble(ftype=FrameType.BLOCK, header_len=len(raw), payload_len=3) + raw + b"abc")

@@ -1,6 +1,7 @@
 """The fabric on a local 3-node Ray cluster under a shared-prefix workload.
 
     .venv/bin/python benchmarks/bench_cluster.py [--quick] [--requests N] [--prompts P] [--events]
+    .venv/bin/python benchmarks/bench_cluster.py --trace [--quick] [--trace-requests N] [--users U] [--capacity C]
 
 Requests (a system prompt of several thousand tokens, one of P, plus a random suffix) arrive at a
 random node. On each node a small engine actor (pinned to the node, as a real engine is) asks its
@@ -17,6 +18,9 @@ Same run, same workload, as baselines:
 Ray namespace and folders) publishes vLLM-format KV events to a subscriber in this process, and every
 request of a fresh workload is served by both fabrics in turn (alternating which goes first), so
 the two load p50s are measured side by side.
+
+`--trace` replays a multi-turn chat trace instead, routed by the router on the nodes' own answers,
+against pooled and isolated LRUs of the same capacity on the same requests (benchmarks/trace_replay.py).
 
 JSON keys: hit_ratio, ideal_hit_ratio, local_only_hit_ratio, hit_over_ideal, pull_mb_s, load_p50_ms,
 load_p99_ms, handoff_mb_s, object_store_mb_s, handoff_over_object_store; with `--events` also
@@ -47,6 +51,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, percentile, print_table
+from cluster.api import EngineLoad
 from cluster.client import FabricClient
 from cluster.launch import start_fabric, start_local_cluster, stop_fabric  # keeps Ray on 127.0.0.1
 from fabric.config import ClusterConfig, Config, EventsConfig, KVConfig
@@ -65,14 +70,29 @@ def kv_of(ns: Namespace, hashes: Sequence[bytes]) -> np.ndarray:
     return out
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_concurrency=16)
 class Engine:
-    """Stands in for an inference engine on one node: load what is cached, make and store the rest."""
+    """Stands in for an inference engine on one node: load what is cached, make and store the rest.
+    Requests may overlap; like a real engine adapter it reports how many are running to its node."""
 
     def __init__(self, node_id: str, namespace: str = "kvfabric") -> None:
         self.client = FabricClient.connect(node_id=node_id, namespace=namespace)
+        self._lock = threading.Lock()
+        self._running = 0
+
+    def _count(self, delta: int, num_tokens: int) -> None:
+        with self._lock:
+            self._running += delta
+            self.client.report_load(EngineLoad(self._running, 0, self._running * num_tokens))
 
     def serve(self, ns: Namespace, tokens: list[int], pulls: bool) -> dict[str, Any]:
+        self._count(+1, len(tokens))
+        try:
+            return self._serve(ns, tokens, pulls)
+        finally:
+            self._count(-1, len(tokens))
+
+    def _serve(self, ns: Namespace, tokens: list[int], pulls: bool) -> dict[str, Any]:
         hashes = block_hashes(ns, tokens)
         start = time.perf_counter()
         reply = self.client.load(ns, tokens, pulls=pulls)
@@ -140,10 +160,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--events", action="store_true",
                         help="also measure load p50 with KV event publishing on vs off (paired)")
+    parser.add_argument("--trace", action="store_true", help="replay a multi-turn chat trace (see the docstring)")
+    parser.add_argument("--trace-requests", type=int, default=300)
+    parser.add_argument("--users", type=int, default=24, help="--trace: concurrent conversations")
+    parser.add_argument("--trace-prompts", type=int, default=8, help="--trace: distinct system prompts (Zipf)")
+    parser.add_argument("--trace-system-tokens", type=int, default=512)
+    parser.add_argument("--time-scale", type=float, default=1.0,
+                        help="--trace: arrival times are multiplied by this (smaller: more overlap)")
+    parser.add_argument("--capacity", type=int, default=0,
+                        help="--trace: blocks per node (0: the largest that keeps a pooled LRU well below unbounded)")
     args = parser.parse_args(argv)
     if args.quick:
         args.requests, args.prompts, args.system_tokens = 24, 4, 512
+        args.trace_requests, args.users = 60, 8
     logging.basicConfig(level=logging.WARNING)
+    if args.trace:
+        from benchmarks.trace_replay import measure_trace
+        with tempfile.TemporaryDirectory(prefix="kvfabric-bench-trace-") as tmp:
+            result = measure_trace(Engine, args, Path(tmp))
+        emit_json(result)
+        return 0
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-cluster-") as tmp:
         config = Config(kv=KVConfig(ram_gib=1.0, ssd_gib=4.0, o_direct=False),
                         cluster=ClusterConfig(heartbeat_s=1.0, lease_s=5.0))

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -144,7 +145,7 @@ def main() -> int:
             ray.get(engines[a].answer.remote(warm_first, 1))
             settle(nodes)
             for node, mode in ((b, "full"), (c, "layerwise")):
-                ray.get(engines[node].answer.remote(warm_second, 1, mode=mode, export=False))
+                ray.get(engines[node].answer.remote(warm_second, 1, mode=mode, export=False, deadline_s=math.inf))
             for rep in range(args.reps):
                 for k, (label, num_prefix) in enumerate(sizes.items()):
                     first, second = prompt_pair(num_prefix, seed=100 * rep + k, vocab=vocab)
@@ -156,7 +157,9 @@ def main() -> int:
                     for node, mode in order if rep % 2 == 0 else order[::-1]:
                         settle(nodes)
                         path = "remote" if mode == "full" else "remote_layerwise"
-                        got = measured(label, path, node, second, mode=mode, export=False)
+                        # The pull path is what is measured: pull whatever the owner holds
+                        # (bench_deadline.py measures the node's own load-or-recompute choice).
+                        got = measured(label, path, node, second, mode=mode, export=False, deadline_s=math.inf)
                         if got.num_pulled_tokens < num_prefix:
                             raise RuntimeError(f"{mode} pull on {node[:8]} reused {got.num_reused_tokens} tokens, "
                                                f"pulled {got.num_pulled_tokens}; expected the {num_prefix}-token "

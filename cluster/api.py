@@ -148,7 +148,10 @@ class Fabric(Protocol):
         pulls everything the owners hold and never cuts."""
         ...
 
-    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LayerStream: ...
+    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
+                    deadline_s: float | None = None) -> LayerStream:
+        """`load`, layer by layer; pulls are planned by `deadline_s` the same way but never cut."""
+        ...
 
     def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
         """An engine computed `num_tokens` of prefill in `seconds`: the rate loads are planned by."""

@@ -89,8 +89,9 @@ class FabricClient:
         """Sent without waiting for an answer: a report never delays the engine."""
         self.actor.report_load.remote(load)
 
-    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> RayLayerStream:
-        return RayLayerStream(self.actor.load_layers.remote(ns, _tokens(tokens), max_blocks), self)
+    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
+                    deadline_s: float | None = None) -> RayLayerStream:
+        return RayLayerStream(self.actor.load_layers.remote(ns, _tokens(tokens), max_blocks, deadline_s), self)
 
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
         reply: StoreReply = self._get("store", self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))

@@ -149,7 +149,8 @@ class LocalFabric:
     def report_load(self, load: EngineLoad) -> None:
         self.engine_load = load
 
-    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None) -> LocalLayerStream:
+    def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
+                    deadline_s: float | None = None) -> LocalLayerStream:
         # Local reads are memory copies: read everything, then hand the layers out in order.
         return LocalLayerStream(self.load(ns, tokens, max_blocks=max_blocks))
 

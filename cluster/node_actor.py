@@ -432,18 +432,19 @@ class NodeActor:
 
     # A layer stream is never stitched from two runs (the plans may differ): a restart ends it.
     @ray.method(max_task_retries=0)  # type: ignore[untyped-decorator]  # ray.method is untyped
-    async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None
-                          ) -> AsyncIterator[Any]:
-        """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order."""
+    async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
+                          deadline_s: float | None = None) -> AsyncIterator[Any]:
+        """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order.
+        `deadline_s` plans the pulls as `load` does (never cuts: the stream has promised its blocks)."""
         await self._ensure_started()
-        async for item in self._load_layers(ns, block_hashes(ns, tokens)[:max_blocks], tokens):
+        async for item in self._load_layers(ns, block_hashes(ns, tokens)[:max_blocks], tokens, deadline_s):
             yield item
 
-    async def _load_layers(self, ns: Namespace, hashes: list[BlockHash], tokens: Tokens | None
-                           ) -> AsyncIterator[Any]:
+    async def _load_layers(self, ns: Namespace, hashes: list[BlockHash], tokens: Tokens | None,
+                           deadline_s: float | None = None) -> AsyncIterator[Any]:
         started: asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]] = \
             asyncio.get_running_loop().create_future()
-        task = asyncio.get_running_loop().create_task(self._load(ns, hashes, True, started, tokens))
+        task = asyncio.get_running_loop().create_task(self._load(ns, hashes, True, started, tokens, deadline_s))
         planned, progress, out, sources = await started
         yield planned, tuple(sources)
         for layer in range(ns.layout.num_layers):

@@ -131,7 +131,7 @@ class HFEngine:
         if mode is LoadMode.RECOMPUTE or self.fabric is None:
             return None, 0, 0, ()
         if mode is LoadMode.LAYERWISE:
-            stream = self.fabric.load_layers(self.namespace, prompt, max_blocks=max_blocks)
+            stream = self.fabric.load_layers(self.namespace, prompt, max_blocks=max_blocks, deadline_s=self.deadline_s)
             if stream.num_blocks == 0:
                 return None, 0, 0, ()
             feed = LayerFeed(stream, self.namespace, self.device)

@@ -153,9 +153,9 @@ class HFEngineActor:
         return Answer.of(self.node_id, gen)
 
     def serve(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None,
-              mode: str = LoadMode.LAYERWISE.value) -> tuple[Answer, Answer]:
+              mode: str = LoadMode.LAYERWISE.value, deadline_s: float | None = None) -> tuple[Answer, Answer]:
         """(fabric answer, recompute answer) for one request, measured one after the other here."""
-        return (self.answer(tokens, max_new_tokens, eos_token_id=eos_token_id, mode=mode),
+        return (self.answer(tokens, max_new_tokens, eos_token_id=eos_token_id, mode=mode, deadline_s=deadline_s),
                 self.recompute(tokens, max_new_tokens, eos_token_id=eos_token_id))
 
 

@@ -136,7 +136,7 @@ class DelayedFabric(LocalFabric):
         self.delay_s = delay_s
         self.fail_after = fail_after
 
-    def load_layers(self, ns, tokens, *, max_blocks=None):  # type: ignore[no-untyped-def]
+    def load_layers(self, ns, tokens, *, max_blocks=None, deadline_s=None):  # type: ignore[no-untyped-def]
         return _Delayed(super().load_layers(ns, tokens, max_blocks=max_blocks), self.delay_s, self.fail_after)
 
 

@@ -54,7 +54,10 @@ bench: install
 	$(PY) benchmarks/bench_transfer.py
 	$(PY) benchmarks/bench_directory.py
 	$(PY) benchmarks/bench_cluster.py
+	$(PY) benchmarks/bench_cluster.py --trace
 	$(PY) benchmarks/bench_ttft.py
+	$(PY) benchmarks/bench_deadline.py
+	$(PY) benchmarks/soak_hostile.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

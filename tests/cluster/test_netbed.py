@@ -182,7 +182,13 @@ def test_a_prefix_stored_on_one_host_loads_byte_identical_on_another(fabric: tup
     _, (_, a, b) = fabric
     tokens, kv = prompt(1, 8), kv_for(1, 8)
     FabricClient.connect(node_id=a).store(NS, tokens, kv)
-    reply = FabricClient.connect(node_id=b).load(NS, tokens)
+    reader = FabricClient.connect(node_id=b)
+    # The owner tells the directory within a flush interval, asynchronously: wait until it lists them.
+    deadline = time.monotonic() + 15
+    while reader.lookup(NS, tokens).num_blocks < 8:
+        assert time.monotonic() < deadline, "the directory never listed the owner's blocks"
+        time.sleep(0.05)
+    reply = reader.load(NS, tokens)
     assert reply.num_blocks == 8 and set(reply.sources) == {f"peer:{a}"}
     assert np.array_equal(reply.payloads, kv)
 

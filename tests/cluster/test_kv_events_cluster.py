@@ -83,7 +83,12 @@ def test_a_store_and_a_mirrored_pull_are_announced_with_their_tokens(
     held = views_match(local, sub)
     assert u64s(block_hashes(NS, tokens)) <= held[a] and not held[b]
     assert sub.hit_estimates([*tokens, 1, 2, 3], 16) == {a: 8, b: 0}
-    reply = FabricClient.connect(node_id=b).load(NS, tokens)
+    reader = FabricClient.connect(node_id=b)
+    deadline = time.monotonic() + 15
+    while reader.lookup(NS, tokens).num_blocks < 8:   # the directory learns of A's blocks asynchronously
+        assert time.monotonic() < deadline, "the directory never listed A's blocks"
+        time.sleep(0.05)
+    reply = reader.load(NS, tokens)
     assert reply.num_pulled_blocks == 8 and np.array_equal(reply.payloads, kv_for(1, 8))
     deadline = time.monotonic() + 30
     while not u64s(block_hashes(NS, tokens)) <= views_match(local, sub)[b]:   # the mirror lands later

@@ -42,15 +42,15 @@ LAYOUT = KVLayout.mha(2, 1, 64, "f16")   # 4 KiB per (block, layer): the trace i
 NUM_NODES = 3
 
 
-def pick_capacity(requests: list[list[bytes]], target: float = 0.7) -> int:
-    """The largest per-node capacity (blocks) whose pooled LRU stays at or below `target` of an
+def pick_capacity(requests: list[list[bytes]], share: float = 0.7) -> int:
+    """The largest per-node capacity (blocks) whose pooled LRU stays at or below `share` of an
     unbounded cache: small enough that capacity, not the workload, decides the hit ratio; but at
     least twice the longest request, so that one node can hold any one conversation."""
     best = hit_ratio(PrefixLru(None), requests)
     floor = 2 * max((len(r) for r in requests), default=8)
     chosen = floor
     for capacity in (c for c in (16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 768, 1024) if c > floor):
-        if hit_ratio(PrefixLru(NUM_NODES * capacity), requests) > target * best:
+        if hit_ratio(PrefixLru(NUM_NODES * capacity), requests) > share * best:
             break
         chosen = capacity
     return chosen

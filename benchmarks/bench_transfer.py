@@ -80,7 +80,8 @@ from transports.base import Hit, Peer
 from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.identity import NodeSigner, TrustAnchor
 from transports.provenance_check import ProvenanceVerifier
-from transports.tls_tcp import TlsTcpClient, TlsTcpServer
+from transports.tls_client import TlsTcpClient
+from transports.tls_tcp import TlsTcpServer
 
 logger = logging.getLogger("bench_transfer")
 

@@ -45,7 +45,7 @@ from benchmarks.transfer_baselines import process_cpu_s
 from transports.base import Hit, Peer
 from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.quic import QuicTransportClient
-from transports.tls_tcp import TlsTcpClient
+from transports.tls_client import TlsTcpClient
 
 HERE = Path(__file__).resolve().parent
 GOOD = "good-1"

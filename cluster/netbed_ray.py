@@ -3,7 +3,8 @@
 on its host's address with a certificate naming that address.
 
 Each bed's Ray has its own temp dir, its own token (token authentication on, the token file in the
-bed's folder) and no dashboard; it is stopped by the bed's teardown, by PID, never with `ray stop`.
+bed's folder) and no dashboard; the bed's teardown stops it by PID, never with Ray's own stop
+command (which ends every Ray process on the machine).
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def plan_pulls(owners: Sequence[Sequence[str]], start: int, *, load: Mapping[str
 
 
 def _rendezvous(block: bytes, node: str) -> bytes:
-    """The rendezvous weight of `node` for `block` (lowest first); never Python's hash()."""
+    """The rendezvous weight of `node` for `block` (lowest first): BLAKE3, the same in every process."""
     return blake3.blake3(block + node.encode()).digest()
 
 

@@ -16,7 +16,7 @@ a chain given in parts (`ids[k:]` with `parent=ids[k-1]`) maps to the same hashe
 Ids are taken as they are: the fabric cannot check that an id names the tokens the caller thinks;
 a caller whose ids collide gets the KV stored under the colliding id, verified as stored.
 Hashes of id chains never equal token-chain hashes (`fabric.keys`): their first input differs.
-Nothing depends on Python's `hash()`; the result is the same in every process and host.
+Nothing depends on process state (no per-process hashing): the result is the same in every process and host.
 """
 
 from __future__ import annotations

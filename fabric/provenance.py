@@ -8,7 +8,7 @@ never signs as a producer. A puller verifies one signature per block (and caches
 checks each layer it receives against the record's digest for that layer, so a layer can be used
 the moment it arrives.
 
-Signed message (canonical; fixed-width little-endian integers, no Python `hash()`)::
+Signed message (canonical; fixed-width little-endian integers, nothing process-dependent)::
 
     offset  size  field
     0       24    DOMAIN  b"kvfabric/provenance/v1\\0\\0"  (a signature made for anything else never verifies here)

@@ -1,4 +1,5 @@
-"""The kvfabric frame codec, shared by every transport. Sans-I/O: bytes in, frames out.
+"""The kvfabric frame codec, shared by every transport. Sans-I/O: bytes in, frames out (the frame
+types themselves are frames.py's; this module exports them too).
 
 Wire layout of one frame (all integers little-endian):
 
@@ -15,13 +16,8 @@ with its own digest. BLOCK and BLOCKS frames may carry the producers' provenance
 "Provenance" below). Limits are checked on the preamble, before anything is buffered, so a peer
 cannot make us allocate more than `max_header` + `max_payload` bytes per connection.
 
-Provenance (optional header fields of BLOCK and BLOCKS; all three or none)::
-
-    certs  [DER, ...]               each producer certificate once per frame
-    provs  [[record, cert index]]   each distinct record once per frame (fabric/provenance.py)
-    pix    [index or -1, ...]       one per part (a BLOCK has one part): its record, or -1 unsigned
-
-A block's layers share one record, so a frame of many layers of few blocks carries few records.
+Provenance: optional `certs` / `provs` / `pix` header fields of BLOCK and BLOCKS, laid out and
+read by `provenance_tables.py`.
 
 Error strategy (one place): anything malformed raises `ProtocolError` with a message saying what
 was wrong. The decoder is then poisoned (every later call raises the same error): the transport
@@ -34,58 +30,68 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import Any, ClassVar, cast
+from typing import Any, cast
 
 import msgpack
 
 from fabric.keys import HASH_SIZE, BlockAddress, BlockHash
-from fabric.provenance import Provenance, ProvenanceError
+from fabric.provenance import Provenance
+from transports.frames import (
+    DEFAULT_MAX_PAYLOAD,
+    VERSION,
+    Block,
+    Blocks,
+    Bye,
+    End,
+    Error,
+    ErrorCode,
+    Frame,
+    FrameType,
+    Hello,
+    Miss,
+    MissReason,
+    Payload,
+    Pull,
+)
+from transports.provenance_tables import part_records, record_tables
+
+# The frames are defined in frames.py and are part of the codec's interface.
+__all__ = [
+    "DEFAULT_MAX_HEADER",
+    "DEFAULT_MAX_PAYLOAD",
+    "VERSION",
+    "Block",
+    "Blocks",
+    "Bye",
+    "End",
+    "Error",
+    "ErrorCode",
+    "Frame",
+    "FrameDecoder",
+    "FrameType",
+    "Hello",
+    "LocalProtocolError",
+    "Miss",
+    "MissReason",
+    "Payload",
+    "ProtocolError",
+    "Pull",
+    "encode",
+    "encode_many",
+    "encode_parts",
+    "payload_pieces",
+    "unpack_map",
+]
 
 MAGIC = b"KVFB"
-VERSION = 1
 PREAMBLE = struct.Struct("<4sBBHIQ")
 PREAMBLE_SIZE = PREAMBLE.size  # 20
 DEFAULT_MAX_HEADER = 64 * 1024
-DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
 DIGEST_SIZE = 32
 # Reads smaller than this go through a staging buffer; larger payload remainders are received
 # straight into the payload's own buffer (see FrameDecoder.get_buffer).
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 4 * 1024       # a payload rest at least this large is received straight into its buffer
-
-
-class FrameType(enum.IntEnum):
-    HELLO = 1
-    PULL = 2
-    BLOCK = 3
-    MISS = 4
-    END = 5
-    ERROR = 6
-    BYE = 7
-    BLOCKS = 8
-
-
-_FRAME_TYPES = {int(t): t for t in FrameType}
-
-
-class MissReason(enum.StrEnum):
-    NOT_FOUND = "not_found"
-    DIGEST_MISMATCH = "digest_mismatch"
-    PEER_ERROR = "peer_error"
-    PEER_GONE = "peer_gone"
-    TIMEOUT = "timeout"
-    TOO_LARGE = "too_large"         # the block exceeds the payload limit the client announced
-    SOURCE_ERROR = "source_error"   # the server could not read the block (disk error, bug)
-    OVERLOADED = "overloaded"       # the server refused the request: this node is over its budget there
-
-
-class ErrorCode(enum.StrEnum):
-    PROTOCOL = "protocol"
-    UNAUTHORIZED = "unauthorized"
-    OVERLOADED = "overloaded"
-    INTERNAL = "internal"
-    TIMEOUT = "timeout"
 
 
 class ProtocolError(Exception):
@@ -105,96 +111,7 @@ class LocalProtocolError(RuntimeError):
     """We broke the protocol: a transport called a session out of turn (a bug of ours)."""
 
 
-Payload = bytes | bytearray | memoryview
-
-
-@dataclass(frozen=True, slots=True)
-class Hello:
-    """First frame on a connection: who is speaking and what it accepts."""
-
-    TYPE: ClassVar[FrameType] = FrameType.HELLO
-    node: str
-    version: int = VERSION
-    max_payload: int = DEFAULT_MAX_PAYLOAD
-
-
-@dataclass(frozen=True, slots=True)
-class Pull:
-    """Ask for the payloads of `addresses`; answered by one BLOCK or MISS each, then END."""
-
-    TYPE: ClassVar[FrameType] = FrameType.PULL
-    request_id: int
-    addresses: tuple[BlockAddress, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Block:
-    """One (block, layer) payload and the BLAKE3 digest the receiver must check it against."""
-
-    TYPE: ClassVar[FrameType] = FrameType.BLOCK
-    request_id: int
-    address: BlockAddress
-    digest: bytes
-    payload: bytes | bytearray | memoryview = field(repr=False)
-    provenance: Provenance | None = None   # the producer's record, kept verbatim by every holder
-
-
-@dataclass(frozen=True, slots=True)
-class Blocks:
-    """Payloads of the PULL's addresses `first`, `first + 1`, … (one per digest), back to back in
-    `payload`: part i is `sizes[i]` bytes and must match `digests[32 * i: 32 * (i + 1)]`.
-
-    Servers send one for a run of consecutive hits (the per-frame work on both ends is then paid
-    once per run); the address of each part is the one the PULL asked for at that position. A
-    frame to send may carry its parts as a tuple of buffers (never joined: transports write them
-    one after another); a received one carries one buffer."""
-
-    TYPE: ClassVar[FrameType] = FrameType.BLOCKS
-    request_id: int
-    first: int
-    digests: bytes            # DIGEST_SIZE bytes per part, concatenated
-    sizes: tuple[int, ...]
-    payload: Payload | tuple[Payload, ...] = field(repr=False)
-    provenances: tuple[Provenance | None, ...] = ()   # one per part, or () when no part is signed
-
-    @property
-    def num_parts(self) -> int:
-        return len(self.sizes)
-
-
-@dataclass(frozen=True, slots=True)
-class Miss:
-    TYPE: ClassVar[FrameType] = FrameType.MISS
-    request_id: int
-    address: BlockAddress
-    reason: MissReason = MissReason.NOT_FOUND
-
-
-@dataclass(frozen=True, slots=True)
-class End:
-    """Every address of request `request_id` has been answered."""
-
-    TYPE: ClassVar[FrameType] = FrameType.END
-    request_id: int
-
-
-@dataclass(frozen=True, slots=True)
-class Error:
-    """The sender gives up on `request_id` (0: the whole connection) for `code`."""
-
-    TYPE: ClassVar[FrameType] = FrameType.ERROR
-    request_id: int
-    code: ErrorCode
-    message: str
-
-
-@dataclass(frozen=True, slots=True)
-class Bye:
-    TYPE: ClassVar[FrameType] = FrameType.BYE
-    reason: str = ""
-
-
-Frame = Hello | Pull | Block | Blocks | Miss | End | Error | Bye
+_FRAME_TYPES = {int(t): t for t in FrameType}
 _PAYLOAD_TYPES = (FrameType.BLOCK, FrameType.BLOCKS)
 
 
@@ -215,10 +132,10 @@ def _header(frame: Frame) -> dict[str, Any]:
             return {"rid": rid, "addrs": [[a.hash, a.layer] for a in addrs]}
         case Block(request_id=rid, address=a, digest=digest, provenance=prov):
             header = {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
-            return header if prov is None else header | provenance_fields((prov,))
+            return header if prov is None else header | record_tables((prov,))
         case Blocks(request_id=rid, first=first, digests=digests, sizes=sizes, provenances=provs):
             header = {"rid": rid, "first": first, "digests": digests, "sizes": list(sizes)}
-            return header | provenance_fields(provs) if any(p is not None for p in provs) else header
+            return header | record_tables(provs) if any(p is not None for p in provs) else header
         case Miss(request_id=rid, address=a, reason=reason):
             return {"rid": rid, "hash": a.hash, "layer": a.layer, "reason": reason.value}
         case End(request_id=rid):
@@ -268,28 +185,6 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
             raise ValueError("BLOCKS part buffers do not have the sizes the header announces")
     preamble = PREAMBLE.pack(MAGIC, VERSION, int(frame.TYPE), 0, len(header), payload_len)
     return preamble + header, payload
-
-
-def provenance_fields(provs: Iterable[Provenance | None]) -> dict[str, Any]:
-    """The `certs` / `provs` / `pix` header fields for parts with these records (module docstring)."""
-    certs: dict[bytes, int] = {}
-    records: dict[Provenance, int] = {}
-    table: list[list[Any]] = []
-    pix: list[int] = []
-    last: Provenance | None = None
-    i = -1
-    for prov in provs:
-        # A block's layers share one record object, so consecutive parts mostly repeat the last one:
-        # an identity test then, and a dictionary lookup (hashing the record) only per record.
-        if prov is not last:
-            last = prov
-            if prov is None:
-                i = -1
-            elif (i := records.get(prov, -1)) < 0:
-                i = records[prov] = len(table)
-                table.append([prov.encode(), certs.setdefault(prov.cert_der, len(certs))])
-        pix.append(i)
-    return {"certs": list(certs), "provs": table, "pix": pix}
 
 
 def encode(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
@@ -364,38 +259,11 @@ def _check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Excepti
     return num_parts
 
 
-def _provenances(header: dict[Any, Any], num_parts: int, ftype: FrameType) -> tuple[Provenance | None, ...]:
-    """The record of each part from the `certs` / `provs` / `pix` fields; () when there are none.
-    Runs once per frame received: plain loops, each record decoded once."""
-    if "pix" not in header and "provs" not in header and "certs" not in header:
-        return ()
-    certs, table, pix = header.get("certs"), header.get("provs"), header.get("pix")
-    if type(certs) is not list:
-        raise ProtocolError(f"{ftype.name} certs must be a list of bytes")
-    for cert in certs:
-        if type(cert) is not bytes:
-            raise ProtocolError(f"{ftype.name} certs must be a list of bytes")
-    if type(table) is not list or len(table) > num_parts:
-        raise ProtocolError(f"{ftype.name} provs must be a list of at most one record per part")
-    if type(pix) is not list:
-        raise ProtocolError(f"{ftype.name} pix must be a list")
-    if len(pix) != num_parts:
-        raise ProtocolError(f"{ftype.name} needs one pix entry per part ({num_parts}), got {len(pix)}")
-    records: list[Provenance | None] = []
-    for entry in table:
-        if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not bytes or type(entry[1]) is not int \
-                or not 0 <= entry[1] < len(certs):
-            raise ProtocolError(f"{ftype.name} provs entries must be [record bytes, certificate index]")
-        try:
-            records.append(Provenance.decode(entry[0], certs[entry[1]]))
-        except ProvenanceError as e:
-            raise ProtocolError(f"{ftype.name} carries a bad provenance record: {e}") from None
-    num_records = len(records)
-    for i in pix:
-        if type(i) is not int or not -1 <= i < num_records:
-            raise ProtocolError(f"{ftype.name} pix entry {i!r} out of range for {num_records} records")
-    records.append(None)   # pix -1 (unsigned) picks the last entry
-    return tuple([records[i] for i in pix])
+def _records(header: dict[Any, Any], num_parts: int, ftype: FrameType) -> tuple[Provenance | None, ...]:
+    try:
+        return part_records(header, num_parts, ftype.name)
+    except ValueError as e:
+        raise ProtocolError(str(e)) from None
 
 
 def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
@@ -409,7 +277,7 @@ def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memory
             address = BlockAddress(BlockHash(hash_), layer)
             if fields == 4:
                 return Block(rid, address, digest, payload)
-            return Block(rid, address, digest, payload, _provenances(header, 1, ftype)[0])
+            return Block(rid, address, digest, payload, _records(header, 1, ftype)[0])
     return _build_checked(ftype, header, payload)
 
 
@@ -433,13 +301,13 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
         if len(digest) != DIGEST_SIZE:
             raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
         addr = _address(header.get("hash"), header.get("layer"), ftype)
-        provs = _provenances(header, 1, ftype)
+        provs = _records(header, 1, ftype)
         return Block(_u64(header, "rid", ftype), addr, digest, payload, provs[0] if provs else None)
     if ftype is FrameType.BLOCKS:
         rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
         digests, sizes = header.get("digests"), header.get("sizes")
         num_parts = _check_parts(digests, sizes, len(payload), ProtocolError)   # bytes and ints from here on
-        provs = _provenances(header, num_parts, ftype)
+        provs = _records(header, num_parts, ftype)
         if not any(p is not None for p in provs):
             provs = ()
         return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload, provs)

@@ -74,7 +74,7 @@ def create_client(config: TransportConfig, credentials: NodeCredentials | None =
         if reason is not None:
             raise TransportUnavailableError(f"transport kind 'rdma' is unavailable: {reason}")
         return RdmaClient.from_config(config, creds, metrics)
-    from transports.tls_tcp import TlsTcpClient
+    from transports.tls_client import TlsTcpClient
 
     return TlsTcpClient.from_config(config, creds, metrics)
 

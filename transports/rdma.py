@@ -43,8 +43,9 @@ from transports.rdma_control import (
 )
 from transports.rdma_device import RdmaDeviceError, _Device, rdma_unavailable_reason
 from transports.rdma_link import TRANSPORT, RdmaLink
+from transports.tls_client import TlsTcpClient, _ClientConnection
 from transports.tls_link import FrameLink
-from transports.tls_tcp import TlsTcpClient, TlsTcpServer, _ClientConnection, _ServerConnection
+from transports.tls_tcp import TlsTcpServer, _ServerConnection
 
 __all__ = [
     "CONTROL_LEN", "CONTROL_MAX", "MTU_CODES", "PARAMS_VERSION", "TRANSPORT", "ControlDecoder", "ControlError",

@@ -57,6 +57,8 @@ from transports.metrics import TransportMetrics
 
 logger = logging.getLogger(__name__)
 
+TRANSPORT = "tls-tcp"   # the metrics label of TLS-TCP (server and client)
+
 READ_BUDGET = 4 * 1024 * 1024   # bytes read per loop callback before other tasks get a turn
 WRITE_HIGH = 8 * 1024 * 1024    # drain() waits while more than this is queued for sending
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record

@@ -31,7 +31,8 @@ from transports.base import Peer
 from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
 from transports.identity import NodeSigner, TrustAnchor
 from transports.provenance_check import ProvenanceVerifier
-from transports.tls_tcp import TlsTcpClient, TlsTcpServer
+from transports.tls_client import TlsTcpClient
+from transports.tls_tcp import TlsTcpServer
 
 LAYOUT = KVLayout.mha(3, 2, 32, "f16")
 NS = Namespace("prov-model", LAYOUT, block_size=16, weights_fingerprint="prov")

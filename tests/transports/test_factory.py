@@ -14,7 +14,8 @@ from fabric.config import Config, TransportConfig
 from transports.base import Hit, Peer
 from transports.certs import CertificateError
 from transports.factory import create_client, create_server, load_credentials, server_port
-from transports.tls_tcp import TlsTcpClient, TlsTcpServer
+from transports.tls_client import TlsTcpClient
+from transports.tls_tcp import TlsTcpServer
 
 
 def transport_config(cert_dir: Path, kind: str, node: str = "node-a") -> TransportConfig:

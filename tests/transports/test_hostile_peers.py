@@ -28,7 +28,8 @@ from transports.base import Hit, Peer
 from transports.codec import Bye, Error, ErrorCode, Frame, FrameDecoder, Hello, Miss, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
 from transports.serving import BATCH_BYTES
-from transports.tls_tcp import SERVER_WRITE_HIGH, TlsTcpClient, TlsTcpServer
+from transports.tls_client import TlsTcpClient
+from transports.tls_tcp import SERVER_WRITE_HIGH, TlsTcpServer
 
 MemorySourceFactory = Any   # tests/transports/conftest.py: memory_source(num_blocks, num_layers, payload_size)
 

@@ -21,7 +21,7 @@ from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store
 from transports.base import Hit, Peer
 from transports.factory import create_client, create_server
-from transports.tls_tcp import RESULTS_HIGH
+from transports.tls_client import RESULTS_HIGH
 
 
 def test_a_pull_larger_than_the_client_buffer_bound_completes(tmp_path: Path, cert_dir: Path) -> None:

@@ -17,7 +17,8 @@ from transports.budget import PeerRates, peer_rates
 from transports.codec import End, Error, ErrorCode, FrameDecoder, Hello, MissReason, Pull, encode
 from transports.metrics import TransportMetrics
 from transports.quic import QuicTransportClient, QuicTransportServer
-from transports.tls_tcp import TlsTcpClient, TlsTcpServer
+from transports.tls_client import TlsTcpClient
+from transports.tls_tcp import TlsTcpServer
 
 MemorySourceFactory = Any   # tests/transports/conftest.py
 STINGY = PeerRates(pulls_per_s=0.5, pull_burst=3.0)   # 3 PULLs, then one every 2 s

@@ -20,7 +20,7 @@ from cryptography import x509
 from support import check_signed_pull, closing, creds, filled_store, pull_all, run, started, wait_until
 
 from fabric.keys import BlockAddress, BlockHash
-from transports import tls_tcp
+from transports import tls_client
 from transports.base import Hit, Peer, PullResult
 from transports.buffers import uninitialised_bytearray
 from transports.certs import init_ca, issue_node, revoke
@@ -43,8 +43,9 @@ from transports.codec import (
 )
 from transports.metrics import TransportMetrics
 from transports.serving import SLOW_STREAK
-from transports.tls_link import READ_BUDGET, open_tls
-from transports.tls_tcp import ADDRESSES_PER_PULL, TRANSPORT, TlsTcpClient, TlsTcpServer
+from transports.tls_client import ADDRESSES_PER_PULL, TlsTcpClient
+from transports.tls_link import READ_BUDGET, TRANSPORT, open_tls
+from transports.tls_tcp import TlsTcpServer
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 # Fixtures of tests/transports/conftest.py (not importable as a module: tests/ is no package).
@@ -737,7 +738,7 @@ def test_slow_source_is_read_off_the_event_loop(cert_dir: Path, memory_source: M
 
 def test_slow_consumer_bounds_client_memory(cert_dir: Path, memory_source: MemorySourceFactory,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(tls_tcp, "RESULTS_HIGH", 1 << 20)
+    monkeypatch.setattr(tls_client, "RESULTS_HIGH", 1 << 20)
     source = memory_source(num_blocks=48, num_layers=1, payload_size=256 * 1024)
 
     async def main() -> None:

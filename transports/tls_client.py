@@ -1,0 +1,331 @@
+"""TLS-TCP client: pulls over one pooled, mutually authenticated connection per peer.
+
+The protocol rules are `ClientSession`'s (session.py); this module dials (TLS 1.3, the server's SAN
+must name the dialled node), keeps PULL_WINDOW PULLs of a pull in flight (the server answers a
+connection's PULLs round-robin, so two keep one pull's answers in order), checks digests on the
+loop, receives runs of hits straight into the caller's slots (`into`), and pauses reading while
+over RESULTS_HIGH bytes of results wait for their callers. A pull that races the server's idle
+close is made again on a new connection. The server is tls_tcp.py.
+"""
+
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import ssl
+from collections import deque
+from collections.abc import AsyncIterator, Sequence
+from typing import Self
+
+from fabric.config import TransportConfig
+from fabric.keys import BlockAddress
+from transports.base import Hit, Peer, PullResult
+from transports.buffers import tune_allocator, uninitialised_bytearray
+from transports.certs import NodeCredentials
+from transports.codec import (
+    DEFAULT_MAX_PAYLOAD,
+    Bye,
+    Frame,
+    FrameDecoder,
+    Miss,
+    MissReason,
+    ProtocolError,
+)
+from transports.metrics import TransportMetrics
+from transports.serving import (
+    Watchdog,
+    watchdog_interval,
+)
+from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession
+from transports.tls_link import (
+    TRANSPORT,
+    FrameLink,
+    TlsLink,
+    auth_failure_reason,
+    open_tls,
+)
+
+logger = logging.getLogger(__name__)
+
+ADDRESSES_PER_PULL = MAX_ADDRESSES_PER_PULL
+PULL_WINDOW = 2   # the server answers a connection's PULLs round-robin: 2 in flight keep a pull in order
+RESULTS_HIGH = 64 * 1024 * 1024
+
+
+class _Request:
+    """One PULL's results awaiting its caller."""
+
+    __slots__ = ("abandoned", "finished", "request_id", "results", "touched", "waiting", "wakeup")
+
+    def __init__(self, request_id: int) -> None:
+        self.request_id = request_id
+        self.results: deque[PullResult] = deque()
+        self.wakeup = asyncio.Event()
+        self.finished = False
+        self.abandoned = False
+        self.touched = False    # a frame of this request arrived
+        self.waiting = False    # its caller waits for results
+
+
+class _ClientConnection:
+    """Client side of one connection: its ClientSession, and results handed to their callers."""
+
+    link: FrameLink
+
+    def __init__(self, client: TlsTcpClient, peer: Peer) -> None:
+        self.client = client
+        self.peer = peer
+        self._loop = asyncio.get_running_loop()
+        # Payload buffers are not zero-filled: decryption overwrites every byte (tls_link).
+        decoder = FrameDecoder(max_payload=client.max_payload, payload_allocator=uninitialised_bytearray)
+        self.session = ClientSession(client.node, peer.node, self._loop.time(), max_payload=client.max_payload,
+                                     frame_timeout_s=client.frame_timeout_s, idle_timeout_s=client.idle_timeout_s,
+                                     decoder=decoder)
+        self.requests: dict[int, _Request] = {}
+        self.buffered = 0
+        self.paused = False   # reading paused: over RESULTS_HIGH bytes of results wait for callers
+
+    def attach(self, link: FrameLink) -> None:
+        self.link = link
+
+    def submit(self, addresses: Sequence[BlockAddress], into: memoryview | None = None) -> _Request:
+        if self.link.closed or self.session.closing:
+            req = _Request(0)
+            req.results.extend(Miss(0, a, MissReason.PEER_GONE) for a in addresses)
+            req.finished = True
+            return req
+        rid, frames = self.session.submit(addresses, self._loop.time(), into)
+        req = self.requests[rid] = _Request(rid)
+        for frame in frames:
+            self.link.send(frame)
+        return req
+
+    def abandon(self, req: _Request) -> None:
+        """The caller stopped iterating: drop further results (the frames are still read)."""
+        req.abandoned = True
+        self.session.cancel(req.request_id)
+        self.requests.pop(req.request_id, None)
+        self.consumed(sum(len(r.payload) for r in req.results if isinstance(r, Hit)))
+        req.results.clear()
+
+    def consumed(self, nbytes: int, *, starving: bool = False) -> None:
+        """`starving`: a caller waits with nothing to read: resume even over RESULTS_HIGH (else deadlock)."""
+        self.buffered -= nbytes
+        if self.paused and (starving or self.buffered <= RESULTS_HIGH // 2) and not self.link.closed:
+            self.paused = False
+            self.session.resume(self._loop.time())
+            self.link.resume_reading()
+
+    def on_frames(self, frames: list[Frame]) -> None:
+        self._deliver(self.session.receive_frames(frames, self._loop.time()))
+
+    def _deliver(self, out: list[tuple[int, list[PullResult], bool]], arrived: bool = True) -> None:
+        """Hand results to their requests; `arrived`: they come from frames, not a lost connection."""
+        hits = num_bytes = 0
+        metrics, transport = self.client.metrics, self.client.transport
+        for rid, results, done in out:
+            req = self.requests.get(rid)
+            for r in results:
+                if isinstance(r, Hit):
+                    hits += 1
+                    num_bytes += len(r.payload)
+                else:
+                    metrics.child(metrics.pulls, transport, r.reason.value).inc()
+            if req is None:
+                continue
+            # Answered: a frame of its own arrived (a BYE read after the PULL went out is not one).
+            if not req.touched and arrived:
+                req.touched = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
+            req.results.extend(results)
+            if done:
+                req.finished = True
+                del self.requests[rid]
+            req.wakeup.set()
+        if hits:
+            metrics.child(metrics.pulls, transport, "hit").inc(hits)
+            metrics.child(metrics.pull_bytes, transport).inc(num_bytes)
+            self.buffered += num_bytes
+            if self.buffered > RESULTS_HIGH and not any(r.waiting and not r.results for r in self.requests.values()):
+                self.paused = True
+                self.session.pause(self._loop.time())
+                self.link.pause_reading()
+        if self.session.closing:
+            self.client._forget(self)
+            if self.session.error is not None:
+                self.client.metrics.protocol_errors.labels(transport).inc()
+                logger.warning("closing %s connection to %s: %s", transport, self.peer.node, self.session.error)
+            self.link.close(self.session.close_reason, str(self.session.error or "closed"))
+
+    def on_closed(self, reason: MissReason) -> None:
+        self.client._forget(self)
+        self._deliver(self.session.connection_lost(reason), arrived=False)
+
+    def watchdog(self, now: float) -> None:
+        deadline = self.session.next_deadline()
+        if deadline is None or now < deadline or self.link.closed:
+            return
+        frames, results = self.session.handle_timer(now)
+        if self.session.closing:
+            self.client._forget(self)   # before BYE, so that no new pull picks this connection
+        for frame in frames:
+            self.link.send(frame)
+        self._deliver(results)
+        if self.session.closing:
+            self.link.close_after_flush(self.session.close_reason, "idle" if frames else "server stalled")
+
+
+class TlsTcpClient:
+    """Pulls blocks from peers over TLS-TCP; one pooled connection per peer, many pulls in flight on it."""
+
+    transport = TRANSPORT  # the metrics label
+
+    def __init__(self, credentials: NodeCredentials, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 connect_timeout_s: float = 5.0, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 metrics: TransportMetrics | None = None, tune_malloc: bool = False) -> None:
+        """`tune_malloc`: opt in to `buffers.tune_allocator()` (process-wide glibc thresholds: faster large pulls)."""
+        if tune_malloc:
+            tune_allocator()
+        self.credentials = credentials
+        self.node = credentials.node
+        self.max_payload = max_payload
+        self.connect_timeout_s = connect_timeout_s
+        self.frame_timeout_s = frame_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.metrics = metrics or TransportMetrics()
+        self._pool: dict[Peer, _ClientConnection] = {}
+        self._dialing: dict[Peer, asyncio.Lock] = {}
+        self._watchdog: Watchdog | None = None
+        self.num_connects = 0
+
+    @classmethod
+    def from_config(cls, config: TransportConfig, credentials: NodeCredentials,
+                    metrics: TransportMetrics | None = None) -> Self:
+        return cls(credentials, max_payload=config.max_payload_bytes, connect_timeout_s=config.connect_timeout_s,
+                   frame_timeout_s=config.frame_timeout_s, idle_timeout_s=config.idle_timeout_s, metrics=metrics)
+
+    async def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
+                   into: memoryview | None = None) -> AsyncIterator[PullResult]:
+        """One result per address, in the order asked; failures are misses, never exceptions. A pooled
+        connection gone before answering anything (closed as idle, peer restarted) is replaced once.
+
+        `into` (optional): one equal-size slot per address, back to back: runs of slot-sized hits
+        are received straight into their slots and each such Hit's payload is its slot (see
+        `ClientSession.submit`). The caller must not read a slot before its Hit came."""
+        if not addresses:
+            return
+        slots = None if into is None else into.cast("B")
+        part = 0 if slots is None else slots.nbytes // len(addresses)
+        if slots is not None and part * len(addresses) != slots.nbytes:
+            raise ValueError(f"{slots.nbytes} bytes do not split into {len(addresses)} equal slots")
+        for attempt in range(2):
+            conn, reason, reused = await self._connection(peer)
+            if conn is None:
+                for miss in (Miss(0, address, reason) for address in addresses):
+                    self.metrics.record(self.transport, miss)
+                    yield miss
+                return
+            starts = range(0, len(addresses), ADDRESSES_PER_PULL)
+            chunks = [addresses[i:i + ADDRESSES_PER_PULL] for i in starts]
+            regions = [None if slots is None else slots[i * part:(i + len(c)) * part]
+                       for i, c in zip(starts, chunks, strict=True)]
+            requests = [conn.submit(chunks[i], regions[i]) for i in range(min(PULL_WINDOW, len(chunks)))]
+            retry = False
+            try:
+                for i in range(len(chunks)):
+                    req = requests[i]
+                    results = req.results
+                    while True:
+                        while results:
+                            r = results.popleft()
+                            if isinstance(r, Hit):
+                                conn.buffered -= len(r.payload)   # out of the window; `consumed` resumes below
+                            elif (i == 0 and attempt == 0 and reused and not req.touched
+                                  and r.reason is MissReason.PEER_GONE):
+                                retry = True  # the pooled connection was gone before answering anything
+                                break
+                            yield r
+                        conn.consumed(0)
+                        if retry or (req.finished and not results):
+                            break
+                        req.wakeup.clear()
+                        req.waiting = True
+                        conn.consumed(0, starving=True)
+                        await req.wakeup.wait()
+                        req.waiting = False
+                    if retry:
+                        break
+                    if i + PULL_WINDOW < len(chunks):
+                        requests.append(conn.submit(chunks[i + PULL_WINDOW], regions[i + PULL_WINDOW]))
+            finally:
+                for req in requests:
+                    conn.abandon(req)
+            if not retry:
+                return
+            logger.info("pooled connection to %s was gone; pulling again on a new one", peer.node)
+
+    async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, MissReason, bool]:
+        """(the pooled or a new connection, None and the miss reason when none can be had, whether
+        the connection was reused from the pool)."""
+        conn = self._pool.get(peer)
+        if conn is not None and not conn.link.closed:
+            return conn, MissReason.PEER_GONE, True
+        lock = self._dialing.setdefault(peer, asyncio.Lock())
+        try:
+            async with lock:
+                return await self._dial(peer)
+        finally:
+            if not lock.locked() and self._dialing.get(peer) is lock:
+                del self._dialing[peer]   # no dial of this peer waits: forget its lock
+
+    async def _dial(self, peer: Peer) -> tuple[_ClientConnection | None, MissReason, bool]:
+        conn = self._pool.get(peer)
+        if conn is not None and not conn.link.closed:
+            return conn, MissReason.PEER_GONE, True
+        try:
+            sock = await open_tls(peer, self.credentials, self.connect_timeout_s)
+        except ssl.SSLError as e:
+            reason = auth_failure_reason(e)
+            self.metrics.auth_failures.labels(self.transport, f"server_{reason}").inc()
+            logger.warning("refusing server %s at %s:%d (%s): %s", peer.node, peer.host, peer.port, reason, e)
+            return None, MissReason.PEER_ERROR, False
+        except (OSError, TimeoutError) as e:
+            logger.info("cannot reach %s at %s:%d: %s", peer.node, peer.host, peer.port, e)
+            return None, MissReason.TIMEOUT if isinstance(e, TimeoutError) else MissReason.PEER_GONE, False
+        conn = _ClientConnection(self, peer)
+        try:
+            conn.attach(await self._open_link(peer, sock, conn))
+        except (OSError, TimeoutError, ProtocolError) as e:
+            logger.warning("could not set up a %s link with %s: %s", self.transport, peer.node, e)
+            sock.close()
+            return None, MissReason.PEER_ERROR, False
+        self._pool[peer] = conn
+        self.num_connects += 1
+        self.metrics.connections.labels(self.transport, "client").inc()
+        conn.link.start()
+        for frame in conn.session.hello():
+            conn.link.send(frame)
+        if self._watchdog is None:
+            self._watchdog = Watchdog(watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
+                                       lambda: list(self._pool.values()))
+        return conn, MissReason.PEER_GONE, False
+
+    async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
+        """The frame link of an authenticated connection (RDMA overrides this)."""
+        return TlsLink(sock, conn.session.decoder, conn.on_frames, conn.on_closed,
+                       self.frame_timeout_s, self.metrics, self.transport, batch_frames=True)
+
+    def _forget(self, conn: _ClientConnection) -> None:
+        if self._pool.get(conn.peer) is conn:
+            del self._pool[conn.peer]
+            self.metrics.connections.labels(self.transport, "client").dec()
+
+    async def close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        for conn in list(self._pool.values()):
+            conn.link.send(Bye("client closing"))
+            conn.link.close(MissReason.PEER_GONE, "client closing")
+        await asyncio.sleep(0)
+

@@ -11,7 +11,8 @@ with A's egress capped (`NodeActor.set_send_rate`, the `[transport] send_rate_mb
                 load as it decides by itself, and a plain pull of everything (`deadline_s=inf`,
                 no decision), alternating
     slow        1/3 of the break-even, where pulling loses to recomputing: B's load as it decides,
-                and B recomputing the same prompt with nothing cached (the baseline), alternating
+                and B recomputing the same prompt with nothing cached (the baseline), each first
+                on every other repetition
 
 Each link is one block of repetitions, in that order, as a link's speed changes rarely: the slow
 block starts with B's estimate of A from the fast link, so its first request learns the link is
@@ -48,7 +49,7 @@ def prompt_pair(num_prefix: int, seed: int, vocab: int) -> tuple[list[int], list
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256-token prefix (smoke test)")
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=2048, help="prefix tokens")
     args = parser.parse_args()
     reps, tokens = (2, 256) if args.quick else (args.reps, args.tokens)
@@ -90,11 +91,13 @@ def main() -> int:
                     ray.get(owner.set_send_rate.remote(0.0))
                     ray.get(engines[a].answer.remote(first, 1))          # A computes and stores the prefix
                     ray.get(owner.set_send_rate.remote(rates[phase]))
+                    if phase == "slow" and rep % 2:     # the baseline first on odd repetitions: no order bias
+                        ttft["recompute"].append(ray.get(engines[b].recompute.remote(second, 1)).ttft_s)
                     got = ray.get(engines[b].answer.remote(second, 1, mode=LoadMode.FULL.value, export=False,
                                                            deadline_s=math.inf if phase == "fast_plain" else None))
                     ttft[phase].append(got.ttft_s)
                     pulled[phase].append(got.num_pulled_tokens)
-                    if phase == "slow":
+                    if phase == "slow" and not rep % 2:
                         ttft["recompute"].append(ray.get(engines[b].recompute.remote(second, 1)).ttft_s)
         finally:
             local.shutdown()

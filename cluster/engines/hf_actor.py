@@ -9,7 +9,10 @@ The actor loads a plain float checkpoint (`save_checkpoint`) so that N engines d
 request builds a KV cache the size of its prompt (189 MB at 4k tokens of SmolLM2) and drops it,
 and with glibc's defaults the next request page-faults all of it back in, zeroed by the kernel:
 tens of thousands of faults and seconds of CPU per long prompt on a small host; with the heap
-kept, almost none after the first request of a size (figures in docs/benchmarks.md).
+kept, almost none after the first request of a size (figures in docs/benchmarks.md). Requests run on
+the threads of a threaded actor, so the process keeps one malloc arena for all of them (an arena per
+thread would hold each request's freed cache where the next request, on another thread, cannot reuse
+it).
 
 Its OpenMP threads (torch's CPU kernels, libgomp) also spin for less time when they run out of work
 (`omp_spin_count`): by default an idle worker thread busy-waits ~300k iterations before sleeping,
@@ -159,19 +162,30 @@ class HFEngineActor:
                 self.recompute(tokens, max_new_tokens, eos_token_id=eos_token_id))
 
 
+def engine_env_vars(omp_spin_count: int | None = OMP_SPIN_COUNT) -> dict[str, str]:
+    """The environment an engine process starts with (libgomp and glibc read it once, at load);
+    the same variable in the driver's environment wins."""
+    env: dict[str, str] = {}
+    spin = os.environ.get("GOMP_SPINCOUNT", None if omp_spin_count is None else str(omp_spin_count))
+    if spin is not None:
+        env["GOMP_SPINCOUNT"] = spin
+    # One malloc arena for every thread: requests run on whichever of the actor's executor threads is
+    # free, and with an arena per thread the memory one request freed is not where the next one
+    # allocates, so the kept heap (`keep_freed_mib`) would be faulted in again on every request.
+    env["MALLOC_ARENA_MAX"] = os.environ.get("MALLOC_ARENA_MAX", "1")
+    return env
+
+
 def spawn_engines(node_ids: Sequence[str], checkpoint: str, *, fingerprint: str, model_id: str, block_size: int,
                   num_threads: int | None = None, namespace: str = "kvfabric",
                   keep_freed_mib: int = KEEP_FREED_MIB, omp_spin_count: int | None = OMP_SPIN_COUNT,
                   ) -> dict[str, ray.actor.ActorHandle]:
     """One `HFEngineActor` pinned to each node (hard affinity); returns once every one has loaded.
 
-    `omp_spin_count` sets GOMP_SPINCOUNT in the engines' processes (merged into the job's
-    runtime_env); a GOMP_SPINCOUNT in the driver's environment wins over it."""
+    The engines' processes start with `engine_env_vars(omp_spin_count)` (merged into the job's
+    runtime_env): GOMP_SPINCOUNT and one malloc arena."""
     remote = ray.remote(num_cpus=0, max_concurrency=MAX_ACCEPTED)(HFEngineActor)
-    options: dict[str, object] = {}
-    spin = os.environ.get("GOMP_SPINCOUNT", None if omp_spin_count is None else str(omp_spin_count))
-    if spin is not None:
-        options["runtime_env"] = {"env_vars": {"GOMP_SPINCOUNT": spin}}
+    options: dict[str, object] = {"runtime_env": {"env_vars": engine_env_vars(omp_spin_count)}}
     handles = {
         node_id: remote.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                                 **options).remote(

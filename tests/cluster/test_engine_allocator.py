@@ -17,9 +17,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 # An engine's request, the way `HFEngine` builds a KV cache: per layer, K and V of the whole prompt
 # as fresh tensors (SmolLM2 at 4k tokens: 30 layers x 2 x 3.2 MB), dropped when the request ends.
-# Prints the minor page faults of the last three requests.
+# Prints the minor page faults of the last three requests. With `threads`, each request runs on a
+# thread of its own, as in the engine's threaded Ray actor (a pool of executor threads).
 ENGINE_PROBE = """
-import resource, sys
+import resource, sys, threading
 sys.path.insert(0, {root!r})
 import torch
 from transports.buffers import tune_allocator
@@ -33,10 +34,17 @@ def request():
         k.fill_(1.0)
         v.fill_(1.0)
         cache.append((k, v))
-request()
+def run(job):
+    if {threads}:
+        t = threading.Thread(target=job)
+        t.start()
+        t.join()
+    else:
+        job()
+run(request)
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(3):
-    request()
+    run(request)
 print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 """
 
@@ -44,7 +52,7 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mallopt thresholds are glibc (Linux) only")
 def test_an_engine_keeps_its_freed_kv_cache_memory_for_the_next_request() -> None:
     def engine_faults(tune: bool) -> int:
-        out = subprocess.run([sys.executable, "-c", ENGINE_PROBE.format(root=str(ROOT), tune=tune)],
+        out = subprocess.run([sys.executable, "-c", ENGINE_PROBE.format(root=str(ROOT), tune=tune, threads=False)],
                              capture_output=True, text=True, timeout=120, check=True)
         return int(out.stdout.strip())
 
@@ -53,6 +61,23 @@ def test_an_engine_keeps_its_freed_kv_cache_memory_for_the_next_request() -> Non
     # 3 MB tensors still come back from the kernel (counts in docs/benchmarks.md).
     assert untuned >= 30_000
     assert tuned * 5 < untuned, f"{tuned} page faults for three requests into kept heap memory, {untuned} untuned"
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="malloc arenas are glibc (Linux) only")
+def test_an_engine_actor_keeps_freed_memory_whichever_of_its_threads_runs_the_next_request() -> None:
+    from cluster.engines.hf_actor import engine_env_vars
+
+    def threaded_faults(env_vars: dict[str, str]) -> int:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")} | env_vars
+        out = subprocess.run([sys.executable, "-c", ENGINE_PROBE.format(root=str(ROOT), tune=True, threads=True)],
+                             env=env, capture_output=True, text=True, timeout=120, check=True)
+        return int(out.stdout.strip())
+
+    bare, engine = threaded_faults({}), threaded_faults(engine_env_vars())
+    # Bare, each thread allocates from an arena of its own, so the memory the previous request freed
+    # (in another thread's arena) is not reused: the cache is faulted in again, zeroed by the kernel.
+    assert bare >= 30_000
+    assert engine * 5 < bare, f"{engine} page faults for three requests on fresh threads, {bare} without the settings"
 
 
 # An engine waiting between parallel torch kernels, the way a layer-wise forward pass waits for its

@@ -33,7 +33,7 @@ from cluster.api import EngineLoad, LoadReply, LookupReply, StoreReply, Tokens, 
 from cluster.directory_actor import DirectoryClient
 from cluster.directory_upkeep import DirectoryUpkeep
 from cluster.node_loader import NodeLoader
-from cluster.node_runtime import ADVERTISE_HOST_ENV, NodeRuntime
+from cluster.node_runtime import NodeRuntime
 from cluster.node_stats import node_stats
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.config import Config
@@ -42,8 +42,6 @@ from fabric.keys import BlockHash, Namespace, block_hashes
 
 if TYPE_CHECKING:
     from cluster.api import NodeApi
-
-__all__ = ["ADVERTISE_HOST_ENV", "NODE_NAME_ENV", "NodeActor", "node_actor_name", "node_name_for"]
 
 logger = logging.getLogger(__name__)
 

@@ -13,15 +13,17 @@ ids has one block per id; its parent id (None for a sequence's first block) name
 Both paths end in the same block hashes, tiers, pulls and digest checks.
 
 `Fabric` is the protocol; `FabricClient` (cluster/client.py) implements it over the node's Ray
-actor, `LocalFabric` (cluster/local.py) over one in-process `Store` with no Ray at all.
+actor, `LocalFabric` (cluster/local.py) over one in-process `Store` with no Ray at all. `NodeApi`
+is what that actor answers (cluster/node_actor.py implements it, `FabricClient` calls it); mypy
+checks all three against these protocols.
 """
 
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -178,6 +180,60 @@ class Fabric(Protocol):
                      parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
         """Store `payloads` for `block_ids[first_block:first_block + len(payloads)]`."""
         ...
+
+
+class NodeApi(Protocol):
+    """The calls a node's actor answers, as a caller passes them through Ray: positional arguments,
+    each call a coroutine, the two layer streams async generators that yield `(num_blocks, sources)`
+    first and then one uint8 array `(num_blocks, bytes_per_block_layer)` per layer. The Fabric calls
+    mean what they mean in `Fabric`; `pulls=False` answers from this node's own tiers only."""
+
+    async def ping(self) -> dict[str, Any]:
+        """Start the node if it has not started; its id, incarnation and transport address."""
+        ...
+
+    async def shutdown(self) -> None: ...
+
+    async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply: ...
+
+    async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
+                   pulls: bool = True, deadline_s: float | None = None) -> LoadReply: ...
+
+    def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
+                    deadline_s: float | None = None) -> AsyncIterator[Any]: ...
+
+    async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0
+                    ) -> StoreReply: ...
+
+    async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None
+                            ) -> LookupReply: ...
+
+    async def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
+                          max_blocks: int | None = None, pulls: bool = True) -> LoadReply: ...
+
+    def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
+                           max_blocks: int | None = None) -> AsyncIterator[Any]: ...
+
+    async def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray,
+                           parent: BlockId | None = None, first_block: int = 0) -> StoreReply: ...
+
+    async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None: ...
+
+    async def report_load(self, load: EngineLoad) -> None: ...
+
+    async def held_block_hashes(self) -> list[bytes]:
+        """Every block hash the node holds in any tier (any layer of it)."""
+        ...
+
+    async def purge_producer(self, producer: str) -> int:
+        """Delete every block whose provenance names `producer`; how many (block, layer) payloads."""
+        ...
+
+    async def set_send_rate(self, mb_s: float) -> None:
+        """Cap (0: uncap) what the node's TLS-TCP server sends, MB/s."""
+        ...
+
+    async def stats(self) -> dict[str, Any]: ...
 
 
 def payload_shape(ns: Namespace, num_blocks: int) -> tuple[int, int, int]:

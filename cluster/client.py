@@ -8,7 +8,9 @@
     client.purge_producer("node-7")            # every node drops the blocks node-7 produced
 
 Each call is one Ray actor call to the NodeActor on the caller's own Ray node, so payloads move
-through that node's shared-memory object store. `a*` methods are the same calls for asyncio code.
+through that node's shared-memory object store. Calls name the `NodeApi` method they make
+(cluster/api.py), so mypy checks their arguments and answers against what the actor implements.
+`a*` methods are the same calls for asyncio code.
 Every call waits at most `call_timeout_s` for the NodeActor and then raises `FabricTimeoutError`:
 a NodeActor that is stalled never blocks its engine for longer (the engine recomputes instead).
 """
@@ -17,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import ray
 
-from cluster.api import EngineLoad, IncompleteLoadError, LoadReply, LookupReply, StoreReply, Tokens
+from cluster.api import EngineLoad, IncompleteLoadError, LoadReply, LookupReply, NodeApi, StoreReply, Tokens
 from cluster.node_actor import node_actor_name
 from fabric.block_ids import BlockId
 from fabric.config import ClusterConfig
@@ -31,6 +33,9 @@ from fabric.keys import Namespace
 
 DEFAULT_NAMESPACE = "kvfabric"
 DEFAULT_CALL_TIMEOUT_S = ClusterConfig().client_timeout_s
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 class FabricUnavailableError(RuntimeError):
@@ -72,60 +77,68 @@ class FabricClient:
     # ---- synchronous -------------------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        reply: LookupReply = self._get("lookup", self.actor.lookup.remote(ns, _tokens(tokens)))
-        return reply
+        return self._call(NodeApi.lookup, ns, _tokens(tokens))
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
              pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
-        reply: LoadReply = self._get("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls,
-                                                                     deadline_s))
-        return reply
+        return self._call(NodeApi.load, ns, _tokens(tokens), max_blocks, pulls, deadline_s)
 
     def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
         """Sent without waiting for an answer: a report never delays the engine."""
-        self.actor.report_prefill.remote(ns, num_tokens, seconds)
+        self._remote(NodeApi.report_prefill, ns, num_tokens, seconds)
 
     def report_load(self, load: EngineLoad) -> None:
         """Sent without waiting for an answer: a report never delays the engine."""
-        self.actor.report_load.remote(load)
+        self._remote(NodeApi.report_load, load)
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
                     deadline_s: float | None = None) -> RayLayerStream:
-        return RayLayerStream(self.actor.load_layers.remote(ns, _tokens(tokens), max_blocks, deadline_s), self)
+        return RayLayerStream(self._remote(NodeApi.load_layers, ns, _tokens(tokens), max_blocks, deadline_s), self)
 
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
-        reply: StoreReply = self._get("store", self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))
-        return reply
+        return self._call(NodeApi.store, ns, _tokens(tokens), payloads, first_block)
 
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
                       parent: BlockId | None = None) -> LookupReply:
-        reply: LookupReply = self._get("lookup_blocks", self.actor.lookup_blocks.remote(ns, list(block_ids), parent))
-        return reply
+        return self._call(NodeApi.lookup_blocks, ns, list(block_ids), parent)
 
     def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
                     max_blocks: int | None = None, pulls: bool = True) -> LoadReply:
-        reply: LoadReply = self._get("load_blocks",
-                                     self.actor.load_blocks.remote(ns, list(block_ids), parent, max_blocks, pulls))
-        return reply
+        return self._call(NodeApi.load_blocks, ns, list(block_ids), parent, max_blocks, pulls)
 
     def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
                            max_blocks: int | None = None) -> RayLayerStream:
-        return RayLayerStream(self.actor.load_blocks_layers.remote(ns, list(block_ids), parent, max_blocks), self)
+        return RayLayerStream(self._remote(NodeApi.load_blocks_layers, ns, list(block_ids), parent, max_blocks),
+                              self)
 
     def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
                      parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
-        reply: StoreReply = self._get("store_blocks", self.actor.store_blocks.remote(ns, list(block_ids), payloads,
-                                                                                   parent, first_block))
-        return reply
+        return self._call(NodeApi.store_blocks, ns, list(block_ids), payloads, parent, first_block)
 
     def held_block_hashes(self) -> list[bytes]:
         """Every block hash this client's node holds (any layer, any tier)."""
-        held: list[bytes] = self._get("held_block_hashes", self.actor.held_block_hashes.remote())
-        return held
+        return self._call(NodeApi.held_block_hashes)
 
     def stats(self) -> dict[str, Any]:
-        out: dict[str, Any] = self._get("stats", self.actor.stats.remote())
-        return out
+        return self._call(NodeApi.stats)
+
+    # ---- calls to the node's actor, typed by NodeApi ------------------------------------------------
+
+    def _remote(self, method: Callable[Concatenate[NodeApi, P], object], *args: P.args, **kwargs: P.kwargs) -> Any:
+        """Start `method` on the node's actor (its ObjectRef, or its generator for a layer stream)."""
+        return getattr(self.actor, method.__name__).remote(*args, **kwargs)
+
+    def _call(self, method: Callable[Concatenate[NodeApi, P], Awaitable[R]], *args: P.args, **kwargs: P.kwargs
+              ) -> R:
+        """`method`'s answer from the node's actor, waited for at most `call_timeout_s`."""
+        reply: R = self._get(method.__name__, self._remote(method, *args, **kwargs))
+        return reply
+
+    async def _acall(self, method: Callable[Concatenate[NodeApi, P], Awaitable[R]], *args: P.args,
+                     **kwargs: P.kwargs) -> R:
+        """`_call` for asyncio code."""
+        reply: R = await self._aget(method.__name__, self._remote(method, *args, **kwargs))
+        return reply
 
     def _get(self, call: str, ref: Any) -> Any:
         try:
@@ -147,20 +160,15 @@ class FabricClient:
     # ---- asyncio -----------------------------------------------------------------------------------
 
     async def alookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        reply: LookupReply = await self._aget("lookup", self.actor.lookup.remote(ns, _tokens(tokens)))
-        return reply
+        return await self._acall(NodeApi.lookup, ns, _tokens(tokens))
 
     async def aload(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
                     pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
-        reply: LoadReply = await self._aget("load", self.actor.load.remote(ns, _tokens(tokens), max_blocks, pulls,
-                                                                            deadline_s))
-        return reply
+        return await self._acall(NodeApi.load, ns, _tokens(tokens), max_blocks, pulls, deadline_s)
 
     async def astore(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *,
                      first_block: int = 0) -> StoreReply:
-        reply: StoreReply = await self._aget("store",
-                                             self.actor.store.remote(ns, _tokens(tokens), payloads, first_block))
-        return reply
+        return await self._acall(NodeApi.store, ns, _tokens(tokens), payloads, first_block)
 
     async def _aget(self, call: str, ref: Any) -> Any:
         try:
@@ -214,3 +222,10 @@ def purge_producer(producer: str, *, namespace: str = DEFAULT_NAMESPACE,
 def _tokens(tokens: Tokens) -> np.ndarray:
     """Token ids as a compact array (a Python list of 4k ints pickles ~5x larger)."""
     return np.asarray(tokens, dtype=np.int64)
+
+
+if TYPE_CHECKING:
+    from cluster.api import Fabric
+
+    # mypy checks that FabricClient offers every Fabric call with a compatible signature.
+    _fabric: type[Fabric] = FabricClient

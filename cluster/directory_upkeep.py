@@ -100,6 +100,10 @@ class DirectoryUpkeep:
     def pending(self) -> int:
         return self.sync.pending()
 
+    def num_overflows(self) -> int:
+        """Times the event queue overflowed (each one a resync) since this node's last reset."""
+        return self.sync.num_overflows
+
     # ---- one pass ----------------------------------------------------------------------------------
 
     async def tick(self) -> bool:
@@ -122,7 +126,7 @@ class DirectoryUpkeep:
             return
         self._check_epoch(shard)
         if outcome is ApplyOutcome.GAP and not self.sync.resync_wanted(shard) and \
-                not self.sync.shards[shard].resyncing:
+                not self.sync.resyncing(shard):
             logger.info("directory shard %d lost this node's entries (lease lapsed?); resyncing", shard)
             self.metrics.resyncs.labels("lease_lapsed").inc()
             self.sync.mark_resync(shard)

@@ -13,6 +13,7 @@ verified leading run.
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -189,3 +190,10 @@ class LocalLayerStream:
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         for layer in range(self.reply.payloads.shape[1]):
             yield layer, self.reply.payloads[:, layer]
+
+
+if TYPE_CHECKING:
+    from cluster.api import Fabric
+
+    # mypy checks that LocalFabric offers every Fabric call with a compatible signature.
+    _fabric: type[Fabric] = LocalFabric

@@ -5,7 +5,16 @@ All live in the node's own `CollectorRegistry`, served on `[cluster] metrics_por
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from functools import partial
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from cluster.breaker import CircuitBreaker
+
+
+def _breaker_value(breaker: CircuitBreaker) -> float:
+    return float(breaker.state.value)
 
 
 class ClusterMetrics:
@@ -58,3 +67,8 @@ class ClusterMetrics:
         self.deadline_cuts = Counter("kvfabric_load_deadline_cuts_total",
                                      "Loads whose pulls were cut at their deadline (the leading run that arrived "
                                      "was returned)", registry=registry)
+
+    def watch_breakers(self, breakers: Sequence[CircuitBreaker]) -> None:
+        """Export each directory shard's breaker state (`breakers[k]` is shard k's) as it is when scraped."""
+        for k, breaker in enumerate(breakers):
+            self.breaker_state.labels(str(k)).set_function(partial(_breaker_value, breaker))

@@ -26,7 +26,7 @@ import ray
 from cluster.launch import ensure_ca, issue_local_certs, local_config, start_fabric
 from cluster.netbed import NetBed
 from cluster.netbed_plan import ray_start_command
-from cluster.node_actor import ADVERTISE_HOST_ENV
+from cluster.node_runtime import ADVERTISE_HOST_ENV
 from fabric.config import Config
 
 logger = logging.getLogger(__name__)

@@ -156,6 +156,10 @@ class DirectorySync:
         st = self.shards[shard]
         return st.needs_resync and st.inflight is None and not st.resyncing
 
+    def resyncing(self, shard: int) -> bool:
+        """A resync of `shard` has begun and not yet finished."""
+        return self.shards[shard].resyncing
+
     def acked_seq(self, shard: int) -> int:
         """For heartbeats: the shard answers GAP if it holds less than this (its record lapsed)."""
         return self.shards[shard].acked_seq

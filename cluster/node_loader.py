@@ -1,0 +1,268 @@
+"""A node's read path: lookup and load of a run of block hashes, local blocks first, then pulls.
+
+    hashes ──LocalFabric.local_tiers──► leading local run ──Locator.locate──► owners of the rest
+           ──plan_pulls──► runs per owner ──plan_by_deadline──► the runs expected to land in time
+           ──read local run + pull_prefix (node_load.py)──► verified leading run ──► LoadReply
+                                                        └──► mirror into this node's RAM (background)
+                                                        └──► what each peer's pulls took ──► PeerEstimates
+
+A lookup is the same plan made as a peek (no recency change, no pull). A load pulls only the runs
+expected to arrive before the engine could compute their tokens and, unless it streams layers,
+cuts the pull at that deadline: what arrived and verified in time is returned, the rest is a miss.
+A layer stream is planned by the same rule but never cut (it has promised its blocks).
+
+`NodeLoader` does the asyncio work of one node; the NodeActor builds it once it has started and
+calls it from its public methods. It holds no Ray handle: the directory comes in as a `Locator`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Collection, Coroutine, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
+from typing import Any, Protocol
+
+import numpy as np
+
+from cluster.api import (
+    BlockLocation,
+    EngineLoad,
+    IncompleteLoadError,
+    LoadReply,
+    LookupReply,
+    Tokens,
+    Where,
+    payload_shape,
+)
+from cluster.directory_actor import Located
+from cluster.estimates import PeerEstimates, RunCost, plan_by_deadline
+from cluster.kv_events_zmq import KvEventPublisher
+from cluster.local import WHERE_OF_TIER, LocalFabric
+from cluster.metrics import ClusterMetrics
+from cluster.node_load import LayerProgress, PullOutcome, pull_prefix
+from cluster.planner import PullRun, plan_pulls
+from cluster.reply_buffers import ReplyBuffers
+from fabric.config import Config
+from fabric.keys import BlockHash, Namespace
+from fabric.priority import lower_thread_priority
+from fabric.provenance import Provenance
+from fabric.tiers.base import Tier
+from transports.base import Peer, TransportClient
+from transports.provenance_check import ProvenanceVerifier
+
+logger = logging.getLogger(__name__)
+
+# What `_load` hands a layer stream once its plan is made: blocks planned, their progress, the
+# reply array they fill and each block's source.
+Started = asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]]
+
+
+class Locator(Protocol):
+    """Who owns which of a run of block hashes (the directory; `DirectoryClient` in a node)."""
+
+    async def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> Located: ...
+
+
+class NodeLoader:
+    """Lookup and load for one node: plans, local reads, pulls, deadline cuts, mirrors, estimates."""
+
+    def __init__(self, config: Config, *, node_id: str, transport: str, local: LocalFabric, directory: Locator,
+                 client: TransportClient, verifier: ProvenanceVerifier, metrics: ClusterMetrics,
+                 kv_events: KvEventPublisher | None, spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+        self.config = config
+        self.node_id = node_id
+        self.transport = transport     # peers are reached over this node's own transport kind only
+        self.local = local
+        self.directory = directory
+        self.client = client
+        self.verifier = verifier
+        self.metrics = metrics
+        self.kv_events = kv_events
+        self.spawn = spawn
+        self.peer_estimates = PeerEstimates()
+        self.pending_mirrors = 0
+        self._replies = ReplyBuffers(int(config.kv.reply_pool_gib * (1 << 30)))
+        # Mirroring pulled blocks is background work: one thread, at the store's lower priority.
+        self._mirror_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-mirror",
+                                               initializer=lower_thread_priority,
+                                               initargs=(config.kv.background_nice,))
+
+    async def close(self) -> None:
+        """Wait for a mirror in progress to end; mirrors not yet begun are the caller's tasks to cancel."""
+        await asyncio.get_running_loop().run_in_executor(None, self._mirror_pool.shutdown)
+
+    def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
+        """An engine here computed `num_tokens` of prefill in `seconds`: the rate loads are planned by."""
+        self.local.report_prefill(ns, num_tokens, seconds)
+        rate = self.local.prefill.of(ns.root).tokens_per_s
+        if rate:
+            self.metrics.prefill_rate.labels(ns.root[:8].hex()).set(rate)
+
+    def report_load(self, load: EngineLoad) -> None:
+        """The engines' load here, returned with every lookup (for routers)."""
+        self.local.report_load(load)
+        self.metrics.engine_load.labels("running_requests").set(load.running_requests)
+        self.metrics.engine_load.labels("queued_requests").set(load.queued_requests)
+        self.metrics.engine_load.labels("queued_prefill_tokens").set(load.queued_prefill_tokens)
+
+    # ---- planning ----------------------------------------------------------------------------------
+
+    async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
+                    ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer]]:
+        loop = asyncio.get_running_loop()
+        tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
+                                                         peek=peek))
+        if not pulls or len(tiers) == len(hashes):
+            return hashes, tiers, [], [], {}
+        located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
+        owners: list[Sequence[str]] = [()] * len(tiers) + [list(o) for o in located.owners]
+        peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
+                 if a.transport == self.transport}
+        owners = [[o for o in per_block if o in peers] for per_block in owners]
+        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers
+
+    async def lookup(self, ns: Namespace, hashes: list[BlockHash]) -> LookupReply:
+        start = time.perf_counter()
+        # A lookup is a peek: routers ask every node, and asking must not reorder eviction on the nodes
+        # that do not serve the request. The load that follows is the access.
+        _, tiers, _, runs, _ = await self._plan(ns, hashes, peek=True)
+        locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
+        for run in runs:
+            locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
+        self.metrics.lookups.inc()
+        self.metrics.lookup_seconds.observe(time.perf_counter() - start)
+        return LookupReply(ns.block_size, tuple(locs), self.local.engine_load)
+
+    # ---- loading -----------------------------------------------------------------------------------
+
+    async def _read_local(self, hashes: Sequence[BlockHash], out: np.ndarray, sources: list[str]) -> int:
+        def read() -> int:
+            for i, h in enumerate(hashes):
+                tier = self.local.read_block(h, out[i])
+                if tier is None:
+                    return i
+                sources[i] = tier.value
+            return len(hashes)
+        return await asyncio.get_running_loop().run_in_executor(None, read)
+
+    async def load(self, ns: Namespace, hashes: list[BlockHash], pulls: bool, started: Started | None = None,
+                   tokens: Tokens | None = None, deadline_s: float | None = None) -> LoadReply:
+        """The verified leading run of `hashes`; with `started`, also a layer stream's plan (`load_layers`)."""
+        t0 = time.perf_counter()
+        hashes, tiers, owners, runs, peers = await self._plan(ns, hashes, pulls=pulls)
+        deadline = None
+        if runs:   # pull only the runs expected to land before the engine could compute them
+            take, deadline = plan_by_deadline(
+                [RunCost(r.node_id, r.num_blocks, r.num_blocks * ns.layout.bytes_per_block(ns.block_size),
+                         r.num_blocks * ns.block_size) for r in runs],
+                self.peer_estimates, self.local.prefill.of(ns.root), time.monotonic(), deadline_s)
+            self.metrics.skipped_blocks.inc(sum(r.num_blocks for r in runs[take:]))
+            runs = runs[:take]
+        planned = len(tiers) + sum(r.end - r.start for r in runs)
+        out = self._replies.take(payload_shape(ns, planned))
+        sources = [""] * planned
+        num_local = await self._read_local(hashes[:len(tiers)], out, sources)
+        if num_local < len(tiers):
+            runs, planned = [], num_local   # a local block failed its check: stop there
+        progress = LayerProgress(planned, ns.layout.num_layers)
+        for b in range(min(num_local, planned)):
+            for layer in range(ns.layout.num_layers):
+                progress.fill(b, layer)
+        for run in runs:   # the plan; a fallback may replace the node
+            sources[run.start:run.end] = [f"peer:{run.node_id}"] * (run.end - run.start)
+        if started is not None:
+            started.set_result((planned, progress, out, sources))
+        digests = [[b""] * ns.layout.num_layers for _ in range(planned)]
+        provenance: list[Provenance | None] = [None] * planned
+        outcome = PullOutcome() if runs else None
+        if outcome is not None:
+            pull = pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
+                               verifier=self.verifier, namespace=ns.root, provenance=provenance,
+                               timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
+                               outcome=outcome)
+            # A layer stream has promised its blocks: it is planned by the same rule but never cut.
+            if deadline is None or started is not None:
+                await pull
+            else:
+                try:
+                    await asyncio.wait_for(pull, deadline)
+                except TimeoutError:
+                    self.metrics.deadline_cuts.inc()
+                    logger.info("load cut at its %.3f s deadline after %d of %d blocks", deadline,
+                                progress.complete_blocks(), planned)
+            self._learn(outcome)
+        complete = progress.complete_blocks()
+        if outcome is not None:
+            self.metrics.said_yes_owner_no.inc(outcome.said_yes_owner_no)
+            self.metrics.pull_failures.inc(outcome.num_failures)
+            self.metrics.fallbacks.inc(outcome.num_fallbacks)
+            for reason, count in outcome.rejections.items():
+                self.metrics.provenance_rejections.labels(reason.value).inc(count)
+            if self.config.kv.mirror_pulls and complete > num_local:
+                self.pending_mirrors += 1
+                self.note_chain(ns, hashes, num_local, complete, tokens)
+                self.spawn(self._mirror(ns, hashes[num_local:complete], out[num_local:complete],
+                                        digests[num_local:complete], provenance[num_local:complete]))
+        self.metrics.lookups.inc()
+        self.metrics.requested_blocks.inc(len(hashes))
+        self.metrics.hit_blocks.labels("local").inc(min(num_local, complete))
+        self.metrics.hit_blocks.labels("peer").inc(max(0, complete - num_local))
+        self.metrics.load_seconds.observe(time.perf_counter() - t0)
+        payloads = out[:complete]
+        pulled = max(0, complete - num_local) * ns.layout.bytes_per_block(ns.block_size)
+        return LoadReply(ns.block_size, payloads, tuple(sources[:complete]), pulled_bytes=pulled)
+
+    async def load_layers(self, ns: Namespace, hashes: list[BlockHash], tokens: Tokens | None,
+                          deadline_s: float | None = None) -> AsyncIterator[Any]:
+        """First `(num_blocks, sources)`, then each layer's array, in order (see `NodeActor.load_layers`)."""
+        started: Started = asyncio.get_running_loop().create_future()
+        task = asyncio.get_running_loop().create_task(self.load(ns, hashes, True, started, tokens, deadline_s))
+        planned, progress, out, sources = await started
+        yield planned, tuple(sources)
+        for layer in range(ns.layout.num_layers):
+            ready = asyncio.ensure_future(progress.layer_ready[layer].wait())
+            await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
+            if not progress.layer_ready[layer].is_set() and planned > 0:
+                ready.cancel()
+                task.cancel()
+                raise IncompleteLoadError(f"layer {layer} could not be loaded for all {planned} blocks")
+            ready.cancel()
+            yield out[:planned, layer].copy()
+        await task
+
+    def _learn(self, outcome: PullOutcome) -> None:
+        """Feed each peer's estimate with this load's attempts on it."""
+        now = time.monotonic()
+        for sample in outcome.samples:
+            if sample.failed or (sample.cut and not sample.num_bytes):
+                self.peer_estimates.record_failure(sample.node_id, now)
+            else:
+                self.peer_estimates.record_pull(sample.node_id, sample.num_bytes, sample.seconds, sample.first_s,
+                                                now, cut=sample.cut)
+        for peer, est in self.peer_estimates.snapshot(now).items():
+            self.metrics.peer_bandwidth.labels(peer).set(est["bandwidth_mb_s"] * 1e6)
+            self.metrics.peer_rtt.labels(peer).set(est["rtt_ms"] / 1e3)
+
+    async def _mirror(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
+                      digests: Sequence[Sequence[bytes]], provenance: Sequence[Provenance | None]) -> None:
+        # Off the critical path of the request that pulled: its engine is computing on this node's
+        # cores right now, and a mirror (verify, copy, write-behind flush, disk writeback) would
+        # compete with it. A copy is an optimisation; a node that dies first just has none.
+        try:
+            await asyncio.sleep(self.config.kv.mirror_delay_s)
+            await asyncio.get_running_loop().run_in_executor(
+                self._mirror_pool,   # the producer's records, verbatim: a mirror never signs
+                lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests, provenance=provenance))
+        finally:
+            self.pending_mirrors -= 1
+
+    def note_chain(self, ns: Namespace, hashes: Sequence[BlockHash], start: int, end: int,
+                   tokens: Tokens | None) -> None:
+        """Tell the KV event stream how `hashes[start:end]`, about to be stored, chain (and their tokens)."""
+        if self.kv_events is None:
+            return
+        span = None if tokens is None else np.asarray(tokens)[start * ns.block_size:end * ns.block_size].tolist()
+        self.kv_events.note_chain(hashes[start:end], hashes[start - 1] if start else None, span, ns.block_size)

@@ -120,7 +120,8 @@ async def pull_mb_s(client: TransportClient, peer: Peer, size: int, limit_s: flo
         while time.perf_counter() - start < limit_s:
             first = state["next"]
             state["next"] += step
-            state["moved"] += await _pull(client, peer, _batch(size, first, step))
+            got = await _pull(client, peer, _batch(size, first, step))
+            state["moved"] += got   # after the await: `+= await` would add to a stale total
 
     await asyncio.gather(*(worker() for _ in range(PULLS_IN_FLIGHT)))
     return state["moved"] / MB / (time.perf_counter() - start)
@@ -152,7 +153,8 @@ async def loaded_get_ms(client: TransportClient, peer: Peer, size: int, num_load
     async def loader(k: int) -> None:
         first = 0
         while not state["done"]:
-            state["moved"] += await _pull(client, peer, _batch(big, first, step, k * span, (k + 1) * span))
+            got = await _pull(client, peer, _batch(big, first, step, k * span, (k + 1) * span))
+            state["moved"] += got
             first += step
 
     start = time.perf_counter()

@@ -52,8 +52,6 @@ def test_quick_run_measures_every_method_between_two_hosts(tmp_path: Path) -> No
             assert 0 < result[f"{name}_p50_ms_{p}"] <= result[f"{name}_p99_ms_{p}"], (name, p)
         assert result[f"ttft_remote_over_recompute_{p}"] is None   # not measured, and the JSON says why
     assert result["ttft_note"]
-    # 1 Gbit/s: a bare stream under `lossy` cannot beat the shaped rate (125 MB/s plus the bucket's burst)
-    assert result["tcp_socket_mb_s_lossy"] < 140
     assert result["quic_p99_over_tls_tcp_p99_lossy"] > 0   # the loaded gets ran beside 4 pulls
     assert result["quic_loaded_pulls_mb_s_lossy"] > 0 and result["tls_tcp_loaded_pulls_mb_s_lossy"] > 0
     assert "quic_p99_over_tls_tcp_p99_lan" not in result   # no loss on lan: no loaded phase

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.network_serve import CLIENT_NODE, REQUEST, SERVER_NODE, address, credentials, num_blocks
+from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE, address, credentials, num_blocks
+from benchmarks.stream_blocks import receive_blocks
 from fabric.keys import BlockAddress
 from transports.base import Hit, Peer, TransportClient
 from transports.quic import QuicTransportClient, QuicTuning
@@ -49,27 +49,15 @@ def _connect(target: Target, port: int, use_tls: bool) -> socket.socket:
     return ctx.wrap_socket(raw, server_hostname=SERVER_NODE)
 
 
-def _receive(conn: socket.socket | ssl.SSLSocket, size: int, count: int, buf: memoryview) -> int:
-    conn.sendall(REQUEST.pack(size, count))
-    for _ in range(count):
-        got = 0
-        while got < size:
-            n = conn.recv_into(buf[got:])
-            if not n:
-                raise ConnectionError("stream server closed the connection")
-            got += n
-    return size * count
-
-
 def stream_mb_s(target: Target, port: int, use_tls: bool, size: int, limit_s: float) -> float:
     """MB/s of a bare stream of `size`-byte blocks, requested BATCH_BYTES at a time for `limit_s`."""
     with _connect(target, port, use_tls) as conn:
         buf = memoryview(bytearray(size))
-        _receive(conn, size, 2, buf)   # warm-up: handshake, windows
+        receive_blocks(conn, size, 2, buf)   # warm-up: handshake, windows
         step = max(1, BATCH_BYTES // size)
         moved, start = 0, time.perf_counter()
         while time.perf_counter() - start < limit_s:
-            moved += _receive(conn, size, step, buf)
+            moved += receive_blocks(conn, size, step, buf)
         return moved / MB / (time.perf_counter() - start)
 
 
@@ -77,12 +65,12 @@ def round_ms(target: Target, port: int, size: int, count: int, limit_s: float) -
     """Bare TLS request/response rounds of one `size`-byte block, in milliseconds."""
     with _connect(target, port, True) as conn:
         buf = memoryview(bytearray(size))
-        _receive(conn, size, 1, buf)
+        receive_blocks(conn, size, 1, buf)
         times: list[float] = []
         start = time.perf_counter()
         while len(times) < count and time.perf_counter() - start < limit_s:
             t0 = time.perf_counter()
-            _receive(conn, size, 1, buf)
+            receive_blocks(conn, size, 1, buf)
             times.append((time.perf_counter() - t0) * 1e3)
         return times
 

@@ -25,7 +25,6 @@ import os
 import signal
 import socket
 import ssl
-import struct
 import sys
 import threading
 from pathlib import Path
@@ -34,6 +33,7 @@ import blake3
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from benchmarks.stream_blocks import answer_requests
 from fabric.keys import BlockAddress, BlockHash
 from transports.base import TransportServer
 from transports.certs import CredentialFiles, NodeCredentials
@@ -46,7 +46,6 @@ TLS_TCP_PORT, QUIC_PORT, QUIC_STOCK_PORT, TCP_PORT, TLS_PORT = 7101, 7102, 7103,
 DATAGRAM = 1452                      # what a 1500-byte-MTU link (the bed's veths) carries
 BLOCK_SIZES = {"1m": 1 << 20, "64k": 64 << 10}
 SERVED_BYTES = 48 << 20              # distinct bytes per block size
-REQUEST = struct.Struct("<QQ")       # bare streams: (block size, count)
 
 
 def num_blocks(size: int) -> int:
@@ -77,16 +76,6 @@ class _Source:
         return self.blocks.get(addr)
 
 
-def _recv_exactly(conn: socket.socket, size: int) -> bytes:
-    data = bytearray()
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            return b""
-        data += chunk
-    return bytes(data)
-
-
 def _stream_server(port: int, ctx: ssl.SSLContext | None, payloads: dict[int, list[bytes]]) -> None:
     """Blocking stream server, one thread per connection (the client opens one per method)."""
     listener = socket.create_server(("0.0.0.0", port))
@@ -96,11 +85,7 @@ def _stream_server(port: int, ctx: ssl.SSLContext | None, payloads: dict[int, li
         try:
             conn = ctx.wrap_socket(raw, server_side=True) if ctx is not None else raw
             with conn:
-                while header := _recv_exactly(conn, REQUEST.size):
-                    size, count = REQUEST.unpack(header)
-                    blocks = payloads[size]
-                    for i in range(count):
-                        conn.sendall(blocks[i % len(blocks)])
+                answer_requests(conn, payloads)
         except (OSError, ssl.SSLError):
             raw.close()   # the client went away mid-answer: nothing to keep
 

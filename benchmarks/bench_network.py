@@ -39,7 +39,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, print_table
-from benchmarks.network_client import Target
+from benchmarks.network_client import ServerHost
 from benchmarks.network_runs import Measures, measure_profile
 from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE
 from cluster.netbed import NetBed, NetbedUnavailable
@@ -77,13 +77,13 @@ def run(profiles: list[str], measures: Measures) -> dict[str, object]:
         for node in (SERVER_NODE, CLIENT_NODE):
             issue_node(cert_dir, node, days=2)
         _start_server(bed, cert_dir)
-        target = Target(bed.plan.address(0), cert_dir)
+        server = ServerHost(bed.plan.address(0), cert_dir)
         out: dict[str, object] = {"quic_backend": resolve("auto").name, "applied": bed.applied}
         for name in profiles:
             for host in (0, 1):
                 bed.shape(host, name)
             with bed.inside(1):
-                figures = asyncio.run(measure_profile(target, name, measures))
+                figures = asyncio.run(measure_profile(server, name, measures))
             out.update({f"{key}_{name}": value for key, value in figures.items()})
         return out
     finally:

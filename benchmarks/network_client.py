@@ -33,25 +33,25 @@ PULLS_IN_FLIGHT = 2
 
 
 @dataclass(frozen=True, slots=True)
-class Target:
+class ServerHost:
     """The server host's address and the certificates both ends use."""
 
     host: str
     cert_dir: Path
 
 
-def _connect(target: Target, port: int, use_tls: bool) -> socket.socket:
-    raw = socket.create_connection((target.host, port), timeout=30)
+def _connect(server: ServerHost, port: int, use_tls: bool) -> socket.socket:
+    raw = socket.create_connection((server.host, port), timeout=30)
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if not use_tls:
         return raw
-    ctx = credentials(target.cert_dir, CLIENT_NODE).ssl_context(server=False)
+    ctx = credentials(server.cert_dir, CLIENT_NODE).ssl_context(server=False)
     return ctx.wrap_socket(raw, server_hostname=SERVER_NODE)
 
 
-def stream_mb_s(target: Target, port: int, use_tls: bool, size: int, limit_s: float) -> float:
+def stream_mb_s(server: ServerHost, port: int, use_tls: bool, size: int, limit_s: float) -> float:
     """MB/s of a bare stream of `size`-byte blocks, requested BATCH_BYTES at a time for `limit_s`."""
-    with _connect(target, port, use_tls) as conn:
+    with _connect(server, port, use_tls) as conn:
         buf = memoryview(bytearray(size))
         receive_blocks(conn, size, 2, buf)   # warm-up: handshake, windows
         step = max(1, BATCH_BYTES // size)
@@ -61,9 +61,9 @@ def stream_mb_s(target: Target, port: int, use_tls: bool, size: int, limit_s: fl
         return moved / MB / (time.perf_counter() - start)
 
 
-def round_ms(target: Target, port: int, size: int, count: int, limit_s: float) -> list[float]:
+def round_ms(server: ServerHost, port: int, size: int, count: int, limit_s: float) -> list[float]:
     """Bare TLS request/response rounds of one `size`-byte block, in milliseconds."""
-    with _connect(target, port, True) as conn:
+    with _connect(server, port, True) as conn:
         buf = memoryview(bytearray(size))
         receive_blocks(conn, size, 1, buf)
         times: list[float] = []
@@ -75,8 +75,8 @@ def round_ms(target: Target, port: int, size: int, count: int, limit_s: float) -
         return times
 
 
-def make_client(kind: str, target: Target, tuning: QuicTuning | None = None) -> TransportClient:
-    creds = credentials(target.cert_dir, CLIENT_NODE)
+def make_client(kind: str, server: ServerHost, tuning: QuicTuning | None = None) -> TransportClient:
+    creds = credentials(server.cert_dir, CLIENT_NODE)
     if kind == "tls_tcp":
         return TlsTcpClient(creds)
     return QuicTransportClient(creds, tuning=tuning, frame_timeout_s=30.0)

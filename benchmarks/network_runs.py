@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from benchmarks._common import percentile
 from benchmarks.network_client import (
-    Target,
+    ServerHost,
     get_ms,
     loaded_get_ms,
     make_client,
@@ -70,14 +70,14 @@ def _latency(out: Figures, key: str, samples: list[float]) -> None:
     out[f"{key}_p99_ms"] = round(percentile(samples, 99), 3) if samples else None
 
 
-async def measure_profile(target: Target, profile: str, m: Measures) -> Figures:
+async def measure_profile(server: ServerHost, profile: str, m: Measures) -> Figures:
     """Every method of `bench_network.py` over the link the bed has now (run inside the client host)."""
-    peers = {"tls_tcp": Peer(SERVER_NODE, target.host, TLS_TCP_PORT), "quic": Peer(SERVER_NODE, target.host, QUIC_PORT),
-             "quic_stock": Peer(SERVER_NODE, target.host, QUIC_STOCK_PORT)}
+    peers = {"tls_tcp": Peer(SERVER_NODE, server.host, TLS_TCP_PORT), "quic": Peer(SERVER_NODE, server.host, QUIC_PORT),
+             "quic_stock": Peer(SERVER_NODE, server.host, QUIC_STOCK_PORT)}
     clients: dict[str, TransportClient] = {
-        "tls_tcp": make_client("tls_tcp", target), "quic": make_client("quic", target, QuicTuning(DATAGRAM))}
+        "tls_tcp": make_client("tls_tcp", server), "quic": make_client("quic", server, QuicTuning(DATAGRAM))}
     if m.quic_stock:
-        clients["quic_stock"] = make_client("quic", target, QuicTuning.library_defaults(DATAGRAM, resolve("auto")))
+        clients["quic_stock"] = make_client("quic", server, QuicTuning.library_defaults(DATAGRAM, resolve("auto")))
     rates: dict[str, list[float]] = {}
     gets: dict[str, list[float]] = {}
     out: Figures = {}
@@ -85,14 +85,14 @@ async def measure_profile(target: Target, profile: str, m: Measures) -> Figures:
         for label, size in BLOCK_SIZES.items():
             for _ in range(m.rounds):
                 rates.setdefault(f"tcp_socket_{label}", []).append(
-                    stream_mb_s(target, TCP_PORT, False, size, m.limit_s))
+                    stream_mb_s(server, TCP_PORT, False, size, m.limit_s))
                 rates.setdefault(f"tls_socket_{label}", []).append(
-                    stream_mb_s(target, TLS_PORT, True, size, m.limit_s))
+                    stream_mb_s(server, TLS_PORT, True, size, m.limit_s))
                 for name, client in clients.items():
                     rates.setdefault(f"{name}_{label}", []).append(
                         await pull_mb_s(client, peers[name], size, m.limit_s))
                 gets.setdefault(f"tls_round_{label}", []).extend(
-                    round_ms(target, TLS_PORT, size, m.num_gets, m.get_limit_s))
+                    round_ms(server, TLS_PORT, size, m.num_gets, m.get_limit_s))
                 for name, client in clients.items():
                     gets.setdefault(f"{name}_get_{label}", []).extend(
                         await get_ms(client, peers[name], size, m.num_gets, m.get_limit_s))

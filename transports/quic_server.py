@@ -454,22 +454,22 @@ class _BoundedQuicServer(QuicServer):
         one-datagram path above, with its checks."""
         cid_length = self._configuration.connection_id_length
         run: list[bytes] = []
-        target: QuicConnectionProtocol | None = None
+        receiver: QuicConnectionProtocol | None = None
         for datagram in data:
             short = bool(datagram) and not datagram[0] & 0x80
             protocol = self._protocols.get(datagram[1:1 + cid_length]) if short else None
-            if protocol is not None and protocol is target:
+            if protocol is not None and protocol is receiver:
                 run.append(datagram)
                 continue
-            if target is not None:
-                target.datagrams_received(run, addr)  # type: ignore[attr-defined]
-                target, run = None, []
+            if receiver is not None:
+                receiver.datagrams_received(run, addr)  # type: ignore[attr-defined]
+                receiver, run = None, []
             if protocol is None:
                 self.datagram_received(datagram, addr)
             else:
-                target, run = protocol, [datagram]
-        if target is not None:
-            target.datagrams_received(run, addr)  # type: ignore[attr-defined]
+                receiver, run = protocol, [datagram]
+        if receiver is not None:
+            receiver.datagrams_received(run, addr)  # type: ignore[attr-defined]
 
     def _new_initial(self, data: bytes) -> str | None:
         """None unless `data` is an Initial of a new connection; then "retry" if it only gets a

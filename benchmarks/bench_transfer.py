@@ -48,7 +48,6 @@ import os
 import shutil
 import socket
 import statistics
-import struct
 import subprocess
 import sys
 import tempfile
@@ -62,6 +61,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, print_table
+from benchmarks.stream_blocks import answer_requests, receive_blocks
 from benchmarks.transfer_baselines import (
     BLOCK_SIZES,
     RayObjects,
@@ -89,7 +89,6 @@ MB = 1_000_000
 SIZE_LABELS = {"": "1 MiB blocks", "_256k": "256 KiB blocks", "_64k": "64 KiB blocks"}
 CONCURRENT_PULLS = 2
 SERVER_NODE, CLIENT_NODE = "bench-server", "bench-client"
-REQUEST = struct.Struct("<QQ")   # socket servers: (block_size, count)
 
 
 def ensure_certs(cert_dir: Path) -> Path:
@@ -143,16 +142,6 @@ async def _serve_kvfabric(cert_dir: Path, signed: bool) -> None:
     await server.close()
 
 
-def _recv_exactly(conn: socket.socket, size: int) -> bytes:
-    data = b""
-    while len(data) < size:
-        chunk = conn.recv(size - len(data))
-        if not chunk:
-            return b""
-        data += chunk
-    return data
-
-
 def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
     payloads = {size: random_blocks(size) for size in BLOCK_SIZES.values()}
     ctx = creds(cert_dir, SERVER_NODE).ssl_context(server=True) if use_tls else None
@@ -163,11 +152,7 @@ def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         conn = ctx.wrap_socket(raw, server_side=True) if ctx is not None else raw
         with conn:
-            while header := _recv_exactly(conn, REQUEST.size):
-                size, count = REQUEST.unpack(header)
-                blocks = payloads[size]
-                for i in range(count):
-                    conn.sendall(blocks[i % len(blocks)])
+            answer_requests(conn, payloads)
 
 
 
@@ -200,17 +185,8 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
         raw, server_hostname=SERVER_NODE) if use_tls else raw
 
     def receive(block_size: int, count: int, buf: memoryview) -> int:
-        conn.sendall(REQUEST.pack(block_size, count))
-        for _ in range(count):
-            got = 0
-            while got < block_size:
-                n = conn.recv_into(buf[got:])
-                if not n:
-                    raise ConnectionError("socket server closed the connection")
-                got += n
-            if hash_blocks:
-                blake3.blake3(buf).digest()
-        return block_size * count
+        return receive_blocks(conn, block_size, count, buf,
+                              (lambda b: blake3.blake3(b).digest()) if hash_blocks else None)
 
     def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         buf = memoryview(bytearray(block_size))

@@ -56,6 +56,7 @@ class QuicBackend:
     remote_address: Callable[[Any], Any]
     initial_header: Callable[[bytes, int], tuple[bool, bytes, bytes] | None]  # (is Initial, dcid, token)
     endpoint: Callable[[socket.socket, asyncio.DatagramProtocol], Awaitable[asyncio.DatagramTransport]]
+    receive_many: Callable[[Any, list[bytes], Any, float], None]   # a batch of datagrams from one address
 
 
 def resolve(name: str) -> QuicBackend:
@@ -120,10 +121,14 @@ def _aioquic() -> QuicBackend:
     async def endpoint(sock: socket.socket, protocol: asyncio.DatagramProtocol) -> asyncio.DatagramTransport:
         return UdpEndpoint(sock, protocol)
 
+    def receive_many(quic: Any, datagrams: list[bytes], addr: Any, now: float) -> None:
+        for data in datagrams:
+            quic.receive_datagram(data, addr, now=now)
+
     return QuicBackend("aioquic", QuicConfiguration, QuicConnection, QuicConnectionProtocol, QuicServer, events,
                        True, cast(Any, quic_tls.install_client_auth), quic_tls.peer_node, quic_tls.auth_failure,
                        quic_tls.server_revoked, queued, can_send, stop_reading, remote_address, initial_header,
-                       endpoint)
+                       endpoint, receive_many)
 
 
 @cache
@@ -169,7 +174,11 @@ def _qh3() -> QuicBackend:
         transport, _ = await create_optimized_datagram_transport(loop, lambda: protocol, sock, gro_segment_size=1280)
         return transport
 
+    def receive_many(quic: Any, datagrams: list[bytes], addr: Any, now: float) -> None:
+        # One call into the Rust core for the whole batch (one lock, one event drain).
+        quic.receive_many_datagrams(datagrams, addr, now=now)
+
     return QuicBackend("qh3", QuicConfiguration, QuicConnection, QuicConnectionProtocol, QuicServer, events,
                        False, quic_tls_qh3.install_client_auth, quic_tls_qh3.peer_node, quic_tls_qh3.auth_failure,
                        quic_tls_qh3.server_revoked, queued, can_send, stop_reading, remote_address, initial_header,
-                       endpoint)
+                       endpoint, receive_many)

@@ -87,8 +87,17 @@ class _ClientConnection(QuicConnectionProtocol):
             self.node = ""   # a certificate that names no node: the server refuses it at the handshake
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self.datagrams_received([cast(bytes, data)], addr)
+
+    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
+        """A batch from a GRO / recvmmsg endpoint: handed to the library at once, events processed
+        and answers sent once per batch rather than per datagram (unless tuned off)."""
+        if not self.client.tuning.receive_batches and len(data) > 1:
+            for datagram in data:
+                self.datagrams_received([datagram], addr)
+            return
         self.last_received = self._loop.time()
-        self._quic.receive_datagram(cast(bytes, data), addr, now=self.last_received)
+        self.client.backend.receive_many(self._quic, data, addr, self.last_received)
         self._process_events()
         if not self.closed and self._quic._close_event is not None:
             # Closing or draining: aioquic reports the termination only after 3 PTOs; fail the
@@ -98,10 +107,6 @@ class _ClientConnection(QuicConnectionProtocol):
                 waiter, self._connected_waiter = self._connected_waiter, None
                 waiter.set_exception(ConnectionError(self._quic._close_event.reason_phrase))
         self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
-
-    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
-        for datagram in data:   # a batch from a GRO / recvmmsg endpoint
-            self.datagram_received(datagram, addr)
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         ev = self.events

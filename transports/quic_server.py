@@ -118,21 +118,26 @@ class _ServerConnection(QuicConnectionProtocol):
     # -- aioquic hooks -------------------------------------------------------------------------
 
     def datagram_received(self, data: bytes | str, addr: Any) -> None:
+        self.datagrams_received([cast(bytes, data)], addr)
+
+    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
+        """Datagrams of this connection, one or a batch (see `_BoundedQuicServer.datagrams_received`):
+        handed to the library at once once authenticated, events processed once per batch."""
         now = self._loop.time()
         if now < self._throttled_until:   # as a full link would: the peer's loss recovery slows it down
-            self._server.num_throttled_datagrams += 1
+            self._server.num_throttled_datagrams += len(data)
             return
-        self._quic.receive_datagram(cast(bytes, data), addr, now=now)
+        if len(data) > 1 and (self.node is None or not self._server.tuning.receive_batches):
+            for datagram in data:   # the handshake (and the untuned path) goes one datagram at a time
+                self.datagrams_received([datagram], addr)
+            return
+        self._backend.receive_many(self._quic, data, addr, now)
         if self.node is None and not self._refused:
             self._check_refused()
         self._process_events()
         if not self._terminated and self._quic._close_event is not None:
             self._on_terminated(self._quic._close_event)  # closing/draining: done serving it
         self._transmit_soon()  # once per batch of datagrams (see UdpEndpoint)
-
-    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
-        for datagram in data:   # a batch from a GRO / recvmmsg endpoint
-            self.datagram_received(datagram, addr)
 
     def transmit(self) -> None:
         self._pump()
@@ -442,6 +447,29 @@ class _BoundedQuicServer(QuicServer):
                 return
             self._source = host
         super().datagram_received(data, addr)
+
+    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
+        """A GRO / recvmmsg batch from one address: runs of short-header datagrams for the same known
+        connection go to it together; anything else (Initials, handshakes, unknown ids) takes the
+        one-datagram path above, with its checks."""
+        cid_length = self._configuration.connection_id_length
+        run: list[bytes] = []
+        receiver: QuicConnectionProtocol | None = None
+        for datagram in data:
+            short = bool(datagram) and not datagram[0] & 0x80
+            protocol = self._protocols.get(datagram[1:1 + cid_length]) if short else None
+            if protocol is not None and protocol is receiver:
+                run.append(datagram)
+                continue
+            if receiver is not None:
+                receiver.datagrams_received(run, addr)  # type: ignore[attr-defined]
+                receiver, run = None, []
+            if protocol is None:
+                self.datagram_received(datagram, addr)
+            else:
+                receiver, run = protocol, [datagram]
+        if receiver is not None:
+            receiver.datagrams_received(run, addr)  # type: ignore[attr-defined]
 
     def _new_initial(self, data: bytes) -> str | None:
         """None unless `data` is an Initial of a new connection; then "retry" if it only gets a

@@ -43,7 +43,7 @@ from transports.codec import (
     encode,
 )
 from transports.metrics import TransportMetrics
-from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer
+from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer, QuicTuning
 
 
 def serving(cert_dir: Path, source: BlockSource, node: str = "node-a",
@@ -495,6 +495,25 @@ def test_config_sets_datagram_size_and_flow_control_windows(cert_dir: Path, memo
         finally:
             await client.close()
             await server.close()
+
+    run(main())
+
+
+@pytest.mark.parametrize("receive_batches", [True, False])
+def test_pulls_are_byte_exact_whether_datagrams_are_taken_in_batches_or_one_by_one(
+        cert_dir: Path, memory_source: Any, quic_backend: str, receive_batches: bool) -> None:
+    # 1452-byte datagrams: a 1 MiB payload is ~720 of them, so GRO / recvmmsg hands over batches.
+    source = memory_source(num_blocks=6, num_layers=1, payload_size=1 << 20)
+    tuning = QuicTuning(1452, receive_batches=receive_batches)
+
+    async def main() -> None:
+        async with serving(cert_dir, source, backend=quic_backend, tuning=tuning) as (_, peer), \
+                client_of(cert_dir, backend=quic_backend, tuning=tuning) as client:
+            for _ in range(2):
+                results = await pull_all(client, peer, source.addresses)
+                assert [r.address for r in results] == source.addresses
+                assert all(isinstance(r, Hit) and bytes(r.payload) == source.blocks[r.address].payload
+                           for r in results)
 
     run(main())
 

@@ -427,10 +427,14 @@ class ClientSession(_Session):
         # Before HELLO is checked too: a slot is only ever written by a frame for an address of a
         # live request not answered yet, and counts once its own part is verified.
         rid = header.get("rid")
-        if ftype is not FrameType.BLOCKS or type(rid) is not int:   # a malformed header is judged later
+        if type(rid) is not int:   # a malformed header is judged later
             return None
         tracker = self.requests.get(rid)
-        return None if tracker is None else tracker.place(header.get("first"), header.get("sizes"), size)
+        if tracker is None:
+            return None
+        if ftype is FrameType.BLOCK:
+            return tracker.place_block(header.get("hash"), header.get("layer"), size)
+        return tracker.place(header.get("first"), header.get("sizes"), size)
 
     def hello(self) -> list[Frame]:
         return [Hello(self.node, VERSION, self.max_payload)]
@@ -439,8 +443,9 @@ class ClientSession(_Session):
                into: memoryview | None = None) -> tuple[int, list[Frame]]:
         """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL): its id and PULL frame.
 
-        `into` (optional): one equal-size slot per address, back to back. Runs of slot-sized hits
-        are then received straight into their slots (no copy); each Hit's payload is its slot,
+        `into` (optional): one equal-size slot per address, back to back. Slot-sized hits (BLOCK
+        frames and runs in BLOCKS) are then received straight into their slots (no copy); each such
+        Hit's payload is its slot,
         written only by that address's verified answer. Unverified slots may hold anything."""
         if self.state is not State.OPEN:
             raise LocalProtocolError("submit on a session that is closing")

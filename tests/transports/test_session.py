@@ -223,6 +223,65 @@ def test_a_lying_part_in_a_slot_is_a_miss_and_answered_slots_are_never_rewritten
     assert kinds == ["Hit", "Miss"]
 
 
+def placed_blocks(num: int, size: int) -> tuple[ClientSession, int, bytearray, list[bytes]]:
+    """A client that asked for `num` addresses into `num` slots of `size` (over the BLOCKS part
+    size: a server answers each with a BLOCK frame of its own), and the payloads the server holds."""
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(b"?" * (num * size))
+    rid, _ = client.submit([addr(i) for i in range(num)], 0.0, into=memoryview(slots))
+    return client, rid, slots, [os.urandom(size) for _ in range(num)]
+
+
+def test_block_frames_are_received_straight_into_the_callers_slots() -> None:
+    """A 1 MiB layer comes as a BLOCK frame: it lands in its slot too, and each hit's payload is
+    its slot (no payload-sized buffer of its own)."""
+    size = GROUP_PART_MAX + 4096
+    client, rid, slots, parts = placed_blocks(3, size)
+    frames: list[Frame] = [Hello("server-1"), *(Block(rid, addr(i), blake3.blake3(p).digest(), p)
+                                                for i, p in enumerate(parts))]
+    # Arbitrary splits: a frame's payload is received across several reads.
+    data, hits = wire(frames), []
+    for at in range(0, len(data), 70_001):
+        hits += [r for _, res, _ in client.receive(data[at:at + 70_001], 0.0) for r in res]
+    assert all(isinstance(h, Hit) for h in hits) and bytes(slots) == b"".join(parts)
+    assert [h.payload.obj is slots and h.payload.nbytes == size for h in hits if isinstance(h, Hit)] == [True] * 3
+
+
+def test_a_corrupt_block_frame_in_a_slot_is_a_miss() -> None:
+    """A BLOCK whose payload does not match its digest lands in its slot, and is a miss."""
+    size = GROUP_PART_MAX + 1
+    client, rid, slots, parts = placed_blocks(2, size)
+    lie = Block(rid, addr(0), blake3.blake3(b"other").digest(), parts[0])
+    good = Block(rid, addr(1), blake3.blake3(parts[1]).digest(), parts[1])
+    out = client.receive(wire([Hello("server-1"), lie, good]), 0.0)
+    results = [r for _, res, _ in out for r in res]
+    assert [type(r).__name__ for r in results] == ["Miss", "Hit"]
+    assert isinstance(results[0], Miss) and results[0].reason is MissReason.DIGEST_MISMATCH
+    assert isinstance(results[1], Hit) and bytes(results[1].payload) == parts[1]
+    # The lie was received in its slot (no copy) and checked there: the slot never counted as filled.
+    assert bytes(slots[:size]) == parts[0] and results[1].payload.obj is slots
+
+
+def test_a_block_for_a_repeated_address_never_lands_in_an_answered_slot() -> None:
+    """Asked [A, B, A] and answered MISS A, MISS B, BLOCK A in one read: the BLOCK is the third
+    address's answer, and its hit holds exactly its payload whichever slot it was received in."""
+    size = GROUP_PART_MAX + 10
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(3 * size)
+    asked = [addr(1), addr(2), addr(1)]
+    rid, _ = client.submit(asked, 0.0, into=memoryview(slots))
+    payload = os.urandom(size)
+    frames: list[Frame] = [Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND),
+                           Miss(rid, addr(2), MissReason.NOT_FOUND),
+                           Block(rid, addr(1), blake3.blake3(payload).digest(), payload)]
+    results = [r for _, res, _ in client.receive(wire(frames), 0.0) for r in res]
+    assert [type(r).__name__ for r in results] == ["Miss", "Miss", "Hit"]
+    hit = results[2]
+    assert isinstance(hit, Hit) and bytes(hit.payload) == payload
+    slots[:size] = b"!" * size   # the caller reuses the first (missed) slot: the hit is not touched
+    assert bytes(hit.payload) == payload
+
+
 @pytest.mark.parametrize("header", [
     {"rid": [1], "first": 0, "digests": b"d" * 32, "sizes": [10]},       # unhashable request id
     {"rid": 1, "first": [0], "digests": b"d" * 32, "sizes": [10]},

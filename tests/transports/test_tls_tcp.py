@@ -209,6 +209,25 @@ def test_a_pull_into_slots_receives_hits_in_place(cert_dir: Path, memory_source:
     run(main())
 
 
+def test_a_pull_into_slots_receives_large_blocks_in_place(cert_dir: Path,
+                                                           memory_source: MemorySourceFactory) -> None:
+    """Blocks over the BLOCKS part size travel one per BLOCK frame: they land in their slots too."""
+    size = 512 * 1024
+    source = memory_source(num_blocks=4, num_layers=2, payload_size=size)
+    asked = source.addresses
+    slots = bytearray(len(asked) * size)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            results = await pull_all_into(client, peer, asked, memoryview(slots))
+            assert [r.address for r in results] == asked
+            for i, r in enumerate(results):
+                assert isinstance(r, Hit) and isinstance(r.payload, memoryview) and r.payload.obj is slots
+                assert bytes(slots[i * size:(i + 1) * size]) == source.blocks[r.address].payload
+
+    run(main())
+
+
 async def pull_all_into(client: TlsTcpClient, peer: Peer, addresses: list[BlockAddress],
                         into: memoryview) -> list[PullResult]:
     return [r async for r in client.pull(peer, addresses, into=into)]

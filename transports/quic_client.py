@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import logging
 import socket
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -47,7 +46,7 @@ from transports.quic_base import (
     base_configuration,
 )
 from transports.quic_tls import QuicTlsMaterial
-from transports.session import ClientSession
+from transports.session import ClientSession, Outcome
 from transports.udp import udp_socket
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the base is the chosen backend's (see _connection_class)
@@ -60,11 +59,12 @@ logger = logging.getLogger("transports.quic")
 
 @dataclass(slots=True)
 class _PullStream:
+    """One PULL stream: its session (which holds the results, `outcome`) and its caller's wake-up."""
+
     session: ClientSession
     request_id: int
+    outcome: Outcome
     last_progress: float
-    done: bool = False
-    results: deque[PullResult] = field(default_factory=deque)
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -134,29 +134,24 @@ class _ClientConnection(QuicConnectionProtocol):
             return  # a pull we gave up on; its stream was stopped
         pull.last_progress = self._loop.time()
         now = self._loop.time()
-        out = pull.session.receive(data, now)
+        pull.session.receive(data, now)
         if end_stream:
-            out += pull.session.end_of_stream(now)
-        for _, results, done in out:
-            pull.results.extend(results)
-            pull.done = pull.done or done
+            pull.session.end_of_stream(now)
         error = pull.session.error
-        if error is not None and not pull.done:
-            pull.results.extend(r for _, res, _ in pull.session.connection_lost(MissReason.PEER_ERROR) for r in res)
-            pull.done = True
+        if error is not None and not pull.outcome.done:
+            pull.session.connection_lost(MissReason.PEER_ERROR)
         if error is not None:
             logger.warning("QUIC pull %d from %s: bad answer: %s", pull.request_id, self.peer.node, error)
             self.client.metrics.protocol_errors.labels(TRANSPORT).inc()
             self.client.backend.stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
-        if pull.done:
+        if pull.outcome.done:
             del self.pulls[stream_id]
         pull.wakeup.set()
 
     def _finish(self, stream_id: int, reason: MissReason) -> None:
         pull = self.pulls.pop(stream_id, None)
         if pull is not None:
-            pull.results.extend(r for _, res, _ in pull.session.connection_lost(reason) for r in res)
-            pull.done = True
+            pull.session.connection_lost(reason)
             pull.wakeup.set()
 
     def open_pull(self, request_id: int, addresses: Sequence[BlockAddress]) -> tuple[int, _PullStream]:
@@ -170,7 +165,7 @@ class _ClientConnection(QuicConnectionProtocol):
         session.next_id = request_id
         rid, frames = session.submit(addresses, now)
         frames = session.hello() + frames
-        pull = _PullStream(session, rid, now)
+        pull = _PullStream(session, rid, session.outcome(rid), now)
         self.pulls[stream_id] = pull
         self._quic.send_stream_data(stream_id, b"".join(encode(f) for f in frames), end_stream=True)
         self.transmit()
@@ -184,8 +179,9 @@ class _ClientConnection(QuicConnectionProtocol):
 
 
 def _all_gone(pull: _PullStream, num_addresses: int) -> bool:
-    return len(pull.results) == num_addresses and all(
-        isinstance(r, Miss) and r.reason is MissReason.PEER_GONE for r in pull.results)
+    results = pull.outcome.results
+    return len(results) == num_addresses and all(isinstance(r, Miss) and r.reason is MissReason.PEER_GONE
+                                                 for r in results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -259,19 +255,20 @@ class QuicTransportClient:
             stream_id, pull = conn.open_pull(request_id, addresses) if not conn.closed else (-1, None)
             try:
                 while pull is not None:
-                    if reused and may_retry and pull.done and _all_gone(pull, len(addresses)):
+                    outcome = pull.outcome
+                    if reused and may_retry and outcome.done and _all_gone(pull, len(addresses)):
                         # A pooled connection that was already closing (peer restarted, idle
                         # timeout): nothing was answered, and PULL is idempotent, so dial again.
                         stale = True
                         break
-                    while pull.results:
-                        yield pull.results.popleft()
-                    if pull.done:
+                    while outcome.results:
+                        yield outcome.results.popleft()
+                    if outcome.done:
                         return
                     pull.wakeup.clear()
                     await self._wait(conn, pull)
             finally:
-                if pull is not None and not pull.done:
+                if pull is not None and not pull.outcome.done:
                     conn.abandon(stream_id)
         if pull is None or stale:
             async for result in self._pull_stream(peer, addresses, may_retry=False):
@@ -290,8 +287,7 @@ class QuicTransportClient:
             break
         logger.warning("QUIC pull %d from %s: no progress for %.1fs", pull.request_id,
                        conn.peer.node, self.frame_timeout_s)
-        pull.results.extend(r for _, res, _ in pull.session.connection_lost(MissReason.TIMEOUT) for r in res)
-        pull.done = True
+        pull.session.connection_lost(MissReason.TIMEOUT)
         if conn._loop.time() - conn.last_received >= self.frame_timeout_s:
             # Nothing at all came back: the peer is gone (e.g. restarted without closing);
             # drop the connection so the next pull dials again.

@@ -83,9 +83,6 @@ class _Stream:
 
     stream_id: int
     session: ServerSession | None
-    addresses: Sequence[BlockAddress] = ()
-    request_id: int = 0
-    next_index: int = 0
     frames: deque[Frame] = field(default_factory=deque)   # answers made, not yet handed to aioquic
     fetching: bool = False
     peer_finished: bool = False
@@ -264,9 +261,7 @@ class _ServerConnection(QuicConnectionProtocol):
         now = self._loop.time()
         for pull in pulls:
             assert self.node is not None, "only an authenticated connection carries PULLs"
-            if self._server.admit_pull(self.node, now):
-                stream.request_id, stream.addresses = pull.request_id, pull.addresses
-            else:
+            if not self._server.admit_pull(self.node, now):
                 stream.frames.extend(session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget"))
                 self._throttled_until = now + self._server.throttle_s(self.node, now)
         if pulls or session.closing:
@@ -287,7 +282,7 @@ class _ServerConnection(QuicConnectionProtocol):
         stream = self._streams.get(stream_id)
         if stream is None:
             return
-        stream.session, stream.addresses = None, ()
+        stream.session = None
         stream.frames.clear()
         if stream in self._ready:
             self._ready.remove(stream)
@@ -323,8 +318,7 @@ class _ServerConnection(QuicConnectionProtocol):
                     self._quic.send_stream_data(stream.stream_id, b"", end_stream=True)
                     self._close(stream.stream_id)
                     continue
-                self._make_answers(stream, session)
-                if stream.fetching:
+                if not self._make_answers(stream, session):
                     continue
             while stream.frames and budget > 0:
                 frame = stream.frames.popleft()
@@ -336,36 +330,41 @@ class _ServerConnection(QuicConnectionProtocol):
             if stream.session is not None:
                 self._ready.append(stream)
 
-    def _make_answers(self, stream: _Stream, session: ServerSession) -> None:
-        rest = stream.addresses[stream.next_index:]
+    def _make_answers(self, stream: _Stream, session: ServerSession) -> bool:
+        """Answer the stream's next batch (the session says which); False when there are no
+        answers to send now (none left, or they are being fetched in the pool)."""
+        batch = session.next_batch()
+        if batch is None:
+            return False
+        rid, rest = batch
         server = self._server
         if server.executor is not None and self._loop.time() < server.slow_until:
             stream.fetching = True   # the store is slow (disk): read it off the loop
-            task = self._loop.create_task(self._fetch_in_thread(stream, session, rest))
+            task = self._loop.create_task(self._fetch_in_thread(stream, session, rid, rest))
             server.fetches.add(task)
             task.add_done_callback(server.fetches.discard)
-            return
+            return False
         fetched, slow = fetch(server.source, rest, BATCH_BYTES, INLINE_FETCH_S)
         server.note_fetch(slow, self._loop.time())
-        self._answered(stream, session, rest, fetched)
+        self._answered(stream, session, rid, rest, fetched)
+        return True
 
-    async def _fetch_in_thread(self, stream: _Stream, session: ServerSession, rest: Sequence[BlockAddress]) -> None:
+    async def _fetch_in_thread(self, stream: _Stream, session: ServerSession, rid: int,
+                               rest: Sequence[BlockAddress]) -> None:
         server = self._server
         assert server.executor is not None, "fetching in a thread needs the pool"
         fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, BATCH_BYTES)
         stream.fetching = False
         if stream.session is session and not self._terminated:
-            self._answered(stream, session, rest, fetched)
+            self._answered(stream, session, rid, rest, fetched)
             self._ready.append(stream)
             self.transmit()
 
-    def _answered(self, stream: _Stream, session: ServerSession, rest: Sequence[BlockAddress],
+    def _answered(self, stream: _Stream, session: ServerSession, rid: int, rest: Sequence[BlockAddress],
                   fetched: list[Fetched]) -> None:
-        stream.frames.extend(session.answer(stream.request_id, rest[:len(fetched)], fetched))
-        stream.next_index += len(fetched)
-        if stream.next_index >= len(stream.addresses):
-            stream.frames.extend(session.finish(stream.request_id, self._loop.time()))
-        self._server.count_served(session, self._loop.time())
+        now = self._loop.time()
+        stream.frames.extend(session.answer(rid, rest[:len(fetched)], fetched, now))
+        self._server.count_served(session, now)
 
     # -- timers --------------------------------------------------------------------------------
 

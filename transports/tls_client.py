@@ -37,7 +37,7 @@ from transports.serving import (
     Watchdog,
     watchdog_interval,
 )
-from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession
+from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession, Outcome
 from transports.tls_link import (
     TRANSPORT,
     FrameLink,
@@ -54,17 +54,15 @@ RESULTS_HIGH = 64 * 1024 * 1024
 
 
 class _Request:
-    """One PULL's results awaiting its caller."""
+    """One PULL's caller: its results (the session's `Outcome`) and how the caller is woken."""
 
-    __slots__ = ("abandoned", "finished", "request_id", "results", "touched", "waiting", "wakeup")
+    __slots__ = ("abandoned", "outcome", "request_id", "waiting", "wakeup")
 
-    def __init__(self, request_id: int) -> None:
+    def __init__(self, request_id: int, outcome: Outcome) -> None:
         self.request_id = request_id
-        self.results: deque[PullResult] = deque()
+        self.outcome = outcome
         self.wakeup = asyncio.Event()
-        self.finished = False
         self.abandoned = False
-        self.touched = False    # a frame of this request arrived
         self.waiting = False    # its caller waits for results
 
 
@@ -91,12 +89,9 @@ class _ClientConnection:
 
     def submit(self, addresses: Sequence[BlockAddress], into: memoryview | None = None) -> _Request:
         if self.link.closed or self.session.closing:
-            req = _Request(0)
-            req.results.extend(Miss(0, a, MissReason.PEER_GONE) for a in addresses)
-            req.finished = True
-            return req
+            return _Request(0, Outcome(deque(Miss(0, a, MissReason.PEER_GONE) for a in addresses), done=True))
         rid, frames = self.session.submit(addresses, self._loop.time(), into)
-        req = self.requests[rid] = _Request(rid)
+        req = self.requests[rid] = _Request(rid, self.session.outcome(rid))
         for frame in frames:
             self.link.send(frame)
         return req
@@ -106,8 +101,9 @@ class _ClientConnection:
         req.abandoned = True
         self.session.cancel(req.request_id)
         self.requests.pop(req.request_id, None)
-        self.consumed(sum(len(r.payload) for r in req.results if isinstance(r, Hit)))
-        req.results.clear()
+        results = req.outcome.results
+        self.consumed(sum(len(r.payload) for r in results if isinstance(r, Hit)))
+        results.clear()
 
     def consumed(self, nbytes: int, *, starving: bool = False) -> None:
         """`starving`: a caller waits with nothing to read: resume even over RESULTS_HIGH (else deadlock)."""
@@ -120,8 +116,8 @@ class _ClientConnection:
     def on_frames(self, frames: list[Frame]) -> None:
         self._deliver(self.session.receive_frames(frames, self._loop.time()))
 
-    def _deliver(self, out: list[tuple[int, list[PullResult], bool]], arrived: bool = True) -> None:
-        """Hand results to their requests; `arrived`: they come from frames, not a lost connection."""
+    def _deliver(self, out: list[tuple[int, list[PullResult], bool]]) -> None:
+        """Count what the session queued for its requests and wake their callers."""
         hits = num_bytes = 0
         metrics, transport = self.client.metrics, self.client.transport
         for rid, results, done in out:
@@ -134,19 +130,15 @@ class _ClientConnection:
                     metrics.child(metrics.pulls, transport, r.reason.value).inc()
             if req is None:
                 continue
-            # Answered: a frame of its own arrived (a BYE read after the PULL went out is not one).
-            if not req.touched and arrived:
-                req.touched = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
-            req.results.extend(results)
             if done:
-                req.finished = True
                 del self.requests[rid]
             req.wakeup.set()
         if hits:
             metrics.child(metrics.pulls, transport, "hit").inc(hits)
             metrics.child(metrics.pull_bytes, transport).inc(num_bytes)
             self.buffered += num_bytes
-            if self.buffered > RESULTS_HIGH and not any(r.waiting and not r.results for r in self.requests.values()):
+            if self.buffered > RESULTS_HIGH and not any(
+                    r.waiting and not r.outcome.results for r in self.requests.values()):
                 self.paused = True
                 self.session.pause(self._loop.time())
                 self.link.pause_reading()
@@ -159,7 +151,7 @@ class _ClientConnection:
 
     def on_closed(self, reason: MissReason) -> None:
         self.client._forget(self)
-        self._deliver(self.session.connection_lost(reason), arrived=False)
+        self._deliver(self.session.connection_lost(reason))
 
     def watchdog(self, now: float) -> None:
         deadline = self.session.next_deadline()
@@ -234,19 +226,20 @@ class TlsTcpClient:
             try:
                 for i in range(len(chunks)):
                     req = requests[i]
-                    results = req.results
+                    outcome = req.outcome
+                    results = outcome.results
                     while True:
                         while results:
                             r = results.popleft()
                             if isinstance(r, Hit):
                                 conn.buffered -= len(r.payload)   # out of the window; `consumed` resumes below
-                            elif (i == 0 and attempt == 0 and reused and not req.touched
+                            elif (i == 0 and attempt == 0 and reused and not outcome.answered
                                   and r.reason is MissReason.PEER_GONE):
                                 retry = True  # the pooled connection was gone before answering anything
                                 break
                             yield r
                         conn.consumed(0)
-                        if retry or (req.finished and not results):
+                        if retry or (outcome.done and not results):
                             break
                         req.wakeup.clear()
                         req.waiting = True

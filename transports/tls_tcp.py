@@ -32,7 +32,6 @@ import errno
 import logging
 import socket
 import ssl
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
@@ -49,7 +48,6 @@ from transports.codec import (
     FrameDecoder,
     MissReason,
     ProtocolError,
-    Pull,
 )
 from transports.metrics import TransportMetrics
 from transports.serving import (
@@ -89,7 +87,6 @@ class _ServerConnection:
         self.session = ServerSession(server.node, node, self._loop.time(), max_payload=server.max_payload,
                                      max_inflight=server.max_inflight, frame_timeout_s=server.frame_timeout_s,
                                      idle_timeout_s=server.idle_timeout_s)
-        self.cursors: deque[tuple[Pull, int]] = deque()   # active pulls and how far they are answered
         self.pump: asyncio.Task[None] | None = None
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
 
@@ -107,9 +104,7 @@ class _ServerConnection:
         refused = False
         while pulls:   # a refusal frees a slot: a queued PULL may start at once
             for pull in pulls:
-                if server.admit_pull(self.node, now):
-                    self.cursors.append((pull, 0))
-                else:
+                if not server.admit_pull(self.node, now):
                     if not refused:
                         out, refused = list(out), True
                     out += session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget")
@@ -119,7 +114,7 @@ class _ServerConnection:
             self._loop.call_later(server.throttle_s(self.node, now), self._unthrottle)
         link.send_many(out)
         self.server.peak_inflight = max(self.server.peak_inflight, len(session.active))
-        if self.cursors and self.pump is None and not session.closing:
+        if self.pump is None and session.answering:
             self.pump = self._loop.create_task(self._pump())
         if session.closing:
             self._close_session()
@@ -146,12 +141,12 @@ class _ServerConnection:
     async def _pump(self) -> None:
         server, session, link = self.server, self.session, self.link
         try:
-            while self.cursors and not link.closed and not session.closing:
+            while not link.closed and session.answering:
                 await link.drain()
-                if link.closed or not self.cursors:
+                turn = None if link.closed else session.next_batch()
+                if turn is None:
                     break
-                pull, start = self.cursors.popleft()
-                rest = pull.addresses[start:]
+                rid, rest = turn
                 # RAM-resident blocks are read on the loop; after SLOW_STREAK slow reads in a row
                 # (disk, not a one-off preemption) reading moves to the pool for SLOW_SOURCE_HOLD_S.
                 batch = BATCH_BYTES if server.pacer is None else server.pacer.batch_bytes(BATCH_BYTES)
@@ -160,14 +155,10 @@ class _ServerConnection:
                     server.note_fetch(slow, self._loop.time())
                 else:
                     fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, batch)
-                if link.closed or pull.request_id not in session.active:
+                if link.closed or rid not in session.active:
                     break
                 now = self._loop.time()
-                out = session.answer(pull.request_id, rest[:len(fetched)], fetched)
-                if start + len(fetched) < len(pull.addresses):
-                    self.cursors.append((pull, start + len(fetched)))
-                else:
-                    out += session.finish(pull.request_id, now)
+                out = session.answer(rid, rest[:len(fetched)], fetched, now)
                 server.count_served(session, now)
                 self._carry_out(out)
                 if server.pacer is not None:   # a capped egress: the next batch waits its turn
@@ -178,7 +169,6 @@ class _ServerConnection:
     def on_closed(self, reason: MissReason) -> None:
         if self.pump is not None:
             self.pump.cancel()
-        self.cursors.clear()
         self.server._forget(self)
 
     def watchdog(self, now: float) -> None:

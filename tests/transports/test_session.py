@@ -21,6 +21,7 @@ from transports.codec import (
     Block,
     Blocks,
     Bye,
+    End,
     Error,
     ErrorCode,
     Frame,
@@ -78,10 +79,10 @@ class Pair:
         while self.to_server:
             data, self.to_server = self.to_server, b""
             back = self.server.receive(data, self.now)
-            for pull in self.server.take_pulls():
-                fetched = [self.store.get(a) for a in pull.addresses]
-                back += self.server.answer(pull.request_id, pull.addresses, fetched)
-                back += self.server.finish(pull.request_id, self.now)
+            self.server.take_pulls()
+            while (batch := self.server.next_batch()) is not None:
+                rid, rest = batch
+                back += self.server.answer(rid, rest, [self.store.get(a) for a in rest], self.now)
             for rid, results, done in self.client.receive(wire(back), self.now):
                 self.results.setdefault(rid, []).extend(results)
                 if done:
@@ -122,9 +123,9 @@ def answer_frames(store: dict[BlockAddress, Fetched], asked: list[BlockAddress],
     server.receive(wire([Hello("client-1", max_payload=client_max_payload), Pull(1, tuple(asked))]), 0.0)
     assert [p.request_id for p in server.take_pulls()] == [1]
     half = len(asked) // 2   # answered in two fetch batches, as adapters do
-    out = server.answer(1, asked[:half], [store.get(a) for a in asked[:half]])
-    out += server.answer(1, asked[half:], [store.get(a) for a in asked[half:]])
-    return FrameDecoder().feed(wire(out + server.finish(1, 0.0)))
+    out = server.answer(1, asked[:half], [store.get(a) for a in asked[:half]], 0.0)
+    out += server.answer(1, asked[half:], [store.get(a) for a in asked[half:]], 0.0)
+    return FrameDecoder().feed(wire(out))
 
 
 def test_a_run_of_small_hits_travels_as_few_blocks_frames_each_part_verified() -> None:
@@ -443,7 +444,7 @@ def test_a_quic_stream_may_open_with_the_clients_hello_whose_limit_then_applies(
     server = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
     out = server.receive(encode(Hello("client-1", VERSION, 1000)) + encode(Pull(5, (addr(1), addr(2)))), 0.0)
     assert out == [] and [p.request_id for p in server.take_pulls()] == [5]
-    frames = server.answer(5, [addr(1), addr(2)], [big, small])
+    frames = server.answer(5, [addr(1), addr(2)], [big, small], 0.0)
     assert isinstance(frames[0], Miss) and frames[0].reason is MissReason.TOO_LARGE
     assert isinstance(frames[1], Block)
     stranger = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
@@ -452,6 +453,73 @@ def test_a_quic_stream_may_open_with_the_clients_hello_whose_limit_then_applies(
     late = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
     out = late.receive(encode(Pull(5, (addr(1),))) + encode(Hello("client-1")), 0.0)
     assert isinstance(out[0], Error) and out[0].code is ErrorCode.PROTOCOL
+
+
+def test_the_server_session_hands_out_batches_round_robin_and_ends_each_pull() -> None:
+    """Adapters keep no cursor: the session says which pull to answer next and what of it is left,
+    takes turns between pulls (one caller's long pull does not hold up another's), and a pull's
+    last answer carries its END."""
+    server = ServerSession("server-1", "client-1", 0.0)
+    store = {addr(i): Stored(bytes([i]) * 100) for i in range(6)}
+    server.receive(wire([Hello("client-1"), Pull(1, tuple(addr(i) for i in range(4))), Pull(2, (addr(4), addr(5)))]),
+                   0.0)
+    assert server.next_batch() is None   # nothing handed out (admitted) yet
+    assert [p.request_id for p in server.take_pulls()] == [1, 2]
+    order, ends = [], []
+    while (batch := server.next_batch()) is not None:
+        rid, rest = batch
+        order.append((rid, len(rest)))
+        out = server.answer(rid, rest[:1], [store[rest[0]]], 1.0)   # a fetch batch of one block
+        ends += [f.request_id for f in out if isinstance(f, End)]
+    assert order == [(1, 4), (2, 2), (1, 3), (2, 1), (1, 2), (1, 1)]
+    assert ends == [2, 1] and not server.active and server.next_batch() is None
+    with pytest.raises(LocalProtocolError):
+        server.answer(1, [addr(0)], [store[addr(0)]], 1.0)
+
+
+def test_an_empty_pull_is_one_empty_batch_answered_by_its_end() -> None:
+    server = ServerSession("server-1", "client-1", 0.0)
+    server.receive(wire([Hello("client-1"), Pull(1, ())]), 0.0)
+    server.take_pulls()
+    assert server.next_batch() == (1, ())
+    assert server.answer(1, (), [], 0.0) == [End(1)] and server.next_batch() is None
+
+
+def test_the_client_session_keeps_each_requests_results_until_its_caller_takes_them() -> None:
+    """Adapters keep no copy of results: each request's outcome is the session's, in the order
+    asked, done once every address is answered, and forgotten when the caller is done with it."""
+    blocks = {addr(i): Stored(os.urandom(100)) for i in range(3)}
+    pair = Pair(dict(blocks))
+    first = pair.pull([addr(0), addr(7)])
+    second = pair.pull([addr(1), addr(2)])
+    pair.run()
+    one, two = pair.client.outcome(first), pair.client.outcome(second)
+    assert [r.address for r in one.results] == [addr(0), addr(7)] and one.done and one.answered
+    assert isinstance(one.results[1], Miss) and one.results[1].reason is MissReason.NOT_FOUND
+    assert [bytes(r.payload) for r in two.results if isinstance(r, Hit)] == [blocks[addr(1)].payload,
+                                                                            blocks[addr(2)].payload]
+    one.results.popleft()   # the caller takes what it reads
+    assert len(pair.client.outcome(first).results) == 1
+    pair.client.cancel(first)
+    with pytest.raises(KeyError):
+        pair.client.outcome(first)
+
+
+def test_a_request_lost_with_its_connection_was_never_answered() -> None:
+    """A pooled connection already gone when the PULL went out answers nothing (the caller may
+    pull again on a new one); a request the server answered, even with misses, was answered."""
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1)], 0.0)
+    client.receive(wire([Hello("server-1"), Bye("idle")]), 0.0)
+    outcome = client.outcome(rid)
+    assert outcome.done and not outcome.answered
+    assert [r.reason for r in outcome.results if isinstance(r, Miss)] == [MissReason.PEER_GONE]
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1), addr(2)], 0.0)
+    client.receive(wire([Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND)]), 0.0)
+    client.connection_lost(MissReason.PEER_GONE)
+    outcome = client.outcome(rid)
+    assert outcome.done and outcome.answered and len(outcome.results) == 2
 
 
 def test_a_refused_pull_is_answered_overloaded_and_frees_its_slot() -> None:

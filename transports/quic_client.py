@@ -47,6 +47,7 @@ from transports.quic_base import (
 )
 from transports.quic_tls import QuicTlsMaterial
 from transports.session import ClientSession, Outcome
+from transports.timer import DeadlineTimer
 from transports.udp import udp_socket
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the base is the chosen backend's (see _connection_class)
@@ -64,7 +65,6 @@ class _PullStream:
     session: ClientSession
     request_id: int
     outcome: Outcome
-    last_progress: float
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -77,6 +77,7 @@ class _ClientConnection(QuicConnectionProtocol):
         self.events = client.backend.events
         self.peer = peer
         self.pulls: dict[int, _PullStream] = {}
+        self._deadlines = DeadlineTimer(self._expire)   # the pulls' sessions' deadlines
         self.slots = asyncio.Semaphore(client.max_inflight)
         self.closed = False
         self.session_resumed = False
@@ -125,6 +126,7 @@ class _ClientConnection(QuicConnectionProtocol):
             reason = "server_untrusted" if ours else "refused_by_server"
             self.client.metrics.auth_failures.labels(TRANSPORT, reason).inc()
             logger.warning("QUIC handshake with %s failed (%s): %s", self.peer.node, reason, event.reason_phrase)
+        self._deadlines.cancel()
         for stream_id in list(self.pulls):
             self._finish(stream_id, MissReason.PEER_GONE)
 
@@ -132,7 +134,6 @@ class _ClientConnection(QuicConnectionProtocol):
         pull = self.pulls.get(stream_id)
         if pull is None:
             return  # a pull we gave up on; its stream was stopped
-        pull.last_progress = self._loop.time()
         now = self._loop.time()
         pull.session.receive(data, now)
         if end_stream:
@@ -146,7 +147,25 @@ class _ClientConnection(QuicConnectionProtocol):
             self.client.backend.stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
         if pull.outcome.done:
             del self.pulls[stream_id]
+        else:
+            self._deadlines.at_most(pull.session.next_deadline())
         pull.wakeup.set()
+
+    def _expire(self, now: float) -> float | None:
+        """The pulls' timers (see DeadlineTimer): a pull without progress for frame_timeout_s
+        ends in TIMEOUT misses; returns the soonest deadline left."""
+        soonest: float | None = None
+        for pull in list(self.pulls.values()):
+            deadline = pull.session.next_deadline()
+            if deadline is not None and now >= deadline:
+                pull.session.handle_timer(now)   # closes the session: no deadline any more
+                logger.warning("QUIC pull %d from %s: no progress for %.1fs", pull.request_id,
+                               self.peer.node, self.client.frame_timeout_s)
+                pull.wakeup.set()
+                continue
+            if deadline is not None and (soonest is None or deadline < soonest):
+                soonest = deadline
+        return soonest
 
     def _finish(self, stream_id: int, reason: MissReason) -> None:
         pull = self.pulls.pop(stream_id, None)
@@ -165,8 +184,9 @@ class _ClientConnection(QuicConnectionProtocol):
         session.next_id = request_id
         rid, frames = session.submit(addresses, now)
         frames = session.hello() + frames
-        pull = _PullStream(session, rid, session.outcome(rid), now)
+        pull = _PullStream(session, rid, session.outcome(rid))
         self.pulls[stream_id] = pull
+        self._deadlines.at_most(session.next_deadline())
         self._quic.send_stream_data(stream_id, b"".join(encode(f) for f in frames), end_stream=True)
         self.transmit()
         return stream_id, pull
@@ -264,34 +284,20 @@ class QuicTransportClient:
                     while outcome.results:
                         yield outcome.results.popleft()
                     if outcome.done:
+                        if pull.session.close_reason is MissReason.TIMEOUT and \
+                                conn._loop.time() - conn.last_received >= self.frame_timeout_s:
+                            # Nothing at all came back: the peer is gone (e.g. restarted without
+                            # closing); drop the connection so the next pull dials again.
+                            await self.disconnect(conn.peer)
                         return
                     pull.wakeup.clear()
-                    await self._wait(conn, pull)
+                    await pull.wakeup.wait()
             finally:
                 if pull is not None and not pull.outcome.done:
                     conn.abandon(stream_id)
         if pull is None or stale:
             async for result in self._pull_stream(peer, addresses, may_retry=False):
                 yield result
-
-    async def _wait(self, conn: _ClientConnection, pull: _PullStream) -> None:
-        """Wait for more results; a pull without progress for frame_timeout_s ends in TIMEOUT misses."""
-        while True:
-            idle = conn._loop.time() - pull.last_progress
-            try:
-                await asyncio.wait_for(pull.wakeup.wait(), max(0.0, self.frame_timeout_s - idle))
-                return
-            except TimeoutError:
-                if conn._loop.time() - pull.last_progress < self.frame_timeout_s:
-                    continue
-            break
-        logger.warning("QUIC pull %d from %s: no progress for %.1fs", pull.request_id,
-                       conn.peer.node, self.frame_timeout_s)
-        pull.session.connection_lost(MissReason.TIMEOUT)
-        if conn._loop.time() - conn.last_received >= self.frame_timeout_s:
-            # Nothing at all came back: the peer is gone (e.g. restarted without closing);
-            # drop the connection so the next pull dials again.
-            await self.disconnect(conn.peer)
 
     async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, bool]:
         """The pooled connection to `peer` (reused: True) or a new one; None if it cannot be made."""

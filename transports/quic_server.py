@@ -65,6 +65,7 @@ from transports.quic_base import (
 from transports.quic_tls import QuicTlsMaterial
 from transports.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
 from transports.session import Fetched, ServerSession
+from transports.timer import DeadlineTimer
 from transports.udp import udp_socket
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's (see _classes)
@@ -102,7 +103,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self.node: str | None = None
         self._streams: dict[int, _Stream] = {}
         self._ready: deque[_Stream] = deque()   # streams with answers left to make or send
-        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._deadlines = DeadlineTimer(self._expire)   # the streams' sessions' deadlines
         self._terminated = False
         self._refused = False
         self._throttled_until = 0.0   # over its budget: its datagrams are dropped until then
@@ -200,7 +201,6 @@ class _ServerConnection(QuicConnectionProtocol):
         self.node = node
         self._server.metrics.connections.labels(TRANSPORT, "server").inc()
         logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)
-        self._arm_sweep()
 
     def _on_terminated(self, event: events.ConnectionTerminated) -> None:
         if self._terminated:
@@ -219,9 +219,7 @@ class _ServerConnection(QuicConnectionProtocol):
 
     def _release(self) -> None:
         self._end_half_open()
-        if self._sweep_timer is not None:
-            self._sweep_timer.cancel()
-            self._sweep_timer = None
+        self._deadlines.cancel()
         self._streams.clear()
         self._ready.clear()
         self._server._connections.discard(self)
@@ -266,6 +264,7 @@ class _ServerConnection(QuicConnectionProtocol):
                 self._throttled_until = now + self._server.throttle_s(self.node, now)
         if pulls or session.closing:
             self._ready.append(stream)   # answers to make, or its ERROR frame or end to send
+        self._deadlines.at_most(session.next_deadline())
         if session.closing:
             error = session.error
             if error is not None:
@@ -368,23 +367,25 @@ class _ServerConnection(QuicConnectionProtocol):
 
     # -- timers --------------------------------------------------------------------------------
 
-    def _arm_sweep(self) -> None:
-        interval = max(0.05, self._server.frame_timeout_s / 8)
-        self._sweep_timer = self._loop.call_later(interval, self._sweep)
-
-    def _sweep(self) -> None:
-        now = self._loop.time()
+    def _expire(self, now: float) -> float | None:
+        """The streams' timers (see DeadlineTimer): a PULL that does not arrive whole in time ends
+        its stream; returns the soonest deadline left."""
+        if self._terminated:
+            return None
         failed = False
+        soonest: float | None = None
         for stream in list(self._streams.values()):
             session = stream.session
             deadline = None if session is None else session.next_deadline()
             if session is not None and deadline is not None and now >= deadline:
                 self._after(stream, session.handle_timer(now))
                 failed = True
+                deadline = session.next_deadline()
+            if deadline is not None and (soonest is None or deadline < soonest):
+                soonest = deadline
         if failed:
             self.transmit()
-        if not self._terminated:
-            self._arm_sweep()
+        return soonest
 
 
 class _CidTable(dict[bytes, QuicConnectionProtocol]):

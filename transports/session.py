@@ -6,15 +6,18 @@
                                                            the certificate's; answered by HELLO
     submit(addresses, now) ─► PULL(rid)  ───────────────►  take_pulls(): ≤ max_inflight at once; more
                                                            wait (`reading` False: stop reading)
-    receive(): each digest checked,      ◄───────────────  answer(rid, addresses, blocks): a run of
-      Hit / Miss per address, in order                     hits as one BLOCKS frame (or a BLOCK), a
-                                                           MISS(not_found | too_large | source_error)
-    done on END / ERROR                  ◄───────────────  finish(rid) ─► END
+                                                           next_batch(): which pull to answer next
+                                                           (round-robin) and what of it is left
+    receive(): each digest checked,      ◄───────────────  answer(rid, addresses, blocks, now): a run
+      Hit / Miss per address, in order,                    of hits as one BLOCKS frame (or a BLOCK),
+      queued in the request's Outcome                      a MISS(not_found | too_large | source_error)
+    done on END / ERROR                  ◄───────────────  … END with the answer to its last address
 
 Neither side touches a socket, a thread or a clock: bytes (or decoded frames) and `now` go in;
 frames to send, pull results, `closing` and the next timer deadline come out. A transport adapter
-moves the bytes, fetches blocks from its store, calls `handle_timer(now)` at `next_deadline()`
-and closes the connection once `closing` is set (after sending what the call returned). QUIC runs
+moves the bytes, fetches the batches `next_batch` names from its store, calls `handle_timer(now)`
+at `next_deadline()` (with a `timer.DeadlineTimer`) and closes the connection once `closing` is set
+(after sending what the call returned); it keeps no copy of what the session tracks. QUIC runs
 one session per stream (`hello=False`, one PULL each); there the client opens each stream with its
 HELLO (its payload limit), which is checked the same way and not answered (the TLS handshake
 already named both ends).

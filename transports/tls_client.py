@@ -33,11 +33,8 @@ from transports.codec import (
     ProtocolError,
 )
 from transports.metrics import TransportMetrics
-from transports.serving import (
-    Watchdog,
-    watchdog_interval,
-)
 from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession, Outcome
+from transports.timer import DeadlineTimer
 from transports.tls_link import (
     TRANSPORT,
     FrameLink,
@@ -83,6 +80,7 @@ class _ClientConnection:
         self.requests: dict[int, _Request] = {}
         self.buffered = 0
         self.paused = False   # reading paused: over RESULTS_HIGH bytes of results wait for callers
+        self.timer = DeadlineTimer(self._expire)
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
@@ -94,6 +92,7 @@ class _ClientConnection:
         req = self.requests[rid] = _Request(rid, self.session.outcome(rid))
         for frame in frames:
             self.link.send(frame)
+        self.timer.at_most(self.session.next_deadline())
         return req
 
     def abandon(self, req: _Request) -> None:
@@ -112,6 +111,7 @@ class _ClientConnection:
             self.paused = False
             self.session.resume(self._loop.time())
             self.link.resume_reading()
+            self.timer.at_most(self.session.next_deadline())
 
     def on_frames(self, frames: list[Frame]) -> None:
         self._deliver(self.session.receive_frames(frames, self._loop.time()))
@@ -142,6 +142,7 @@ class _ClientConnection:
                 self.paused = True
                 self.session.pause(self._loop.time())
                 self.link.pause_reading()
+        self.timer.at_most(self.session.next_deadline())
         if self.session.closing:
             self.client._forget(self)
             if self.session.error is not None:
@@ -150,13 +151,17 @@ class _ClientConnection:
             self.link.close(self.session.close_reason, str(self.session.error or "closed"))
 
     def on_closed(self, reason: MissReason) -> None:
+        self.timer.cancel()
         self.client._forget(self)
         self._deliver(self.session.connection_lost(reason))
 
-    def watchdog(self, now: float) -> None:
+    def _expire(self, now: float) -> float | None:
+        """The session's timers (see DeadlineTimer): a stalled server, an idle connection."""
+        if self.link.closed:
+            return None
         deadline = self.session.next_deadline()
-        if deadline is None or now < deadline or self.link.closed:
-            return
+        if deadline is None or now < deadline:
+            return deadline
         frames, results = self.session.handle_timer(now)
         if self.session.closing:
             self.client._forget(self)   # before BYE, so that no new pull picks this connection
@@ -165,6 +170,7 @@ class _ClientConnection:
         self._deliver(results)
         if self.session.closing:
             self.link.close_after_flush(self.session.close_reason, "idle" if frames else "server stalled")
+        return self.session.next_deadline()
 
 
 class TlsTcpClient:
@@ -187,7 +193,6 @@ class TlsTcpClient:
         self.metrics = metrics or TransportMetrics()
         self._pool: dict[Peer, _ClientConnection] = {}
         self._dialing: dict[Peer, asyncio.Lock] = {}
-        self._watchdog: Watchdog | None = None
         self.num_connects = 0
 
     @classmethod
@@ -298,9 +303,7 @@ class TlsTcpClient:
         conn.link.start()
         for frame in conn.session.hello():
             conn.link.send(frame)
-        if self._watchdog is None:
-            self._watchdog = Watchdog(watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
-                                       lambda: list(self._pool.values()))
+        conn.timer.at_most(conn.session.next_deadline())
         return conn, MissReason.PEER_GONE, False
 
     async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
@@ -314,9 +317,6 @@ class TlsTcpClient:
             self.metrics.connections.labels(self.transport, "client").dec()
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
         for conn in list(self._pool.values()):
             conn.link.send(Bye("client closing"))
             conn.link.close(MissReason.PEER_GONE, "client closing")

@@ -55,12 +55,11 @@ from transports.serving import (
     INLINE_FETCH_S,
     EgressPacer,
     ServingServer,
-    Watchdog,
     fetch,
     payload_bytes,
-    watchdog_interval,
 )
 from transports.session import ServerSession
+from transports.timer import DeadlineTimer
 from transports.tls_link import (
     TRANSPORT,
     FrameLink,
@@ -89,6 +88,7 @@ class _ServerConnection:
                                      idle_timeout_s=server.idle_timeout_s)
         self.pump: asyncio.Task[None] | None = None
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
+        self.timer = DeadlineTimer(self._expire)
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
@@ -122,6 +122,7 @@ class _ServerConnection:
             link.resume_reading()
         else:
             link.pause_reading()
+        self.timer.at_most(session.next_deadline(self._blocked_since()))
 
     def _unthrottle(self) -> None:
         self.throttled = False
@@ -167,16 +168,25 @@ class _ServerConnection:
             self.pump = None
 
     def on_closed(self, reason: MissReason) -> None:
+        self.timer.cancel()
         if self.pump is not None:
             self.pump.cancel()
         self.server._forget(self)
 
-    def watchdog(self, now: float) -> None:
-        link, session = self.link, self.session
-        blocked = link.last_tx if link.write_pending else None
+    def _blocked_since(self) -> float | None:
+        link = self.link
+        return link.last_tx if link.write_pending else None
+
+    def _expire(self, now: float) -> float | None:
+        """The session's timers (see DeadlineTimer): what is due is carried out."""
+        if self.link.closed:
+            return None
+        session, blocked = self.session, self._blocked_since()
         deadline = session.next_deadline(blocked)
-        if deadline is not None and now >= deadline and not link.closed:
-            self._carry_out(session.handle_timer(now, blocked))
+        if deadline is not None and now >= deadline:
+            self._carry_out(session.handle_timer(now, blocked))   # re-arms the timer itself
+            return None
+        return deadline
 
 
 class TlsTcpServer(ServingServer):
@@ -210,7 +220,6 @@ class TlsTcpServer(ServingServer):
         self.num_accept_errors = 0
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._watchdog: Watchdog | None = None
         self._connections: set[_ServerConnection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
 
@@ -242,8 +251,6 @@ class TlsTcpServer(ServingServer):
         self._listener = lsock
         self.host, self.port = lsock.getsockname()[:2]
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(lsock))
-        self._watchdog = Watchdog(watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
-                                   lambda: list(self._connections))
         logger.info("TLS-TCP server %s listening on %s:%d", self.node, self.host, self.port)
         return self.host, self.port
 
@@ -308,6 +315,7 @@ class TlsTcpServer(ServingServer):
         self._connections.add(conn)
         metrics.connections.labels(self.transport, "server").inc()
         conn.link.start()
+        conn.timer.at_most(conn.session.next_deadline())
         logger.debug("accepted %s from %s", node, where)
 
     async def _refuse(self, sock: ssl.SSLSocket, why: str) -> None:
@@ -339,8 +347,6 @@ class TlsTcpServer(ServingServer):
     async def close(self) -> None:
         """Stop accepting, say BYE to every client, and wait for block reads in flight to finish
         (so the source may be closed after this returns)."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
         listener, self._listener = self._listener, None
         tasks = [t for t in (self._accept_task, *self._handshakes) if t is not None]
         for task in tasks:

@@ -43,9 +43,9 @@ from transports.rdma_control import (
 )
 from transports.rdma_device import RdmaDeviceError, _Device, rdma_unavailable_reason
 from transports.rdma_link import TRANSPORT, RdmaLink
-from transports.tls_client import TlsTcpClient, _ClientConnection
+from transports.tls_client import ClientConnection, TlsTcpClient
 from transports.tls_link import FrameLink
-from transports.tls_tcp import TlsTcpServer, _ServerConnection
+from transports.tls_tcp import ServerConnection, TlsTcpServer
 
 __all__ = [
     "CONTROL_LEN", "CONTROL_MAX", "MTU_CODES", "PARAMS_VERSION", "TRANSPORT", "ControlDecoder", "ControlError",
@@ -77,7 +77,7 @@ class RdmaServer(TlsTcpServer):
         super().__init__(credentials, source, host, port, **kw)
         self.options = options or RdmaOptions()
 
-    async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
+    async def open_link(self, sock: ssl.SSLSocket, conn: ServerConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock, conn.session.decoder,
                         conn.on_frames, conn.on_closed, self.frame_timeout_s, self.metrics,
@@ -100,7 +100,7 @@ class RdmaClient(TlsTcpClient):
         super().__init__(credentials, **kw)
         self.options = options or RdmaOptions()
 
-    async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
+    async def open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: ClientConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock,
                         conn.session.decoder, conn.on_frames, conn.on_closed,

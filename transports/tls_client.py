@@ -63,7 +63,7 @@ class _Request:
         self.waiting = False    # its caller waits for results
 
 
-class _ClientConnection:
+class ClientConnection:
     """Client side of one connection: its ClientSession, and results handed to their callers."""
 
     link: FrameLink
@@ -191,7 +191,7 @@ class TlsTcpClient:
         self.frame_timeout_s = frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics or TransportMetrics()
-        self._pool: dict[Peer, _ClientConnection] = {}
+        self._pool: dict[Peer, ClientConnection] = {}
         self._dialing: dict[Peer, asyncio.Lock] = {}
         self.num_connects = 0
 
@@ -262,7 +262,7 @@ class TlsTcpClient:
                 return
             logger.info("pooled connection to %s was gone; pulling again on a new one", peer.node)
 
-    async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, MissReason, bool]:
+    async def _connection(self, peer: Peer) -> tuple[ClientConnection | None, MissReason, bool]:
         """(the pooled or a new connection, None and the miss reason when none can be had, whether
         the connection was reused from the pool)."""
         conn = self._pool.get(peer)
@@ -276,7 +276,7 @@ class TlsTcpClient:
             if not lock.locked() and self._dialing.get(peer) is lock:
                 del self._dialing[peer]   # no dial of this peer waits: forget its lock
 
-    async def _dial(self, peer: Peer) -> tuple[_ClientConnection | None, MissReason, bool]:
+    async def _dial(self, peer: Peer) -> tuple[ClientConnection | None, MissReason, bool]:
         conn = self._pool.get(peer)
         if conn is not None and not conn.link.closed:
             return conn, MissReason.PEER_GONE, True
@@ -290,9 +290,9 @@ class TlsTcpClient:
         except (OSError, TimeoutError) as e:
             logger.info("cannot reach %s at %s:%d: %s", peer.node, peer.host, peer.port, e)
             return None, MissReason.TIMEOUT if isinstance(e, TimeoutError) else MissReason.PEER_GONE, False
-        conn = _ClientConnection(self, peer)
+        conn = ClientConnection(self, peer)
         try:
-            conn.attach(await self._open_link(peer, sock, conn))
+            conn.attach(await self.open_link(peer, sock, conn))
         except (OSError, TimeoutError, ProtocolError) as e:
             logger.warning("could not set up a %s link with %s: %s", self.transport, peer.node, e)
             sock.close()
@@ -306,12 +306,12 @@ class TlsTcpClient:
         conn.timer.at_most(conn.session.next_deadline())
         return conn, MissReason.PEER_GONE, False
 
-    async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
+    async def open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: ClientConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
         return TlsLink(sock, conn.session.decoder, conn.on_frames, conn.on_closed,
                        self.frame_timeout_s, self.metrics, self.transport, batch_frames=True)
 
-    def _forget(self, conn: _ClientConnection) -> None:
+    def _forget(self, conn: ClientConnection) -> None:
         if self._pool.get(conn.peer) is conn:
             del self._pool[conn.peer]
             self.metrics.connections.labels(self.transport, "client").dec()

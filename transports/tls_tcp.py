@@ -74,7 +74,7 @@ logger = logging.getLogger(__name__)
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 REFUSE_LINGER_S = 1.0   # a refused peer gets this long to read ERROR overloaded and close
 
-class _ServerConnection:
+class ServerConnection:
     """Server side of one connection: its ServerSession, and a pump that answers the session's pulls."""
 
     link: FrameLink
@@ -220,7 +220,7 @@ class TlsTcpServer(ServingServer):
         self.num_accept_errors = 0
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._connections: set[_ServerConnection] = set()
+        self._connections: set[ServerConnection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -305,9 +305,9 @@ class TlsTcpServer(ServingServer):
             logger.warning("refused %s from %s: already %d connections", node, where, self.max_connections_per_peer)
             await self._refuse(sock, f"{node} already has {self.max_connections_per_peer} connections")
             return
-        conn = _ServerConnection(self, node)
+        conn = ServerConnection(self, node)
         try:
-            conn.attach(await self._open_link(sock, conn))
+            conn.attach(await self.open_link(sock, conn))
         except (OSError, TimeoutError, ProtocolError) as e:
             logger.warning("could not set up a %s link with %s (%s): %s", self.transport, node, where, e)
             sock.close()
@@ -334,12 +334,12 @@ class TlsTcpServer(ServingServer):
         finally:
             link.close(MissReason.PEER_GONE, why)
 
-    async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
+    async def open_link(self, sock: ssl.SSLSocket, conn: ServerConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
         return TlsLink(sock, conn.session.decoder, conn.on_frames, conn.on_closed, self.frame_timeout_s,
                        self.metrics, self.transport, self.max_payload, write_high=SERVER_WRITE_HIGH)
 
-    def _forget(self, conn: _ServerConnection) -> None:
+    def _forget(self, conn: ServerConnection) -> None:
         if conn in self._connections:
             self._connections.discard(conn)
             self.metrics.connections.labels(self.transport, "server").dec()

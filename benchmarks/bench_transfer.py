@@ -81,12 +81,12 @@ from benchmarks.transfer_baselines import (
 )
 from benchmarks.transfer_provenance import NAMESPACE, SignedSource, sign_verify_ms_per_mib, signed_address
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit, Peer
-from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
-from transports.identity import NodeSigner, TrustAnchor
-from transports.provenance_check import ProvenanceVerifier
-from transports.tls_client import TlsTcpClient
-from transports.tls_tcp import TlsTcpServer
+from transports.core.base import Hit, Peer
+from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.provenance_check import ProvenanceVerifier
+from transports.tls.client import TlsTcpClient
+from transports.tls.server import TlsTcpServer
 
 logger = logging.getLogger("bench_transfer")
 

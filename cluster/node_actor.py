@@ -69,15 +69,15 @@ from fabric.priority import lower_thread_priority
 from fabric.provenance import Provenance, Rejection
 from fabric.store import Store
 from fabric.tiers.base import Tier
-from transports.base import Peer
-from transports.buffers import tune_allocator
-from transports.certs import CA_CERT, CRL, CertificateError
-from transports.codec import MissReason
+from transports.core.base import Peer
+from transports.core.buffers import tune_allocator
+from transports.core.certs import CA_CERT, CRL, CertificateError
+from transports.core.codec import MissReason
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.metrics import TransportMetrics
+from transports.core.provenance_check import ProvenanceVerifier
+from transports.core.serving import EgressPacer
 from transports.factory import create_client, create_server
-from transports.identity import NodeSigner, TrustAnchor
-from transports.metrics import TransportMetrics
-from transports.provenance_check import ProvenanceVerifier
-from transports.serving import EgressPacer
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ import pytest
 
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
-from transports.base import Hit, PullResult
-from transports.codec import (
+from transports.core.base import Hit, PullResult
+from transports.core.codec import (
     MAGIC,
     PREAMBLE,
     VERSION,
@@ -35,7 +35,7 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.session import GROUP_BYTES, GROUP_PART_MAX, ClientSession, Fetched, ServerSession
+from transports.core.session import GROUP_BYTES, GROUP_PART_MAX, ClientSession, Fetched, ServerSession
 
 TIMEOUT_S = 10.0
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from transports.timer import DeadlineTimer
+from transports.core.timer import DeadlineTimer
 
 
 def test_it_fires_at_the_soonest_deadline_and_rearms_at_the_next() -> None:

@@ -20,11 +20,10 @@ from cryptography import x509
 from support import check_signed_pull, closing, creds, filled_store, pull_all, run, started, wait_until
 
 from fabric.keys import BlockAddress, BlockHash
-from transports import tls_client
-from transports.base import Hit, Peer, PullResult
-from transports.buffers import uninitialised_bytearray
-from transports.certs import init_ca, issue_node, revoke
-from transports.codec import (
+from transports.core.base import Hit, Peer, PullResult
+from transports.core.buffers import uninitialised_bytearray
+from transports.core.certs import init_ca, issue_node, revoke
+from transports.core.codec import (
     MAGIC,
     PREAMBLE,
     VERSION,
@@ -41,11 +40,12 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.metrics import TransportMetrics
-from transports.serving import SLOW_STREAK
-from transports.tls_client import ADDRESSES_PER_PULL, TlsTcpClient
-from transports.tls_link import READ_BUDGET, TRANSPORT, open_tls
-from transports.tls_tcp import TlsTcpServer
+from transports.core.metrics import TransportMetrics
+from transports.core.serving import SLOW_STREAK
+from transports.tls import client as tls_client
+from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
+from transports.tls.link import READ_BUDGET, TRANSPORT, open_tls
+from transports.tls.server import TlsTcpServer
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 # Fixtures of tests/transports/conftest.py (not importable as a module: tests/ is no package).

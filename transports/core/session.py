@@ -44,8 +44,8 @@ from typing import Any
 
 from fabric.keys import BlockAddress
 from fabric.provenance import Provenance
-from transports.base import Hit, PullResult, SourceBlock
-from transports.codec import (
+from transports.core.base import Hit, PullResult, SourceBlock
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     VERSION,
     Block,
@@ -64,7 +64,7 @@ from transports.codec import (
     ProtocolError,
     Pull,
 )
-from transports.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull, verify
+from transports.core.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull, verify
 
 __all__ = ["MAX_ADDRESSES_PER_PULL", "ClientSession", "Fetched", "Outcome", "PullTracker", "ServedStats",
            "ServerSession", "State", "answer_pull", "verify"]

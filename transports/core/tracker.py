@@ -19,8 +19,8 @@ from collections.abc import Iterator, Sequence
 import blake3
 
 from fabric.keys import BlockAddress
-from transports.base import BlockSource, Hit, PullResult
-from transports.codec import (
+from transports.core.base import BlockSource, Hit, PullResult
+from transports.core.codec import (
     DIGEST_SIZE,
     Block,
     Blocks,

@@ -8,9 +8,9 @@ throughput follows packets per second, and 8952-byte (jumbo) datagrams move seve
 
 from __future__ import annotations
 
-from transports.quic_base import ALPN, MAX_ADDRESSES_PER_STREAM, TRANSPORT, QuicTuning
-from transports.quic_client import ConnectionInfo, QuicTransportClient
-from transports.quic_server import QuicTransportServer
+from transports.quic.base import ALPN, MAX_ADDRESSES_PER_STREAM, TRANSPORT, QuicTuning
+from transports.quic.client import ConnectionInfo, QuicTransportClient
+from transports.quic.server import QuicTransportServer
 
 __all__ = ["ALPN", "MAX_ADDRESSES_PER_STREAM", "TRANSPORT", "ConnectionInfo", "QuicTransportClient",
            "QuicTransportServer", "QuicTuning"]

@@ -26,8 +26,8 @@ from functools import cache
 from types import ModuleType
 from typing import Any, Literal, cast
 
-from transports.client_auth import AuthFailure
-from transports.udp import UdpEndpoint
+from transports.quic.client_auth import AuthFailure
+from transports.quic.udp import UdpEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +94,7 @@ def _aioquic() -> QuicBackend:
     from aioquic.quic.connection import QuicConnection
     from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
-    from transports import quic_tls
+    from transports.quic import tls as quic_tls
 
     def queued(quic: Any) -> int:
         return sum(len(qs.sender._buffer) for qs in quic._streams.values())
@@ -137,7 +137,7 @@ def _qh3() -> QuicBackend:
     from qh3.quic.connection import QuicConnection, QuicConnectionError
     from qh3.quic.packet import QuicPacketType
 
-    from transports import quic_tls_qh3
+    from transports.quic import tls_qh3 as quic_tls_qh3
 
     def queued(quic: Any) -> int:
         return int(quic.get_send_buffer_size())

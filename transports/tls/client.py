@@ -5,7 +5,7 @@ must name the dialled node), keeps PULL_WINDOW PULLs of a pull in flight (the se
 connection's PULLs round-robin, so two keep one pull's answers in order), checks digests on the
 loop, receives runs of hits straight into the caller's slots (`into`), and pauses reading while
 over RESULTS_HIGH bytes of results wait for their callers. A pull that races the server's idle
-close is made again on a new connection. The server is tls_tcp.py.
+close is made again on a new connection. The server is server.py.
 """
 
 
@@ -20,10 +20,10 @@ from typing import Self
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
-from transports.base import Hit, Peer, PullResult
-from transports.buffers import tune_allocator, uninitialised_bytearray
-from transports.certs import NodeCredentials
-from transports.codec import (
+from transports.core.base import Hit, Peer, PullResult
+from transports.core.buffers import tune_allocator, uninitialised_bytearray
+from transports.core.certs import NodeCredentials
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
     Frame,
@@ -32,10 +32,10 @@ from transports.codec import (
     MissReason,
     ProtocolError,
 )
-from transports.metrics import TransportMetrics
-from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession, Outcome
-from transports.timer import DeadlineTimer
-from transports.tls_link import (
+from transports.core.metrics import TransportMetrics
+from transports.core.session import MAX_ADDRESSES_PER_PULL, ClientSession, Outcome
+from transports.core.timer import DeadlineTimer
+from transports.tls.link import (
     TRANSPORT,
     FrameLink,
     TlsLink,

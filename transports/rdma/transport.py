@@ -16,7 +16,7 @@ limits, timers) with an `RdmaLink` in place of a `TlsLink`. The parts live in
     exchange; tested without a device);
   * `rdma_device` — why RDMA cannot run here, the opened device, registered memory slabs;
   * `rdma_link` — `RdmaLink`, one RC queue pair carrying frames (same surface as `TlsLink`).
-The names below are re-exported so `transports.rdma` stays the one import for users.
+The names below are re-exported so `transports.rdma.transport` stays the one import for users.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from transports.base import BlockSource, Peer
-from transports.certs import NodeCredentials
-from transports.codec import MissReason
-from transports.rdma_control import (
+from transports.core.base import BlockSource, Peer
+from transports.core.certs import NodeCredentials
+from transports.core.codec import MissReason
+from transports.rdma.control import (
     CONTROL_LEN,
     CONTROL_MAX,
     MTU_CODES,
@@ -41,11 +41,11 @@ from transports.rdma_control import (
     gid_bytes,
     gid_text,
 )
-from transports.rdma_device import RdmaDeviceError, _Device, rdma_unavailable_reason
-from transports.rdma_link import TRANSPORT, RdmaLink
-from transports.tls_client import ClientConnection, TlsTcpClient
-from transports.tls_link import FrameLink
-from transports.tls_tcp import ServerConnection, TlsTcpServer
+from transports.rdma.device import RdmaDeviceError, _Device, rdma_unavailable_reason
+from transports.rdma.link import TRANSPORT, RdmaLink
+from transports.tls.client import ClientConnection, TlsTcpClient
+from transports.tls.link import FrameLink
+from transports.tls.server import ServerConnection, TlsTcpServer
 
 __all__ = [
     "CONTROL_LEN", "CONTROL_MAX", "MTU_CODES", "PARAMS_VERSION", "TRANSPORT", "ControlDecoder", "ControlError",

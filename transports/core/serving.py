@@ -12,10 +12,10 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from fabric.keys import BlockAddress
-from transports.base import BlockSource
-from transports.budget import PeerBudgets, Verdict
-from transports.metrics import TransportMetrics
-from transports.session import Fetched, ServerSession
+from transports.core.base import BlockSource
+from transports.core.budget import PeerBudgets, Verdict
+from transports.core.metrics import TransportMetrics
+from transports.core.session import Fetched, ServerSession
 
 logger = logging.getLogger(__name__)
 

@@ -47,13 +47,16 @@ from aioquic.quic.packet import QuicErrorCode
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
-from transports.base import BlockSource
-from transports.budget import PeerBudgets, PeerRates, peer_rates
-from transports.certs import NodeCredentials
-from transports.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
-from transports.metrics import TransportMetrics
-from transports.quic_backend import QuicBackend, resolve
-from transports.quic_base import (
+from transports.core.base import BlockSource
+from transports.core.budget import PeerBudgets, PeerRates, peer_rates
+from transports.core.certs import NodeCredentials
+from transports.core.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
+from transports.core.metrics import TransportMetrics
+from transports.core.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
+from transports.core.session import Fetched, ServerSession
+from transports.core.timer import DeadlineTimer
+from transports.quic.backend import QuicBackend, resolve
+from transports.quic.base import (
     ALPN,
     STREAM_PROTOCOL_ERROR,
     STREAM_TIMEOUT,
@@ -62,11 +65,8 @@ from transports.quic_base import (
     base_configuration,
     send_frame,
 )
-from transports.quic_tls import QuicTlsMaterial
-from transports.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
-from transports.session import Fetched, ServerSession
-from transports.timer import DeadlineTimer
-from transports.udp import udp_socket
+from transports.quic.tls import QuicTlsMaterial
+from transports.quic.udp import udp_socket
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's (see _classes)
     from aioquic.asyncio.protocol import QuicConnectionProtocol

@@ -1,5 +1,5 @@
 """TLS-TCP transport: the session protocol (`session.py`) over TLS 1.3 with mutual certificate checks.
-This module is the server; tls_client.py the client.
+This module is the server; client.py the client.
 
     client                                         server
     ──────                                         ──────
@@ -20,7 +20,7 @@ SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_
 PULLs and payload bytes per second are budgeted per node (`budget`): a PULL over them is answered
 ERROR overloaded and the connection is not read until the budget admits a PULL again.
 Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
-Client (tls_client.py): one pooled connection per peer, PULL_WINDOW PULLs of a pull in flight;
+Client (client.py): one pooled connection per peer, PULL_WINDOW PULLs of a pull in flight;
 digests checked on the loop; reading pauses while over RESULTS_HIGH bytes of results wait for callers.
 """
 
@@ -36,10 +36,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
 from fabric.config import TransportConfig
-from transports.base import BlockSource
-from transports.budget import PeerBudgets, PeerRates, peer_rates
-from transports.certs import CertificateError, NodeCredentials
-from transports.codec import (
+from transports.core.base import BlockSource
+from transports.core.budget import PeerBudgets, PeerRates, peer_rates
+from transports.core.certs import CertificateError, NodeCredentials
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
     Error,
@@ -49,8 +49,8 @@ from transports.codec import (
     MissReason,
     ProtocolError,
 )
-from transports.metrics import TransportMetrics
-from transports.serving import (
+from transports.core.metrics import TransportMetrics
+from transports.core.serving import (
     BATCH_BYTES,
     INLINE_FETCH_S,
     EgressPacer,
@@ -58,9 +58,9 @@ from transports.serving import (
     fetch,
     payload_bytes,
 )
-from transports.session import ServerSession
-from transports.timer import DeadlineTimer
-from transports.tls_link import (
+from transports.core.session import ServerSession
+from transports.core.timer import DeadlineTimer
+from transports.tls.link import (
     TRANSPORT,
     FrameLink,
     TlsLink,

@@ -32,12 +32,14 @@ from aioquic.quic.packet import QuicErrorCode
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
-from transports.base import Peer, PullResult
-from transports.certs import CertificateError, NodeCredentials
-from transports.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
-from transports.metrics import TransportMetrics
-from transports.quic_backend import QuicBackend, resolve
-from transports.quic_base import (
+from transports.core.base import Peer, PullResult
+from transports.core.certs import CertificateError, NodeCredentials
+from transports.core.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
+from transports.core.metrics import TransportMetrics
+from transports.core.session import ClientSession, Outcome
+from transports.core.timer import DeadlineTimer
+from transports.quic.backend import QuicBackend, resolve
+from transports.quic.base import (
     MAX_ADDRESSES_PER_STREAM,
     STREAM_CANCELLED,
     STREAM_PROTOCOL_ERROR,
@@ -45,10 +47,8 @@ from transports.quic_base import (
     QuicTuning,
     base_configuration,
 )
-from transports.quic_tls import QuicTlsMaterial
-from transports.session import ClientSession, Outcome
-from transports.timer import DeadlineTimer
-from transports.udp import udp_socket
+from transports.quic.tls import QuicTlsMaterial
+from transports.quic.udp import udp_socket
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the base is the chosen backend's (see _connection_class)
     from aioquic.asyncio.protocol import QuicConnectionProtocol

@@ -1,5 +1,5 @@
-"""QUIC transport (aioquic): `quic_server.QuicTransportServer` and `quic_client.QuicTransportClient`
-over the sans-I/O sessions, and what they share (`quic_base`), under one import.
+"""QUIC transport (aioquic): `server.QuicTransportServer` and `client.QuicTransportClient`
+over the sans-I/O sessions, and what they share (`base`), under one import.
 
 Pick the datagram size your network carries: aioquic builds every packet in Python, so QUIC's
 throughput follows packets per second, and 8952-byte (jumbo) datagrams move several times what

@@ -2,17 +2,17 @@
 packet core is Rust), chosen by `[transport] quic_backend`.
 
 Both expose the same sans-I/O shape (QuicConnection: receive_datagram / datagrams_to_send /
-next_event / send_stream_data, events, an asyncio protocol and server), so `quic_server` and
-`quic_client` are written once against it. What differs sits here, one `QuicBackend` per library:
+next_event / send_stream_data, events, an asyncio protocol and server), so `server` and
+`client` are written once against it. What differs sits here, one `QuicBackend` per library:
 
   * the library's classes (configuration, connection, protocol and server bases, events);
-  * the server's client-certificate enforcement (`quic_tls` for aioquic, `quic_tls_qh3` for qh3);
+  * the server's client-certificate enforcement (`tls` for aioquic, `tls_qh3` for qh3);
   * the few stream internals the server reads (bytes queued, whether a stream can still send);
   * the UDP endpoint: our batched reader for aioquic; for qh3 its own transport, which sends with
     GSO and receives with GRO / recvmmsg where the kernel has them.
 
 `auto` picks qh3 when it imports (it moves several times more bytes per CPU second), else aioquic.
-Session resumption exists on aioquic only (see `quic_tls_qh3`).
+Session resumption exists on aioquic only (see `tls_qh3`).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """QUIC transport (aioquic 1.7.2): what its server and client share (re-exported by `transports.quic`).
 
-    client (quic_client.QuicTransportClient)        server (quic_server.QuicTransportServer)
+    client (client.QuicTransportClient)        server (server.QuicTransportServer)
     pool: node -> one connection                    per connection: stream id -> ServerSession
     pull(): one bidirectional stream per PULL
         HELLO + PULL + FIN ───────────────────────► ServerSession(hello=False, one_pull=True)

@@ -1,4 +1,4 @@
-"""QUIC client (aioquic or qh3, `quic_backend`): pooled connections, one bidirectional stream per PULL, each stream a
+"""QUIC client (aioquic or qh3, `backend`): pooled connections, one bidirectional stream per PULL, each stream a
 `ClientSession(hello=False)` that checks every digest and turns what the server left unanswered into
 misses.
 
@@ -219,7 +219,7 @@ class QuicTransportClient:
                  max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = 5.0,
                  idle_timeout_s: float = 30.0, frame_timeout_s: float = 10.0, max_inflight: int = 32,
                  metrics: TransportMetrics | None = None, backend: str = "auto") -> None:
-        """`backend`: the QUIC library (see `quic_backend`); pair it with the servers' for resumption."""
+        """`backend`: the QUIC library (see `backend`); pair it with the servers' for resumption."""
         self.backend = resolve(backend)
         self.credentials = credentials
         self.tuning = tuning or QuicTuning()

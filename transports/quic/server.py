@@ -1,4 +1,4 @@
-"""QUIC server (aioquic or qh3, see `quic_backend`): one `ServerSession` per PULL stream, answers pumped round-robin.
+"""QUIC server (aioquic or qh3, see `backend`): one `ServerSession` per PULL stream, answers pumped round-robin.
 
     client stream: HELLO + PULL + FIN ──► ServerSession(hello=False, one_pull=True): the client's
                    payload limit, rules, frame deadline
@@ -481,7 +481,7 @@ class QuicTransportServer(ServingServer):
         `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
         them from one source address, each for at most `handshake_timeout_s`;
         `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);
-        `io_threads`: for slow reads; `backend`: the QUIC library (see `quic_backend`)."""
+        `io_threads`: for slow reads; `backend`: the QUIC library (see `backend`)."""
         self.backend = resolve(backend)
         self.credentials = credentials
         self.node = credentials.node

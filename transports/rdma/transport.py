@@ -1,7 +1,7 @@
 """RDMA transport (pyverbs, optional extra `rdma`): the kvfabric codec over RC queue pairs.
 
     client                                        server
-    TLS 1.3 control connection: `tls_link.open_tls`, the same certificates and checks as TLS-TCP
+    TLS 1.3 control connection: `tls.link.open_tls`, the same certificates and checks as TLS-TCP
     RC QP created (INIT), receive slots posted
     {"type": "rdma_params", …client}  ───────►    QP created, slots posted, QP → RTR → RTS
                                       ◄───────    {"type": "rdma_params", …server}
@@ -12,10 +12,10 @@
 
 This module is the adapter: `RdmaServer` / `RdmaClient` are the TLS-TCP endpoints (sessions,
 limits, timers) with an `RdmaLink` in place of a `TlsLink`. The parts live in
-  * `rdma_control` — `RdmaParams`, control framing, GID text, `exchange_params` (pure but the
+  * `control` — `RdmaParams`, control framing, GID text, `exchange_params` (pure but the
     exchange; tested without a device);
-  * `rdma_device` — why RDMA cannot run here, the opened device, registered memory slabs;
-  * `rdma_link` — `RdmaLink`, one RC queue pair carrying frames (same surface as `TlsLink`).
+  * `device` — why RDMA cannot run here, the opened device, registered memory slabs;
+  * `link` — `RdmaLink`, one RC queue pair carrying frames (same surface as `TlsLink`).
 The names below are re-exported so `transports.rdma.transport` stays the one import for users.
 """
 

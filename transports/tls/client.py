@@ -72,7 +72,7 @@ class ClientConnection:
         self.client = client
         self.peer = peer
         self._loop = asyncio.get_running_loop()
-        # Payload buffers are not zero-filled: decryption overwrites every byte (tls_link).
+        # Payload buffers are not zero-filled: decryption overwrites every byte (link.py).
         decoder = FrameDecoder(max_payload=client.max_payload, payload_allocator=uninitialised_bytearray)
         self.session = ClientSession(client.node, peer.node, self._loop.time(), max_payload=client.max_payload,
                                      frame_timeout_s=client.frame_timeout_s, idle_timeout_s=client.idle_timeout_s,

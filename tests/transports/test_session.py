@@ -265,7 +265,8 @@ def test_a_corrupt_block_frame_in_a_slot_is_a_miss() -> None:
 
 def test_a_block_for_a_repeated_address_never_lands_in_an_answered_slot() -> None:
     """Asked [A, B, A] and answered MISS A, MISS B, BLOCK A in one read: the BLOCK is the third
-    address's answer, and its hit holds exactly its payload whichever slot it was received in."""
+    address's answer, and its hit holds exactly its payload, not the first slot the caller may
+    reuse after its miss."""
     size = GROUP_PART_MAX + 10
     client = ClientSession("client-1", "server-1", 0.0)
     slots = bytearray(3 * size)
@@ -281,6 +282,17 @@ def test_a_block_for_a_repeated_address_never_lands_in_an_answered_slot() -> Non
     assert isinstance(hit, Hit) and bytes(hit.payload) == payload
     slots[:size] = b"!" * size   # the caller reuses the first (missed) slot: the hit is not touched
     assert bytes(hit.payload) == payload
+    # The same with the caller refilling the missed slot while the BLOCK is still arriving.
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(2 * size)
+    rid, _ = client.submit([addr(1), addr(1)], 0.0, into=memoryview(slots))
+    data = wire([Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND),
+                 Block(rid, addr(1), blake3.blake3(payload).digest(), payload)])
+    first = [r for _, res, _ in client.receive(data[:-1000], 0.0) for r in res]
+    assert [type(r).__name__ for r in first] == ["Miss"]
+    slots[:size] = b"!" * size
+    last = [r for _, res, _ in client.receive(data[-1000:], 0.0) for r in res]
+    assert len(last) == 1 and isinstance(last[0], Hit) and bytes(last[0].payload) == payload
 
 
 @pytest.mark.parametrize("header", [

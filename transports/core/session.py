@@ -278,21 +278,23 @@ class ServerSession(_Session):
         between callers), and its addresses not answered yet: the adapter fetches from their start
         and hands what it got to `answer`. None when there is nothing to answer, or the session is
         closing."""
-        if self.state is not State.OPEN:
-            return None
-        turns = self._turns
-        while turns:
-            rid = turns[0]
-            pull = self.active.get(rid)
-            if pull is not None:
-                return rid, pull.addresses[self.answered[rid]:]
-            turns.popleft()   # finished, refused or abandoned
-        return None
+        rid = self._next_turn()
+        return None if rid is None else (rid, self.active[rid].addresses[self.answered[rid]:])
 
     @property
     def answering(self) -> bool:
         """True while `next_batch` has a batch to hand out."""
-        return self.next_batch() is not None
+        return self._next_turn() is not None
+
+    def _next_turn(self) -> int | None:
+        if self.state is not State.OPEN:
+            return None
+        turns = self._turns
+        while turns:
+            if turns[0] in self.active:
+                return turns[0]
+            turns.popleft()   # finished, refused or abandoned
+        return None
 
     def answer(self, request_id: int, addresses: Sequence[BlockAddress], fetched: Sequence[Fetched],
                now: float) -> list[Frame]:

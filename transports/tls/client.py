@@ -53,13 +53,12 @@ RESULTS_HIGH = 64 * 1024 * 1024
 class _Request:
     """One PULL's caller: its results (the session's `Outcome`) and how the caller is woken."""
 
-    __slots__ = ("abandoned", "outcome", "request_id", "waiting", "wakeup")
+    __slots__ = ("outcome", "request_id", "waiting", "wakeup")
 
     def __init__(self, request_id: int, outcome: Outcome) -> None:
         self.request_id = request_id
         self.outcome = outcome
         self.wakeup = asyncio.Event()
-        self.abandoned = False
         self.waiting = False    # its caller waits for results
 
 
@@ -97,7 +96,6 @@ class ClientConnection:
 
     def abandon(self, req: _Request) -> None:
         """The caller stopped iterating: drop further results (the frames are still read)."""
-        req.abandoned = True
         self.session.cancel(req.request_id)
         self.requests.pop(req.request_id, None)
         results = req.outcome.results

@@ -44,8 +44,8 @@ from benchmarks.network_runs import Measures, measure_profile
 from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE
 from cluster.netbed import NetBed, NetbedUnavailable
 from cluster.netbed_plan import NetbedError, parse_profile
-from transports.certs import init_ca, issue_node
-from transports.quic_backend import resolve
+from transports.core.certs import init_ca, issue_node
+from transports.quic.backend import resolve
 
 logger = logging.getLogger("bench_network")
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,6 +8,11 @@ distinct blocks, cycled), every server in its own process:
     tls_tcp       kvfabric TLS-TCP: PULLs of 16 MiB of blocks, 2 in flight, every payload's BLAKE3 verified
     tls_tcp_provenance  the same with every payload's producer record checked too (benchmarks/
                   transfer_provenance.py); interleaved with tls_tcp, so the pair is a before/after
+    tls_tcp_into  the same pulls into the caller's array (`pull(..., into=slots)`, as a NodeActor
+                  loads): hits land in their slots, one not received there is copied to it
+    tls_tcp_copy  the same pulls into the caller's array without `into`: every hit received in a
+                  buffer of its own and copied to its slot; interleaved with tls_tcp_into, so
+                  tls_tcp_into_over_copy is what receiving in place saves
     quic          kvfabric QUIC at 8952- and 1452-byte datagrams on aioquic and on qh3 (mTLS enforced on
                   both), and aioquic with its default settings
                   (benchmarks/transfer_quic.py; time-bounded: QUIC moves less than the others)
@@ -32,8 +37,8 @@ per MiB pulled (1 MiB blocks; the client is this process, the server is read fro
 BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
 The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k / *_mb_s_64k for 256 / 64 KiB,
 *_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, provenance_sign_ms_per_mib /
-provenance_verify_ms_per_mib (blocks of 32 layers of 64 KiB), and ratios, tls_tcp_provenance_over_plain*
-among them; tls_tcp_provenance_over_plain_median* is the median over rounds of each round's pair,
+provenance_verify_ms_per_mib (blocks of 32 layers of 64 KiB), and ratios, tls_tcp_into_over_copy* and
+tls_tcp_provenance_over_plain* among them; *_median* is the median over rounds of each round's pair,
 which a burst of other work on the machine during one run moves less than the totals' ratio). `--quick` moves
 ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
@@ -76,12 +81,12 @@ from benchmarks.transfer_baselines import (
 )
 from benchmarks.transfer_provenance import NAMESPACE, SignedSource, sign_verify_ms_per_mib, signed_address
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit, Peer
-from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
-from transports.identity import NodeSigner, TrustAnchor
-from transports.provenance_check import ProvenanceVerifier
-from transports.tls_client import TlsTcpClient
-from transports.tls_tcp import TlsTcpServer
+from transports.core.base import Hit, Peer
+from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.provenance_check import ProvenanceVerifier
+from transports.tls.client import TlsTcpClient
+from transports.tls.server import TlsTcpServer
 
 logger = logging.getLogger("bench_transfer")
 
@@ -201,8 +206,9 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
     return run
 
 
-def kvfabric_run(port: int, cert_dir: Path, signed: bool = False) -> Run:
-    """TLS-TCP pulls; `signed`: of a server whose payloads carry records, each record checked."""
+def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | None = None) -> Run:
+    """TLS-TCP pulls; `signed`: of a server whose payloads carry records, each record checked;
+    `dest`: "into" pulls into a destination array (`into=`), "copy" copies every hit into one."""
     peer = Peer(SERVER_NODE, "127.0.0.1", port)
     name = signed_address if signed else address
     trust = TrustAnchor.from_files(cert_dir / CA_CERT)
@@ -213,15 +219,22 @@ def kvfabric_run(port: int, cert_dir: Path, signed: bool = False) -> Run:
 
         async def one_pull() -> None:
             first = counts["next"]
-            counts["next"] += batch_blocks(block_size)
-            batch = [name(block_size, (first + i) % num_distinct(block_size))
-                     for i in range(batch_blocks(block_size))]
+            num = batch_blocks(block_size)
+            counts["next"] += num
+            batch = [name(block_size, (first + i) % num_distinct(block_size)) for i in range(num)]
             verifier = ProvenanceVerifier(trust)   # per pull: each block's signature is checked in it
-            async for result in client.pull(peer, batch):
+            array = None if dest is None else bytearray(num * block_size)   # the caller's destination
+            slots = None if array is None else memoryview(array)
+            index = {a: i for i, a in enumerate(batch)}
+            async for result in client.pull(peer, batch, into=slots if dest == "into" else None):
                 if isinstance(result, Hit) and (not signed or verifier.check(
                         result.provenance, NAMESPACE, result.address.hash, result.address.layer,
                         result.digest) is None):
                     counts["moved"] += len(result.payload)
+                    payload = memoryview(result.payload)
+                    if slots is not None and payload.obj is not array:   # not received in its slot
+                        at = index[result.address] * block_size
+                        slots[at:at + block_size] = payload
                 else:
                     counts["misses"] += 1
 
@@ -313,10 +326,11 @@ def main() -> None:
     report(result, args.quick, rounds, per_run, only)
 
 
-METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get",
-           "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3", "quic_qh3_1452")
+METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "tls_tcp_copy",
+           "tls_tcp_into", "redis_get", "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3", "quic_qh3_1452")
 # Methods whose both ends are measurable (the server by PID):
-CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "redis_get")
+CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "tls_tcp_copy",
+               "tls_tcp_into", "redis_get")
 
 
 class Totals:
@@ -378,12 +392,14 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         runs: dict[str, tuple[Run, int]] = {}
         try:
             for name, kind in (("tcp_socket", "tcp"), ("tls_socket", "tls"), ("tls_socket_blake3", "tls"),
-                               ("tls_tcp", "kvfabric"), ("tls_tcp_provenance", "kvfabric-signed")):
+                               ("tls_tcp", "kvfabric"), ("tls_tcp_provenance", "kvfabric-signed"),
+                               ("tls_tcp_copy", "kvfabric"), ("tls_tcp_into", "kvfabric")):
                 if name not in only:
                     continue
                 server = Server(kind, cert_dir)  # one each: a socket server serves one connection at a time
                 stoppers.append(server.stop)
-                runs[name] = (kvfabric_run(server.port, cert_dir, signed=kind == "kvfabric-signed")
+                dest = {"tls_tcp_copy": "copy", "tls_tcp_into": "into"}.get(name)
+                runs[name] = (kvfabric_run(server.port, cert_dir, signed=kind == "kvfabric-signed", dest=dest)
                               if kind.startswith("kvfabric")
                               else socket_run(server.port, cert_dir, use_tls=kind == "tls",
                                               hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
@@ -432,10 +448,12 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         t = totals.get(name)
         out[f"{name}_client_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
         out[f"{name}_server_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
-    for suffix in BLOCK_SIZES:  # each round's provenance run against the plain run just before it
-        pairs = [a / b for a, b in zip(per_round.get("tls_tcp_provenance" + suffix, []),
-                                       per_round.get("tls_tcp" + suffix, []), strict=False) if b]
-        out[f"tls_tcp_provenance_over_plain_median{suffix}"] = round(statistics.median(pairs), 3) if pairs else None
+    for suffix in BLOCK_SIZES:  # each round's run against its pair's run just before it
+        for key, (after, before) in (("tls_tcp_provenance_over_plain_median", ("tls_tcp_provenance", "tls_tcp")),
+                                     ("tls_tcp_into_over_copy_median", ("tls_tcp_into", "tls_tcp_copy"))):
+            pairs = [a / b for a, b in zip(per_round.get(after + suffix, []),
+                                           per_round.get(before + suffix, []), strict=False) if b]
+            out[key + suffix] = round(statistics.median(pairs), 3) if pairs else None
     out["blake3_ms_per_mib"] = blake3_ms_per_mib()
     out["provenance_sign_ms_per_mib"], out["provenance_verify_ms_per_mib"] = sign_verify_ms_per_mib(
         cert_dir, SERVER_NODE)
@@ -452,6 +470,8 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
               "tls_socket_blake3": "plain TLS 1.3 sockets + BLAKE3 per block",
               "tls_tcp": "kvfabric TLS-TCP (verified)",
               "tls_tcp_provenance": "kvfabric TLS-TCP (verified + provenance)",
+              "tls_tcp_copy": "kvfabric TLS-TCP, each hit copied to the caller's array",
+              "tls_tcp_into": "kvfabric TLS-TCP, pulled into the caller's array",
               "redis_get": "Redis GET (redis-py, pipelined)",
               "ray_object": "Ray object store, actor to actor", "quic": "kvfabric QUIC, 8952-byte datagrams",
               "quic_1452": "kvfabric QUIC, 1452-byte datagrams", "quic_default": "aioquic default settings",
@@ -475,6 +495,8 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         out[f"tls_tcp_provenance_vs_tls_socket_blake3{suffix}"] = _ratio(
             signed, result[f"tls_socket_blake3_mb_s{suffix}"])
         out[f"tls_tcp_provenance_over_plain{suffix}"] = _ratio(signed, tls_tcp)
+        out[f"tls_tcp_into_over_copy{suffix}"] = _ratio(result[f"tls_tcp_into_mb_s{suffix}"],
+                                                        result[f"tls_tcp_copy_mb_s{suffix}"])
         out[f"tls_socket_blake3_vs_tls_socket{suffix}"] = _ratio(result[f"tls_socket_blake3_mb_s{suffix}"],
                                                                  result[f"tls_socket_mb_s{suffix}"])
         out[f"quic_vs_default{suffix}"] = _ratio(result[f"quic_mb_s{suffix}"], result[f"quic_default_mb_s{suffix}"])

@@ -38,9 +38,9 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
 from benchmarks.soak_node import big_address
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Peer
-from transports.certs import CredentialFiles, NodeCredentials
-from transports.codec import Bye, End, Error, ErrorCode, FrameDecoder, Hello, Miss, MissReason, Pull, encode
+from transports.core.base import Peer
+from transports.core.certs import CredentialFiles, NodeCredentials
+from transports.core.codec import Bye, End, Error, ErrorCode, FrameDecoder, Hello, Miss, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient
 
 SERVER_NODE, ATTACKER = "node-a", "bad-1"

@@ -23,9 +23,9 @@ from pathlib import Path
 from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE, address, credentials, num_blocks
 from benchmarks.stream_blocks import receive_blocks
 from fabric.keys import BlockAddress
-from transports.base import Hit, Peer, TransportClient
+from transports.core.base import Hit, Peer, TransportClient
 from transports.quic import QuicTransportClient, QuicTuning
-from transports.tls_client import TlsTcpClient
+from transports.tls.client import TlsTcpClient
 
 MB = 1_000_000
 BATCH_BYTES = 8 << 20

@@ -28,9 +28,9 @@ from benchmarks.network_serve import (
     TLS_TCP_PORT,
 )
 from cluster.netbed_plan import parse_profile
-from transports.base import Peer, TransportClient
+from transports.core.base import Peer, TransportClient
 from transports.quic import QuicTuning
-from transports.quic_backend import resolve
+from transports.quic.backend import resolve
 
 Figures = dict[str, float | None]
 LOADERS = 4            # concurrent pulls of other prefixes during the loaded gets

@@ -43,8 +43,8 @@ from aioquic.quic.connection import QuicConnection
 from benchmarks._common import emit_json, percentile, print_table
 from benchmarks.transfer_baselines import stop_process
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit, Peer
-from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.core.base import Hit, Peer
+from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
 
 SERVER_NODE, CLIENT_NODE = "flood-server", "flood-client"

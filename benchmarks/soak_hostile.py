@@ -42,10 +42,10 @@ from benchmarks.hostile_attacks import ATTACKER, SERVER_NODE
 from benchmarks.quic_flood import rss_mib
 from benchmarks.soak_node import address
 from benchmarks.transfer_baselines import process_cpu_s
-from transports.base import Hit, Peer
-from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.core.base import Hit, Peer
+from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.quic import QuicTransportClient
-from transports.tls_client import TlsTcpClient
+from transports.tls.client import TlsTcpClient
 
 HERE = Path(__file__).resolve().parent
 GOOD = "good-1"

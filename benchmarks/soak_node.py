@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import percentile
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
-from transports.certs import CredentialFiles, NodeCredentials
+from transports.core.certs import CredentialFiles, NodeCredentials
 from transports.quic import QuicTransportServer
-from transports.tls_tcp import TlsTcpServer
+from transports.tls.server import TlsTcpServer
 
 LAG_TICK_S = 0.01
 

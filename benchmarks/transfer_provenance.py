@@ -2,7 +2,7 @@
 checking those records costs on its own.
 
     tls_tcp_provenance   the tls_tcp method against a server whose payloads carry records; the client
-                         checks every payload as a NodeActor's puller does (transports/provenance_check.py).
+                         checks every payload as a NodeActor's puller does (transports/core/provenance_check.py).
                          LAYERS_PER_BLOCK consecutive payloads are the layers of one block and share
                          one record, and each PULL gets a fresh verifier, so every block's signature
                          is checked once per pull (what a load pays), never served from an earlier pull.
@@ -23,9 +23,9 @@ import blake3
 from benchmarks.transfer_baselines import BLOCK_SIZES, random_blocks
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
-from transports.certs import CA_CERT
-from transports.identity import NodeSigner, TrustAnchor
-from transports.provenance_check import ProvenanceVerifier
+from transports.core.certs import CA_CERT
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.provenance_check import ProvenanceVerifier
 
 # A Llama-3-8B-class layout: 32 layers, and 16 tokens x 8 KV heads x 128 dims x K,V x fp16 = 64 KiB
 # per (block, layer), the benchmark's smallest payload.

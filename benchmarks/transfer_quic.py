@@ -35,11 +35,11 @@ from aioquic.quic.configuration import QuicConfiguration
 
 from benchmarks._common import emit_json, median, print_table
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit, Peer
-from transports.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
-from transports.codec import FrameDecoder, MissReason, Pull, encode, encode_parts, payload_pieces
+from transports.core.base import Hit, Peer
+from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.core.codec import FrameDecoder, MissReason, Pull, encode, encode_parts, payload_pieces
+from transports.core.session import PullTracker, answer_pull
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer, QuicTuning
-from transports.session import PullTracker, answer_pull
 
 logger = logging.getLogger(__name__)
 

@@ -12,7 +12,7 @@ from typing import Any
 from cryptography import x509
 
 from cluster.cli import CLIError
-from transports.certs import CRL, CertificateError, init_ca, issue_node, revoke
+from transports.core.certs import CRL, CertificateError, init_ca, issue_node, revoke
 
 
 def register(sub: Any) -> None:

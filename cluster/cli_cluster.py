@@ -31,7 +31,7 @@ from rich.table import Table
 
 from cluster.cli import CLIError
 from fabric.config import ClusterConfig, Config, ConfigError, kvfabric_home
-from transports.certs import CertificateError
+from transports.core.certs import CertificateError
 
 logger = logging.getLogger(__name__)
 

@@ -40,9 +40,9 @@ from cluster.directory import ApplyOutcome, DirectoryShard, LocateReply, NodeAdd
 from cluster.directory_auth import DirectoryGate, Proof
 from cluster.directory_upkeep import ShardUnavailable
 from fabric.config import ClusterConfig
-from transports.certs import CA_CERT, CRL, CertificateError, revoked_serials
-from transports.identity import TrustAnchor
-from transports.revocation import RevocationFile
+from transports.core.certs import CA_CERT, CRL, CertificateError, revoked_serials
+from transports.core.identity import TrustAnchor
+from transports.core.revocation import RevocationFile
 
 logger = logging.getLogger(__name__)
 

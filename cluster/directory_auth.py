@@ -34,7 +34,7 @@ from typing import Any, Protocol
 import msgpack
 
 from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress
-from transports.identity import IdentityError, NodeIdentity
+from transports.core.identity import IdentityError, NodeIdentity
 
 logger = logging.getLogger(__name__)
 

@@ -50,8 +50,8 @@ from fabric.keys import BlockHash, Namespace
 from fabric.priority import lower_thread_priority
 from fabric.provenance import Provenance
 from fabric.tiers.base import Tier
-from transports.base import Peer, TransportClient
-from transports.provenance_check import ProvenanceVerifier
+from transports.core.base import Peer, TransportClient
+from transports.core.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger(__name__)
 

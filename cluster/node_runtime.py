@@ -29,14 +29,14 @@ from cluster.local import LocalFabric
 from cluster.metrics import ClusterMetrics
 from fabric.config import Config
 from fabric.store import Store
-from transports.base import TransportClient, TransportServer
-from transports.buffers import tune_allocator
-from transports.certs import CA_CERT, CRL, CertificateError
+from transports.core.base import TransportClient, TransportServer
+from transports.core.buffers import tune_allocator
+from transports.core.certs import CA_CERT, CRL, CertificateError
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.metrics import TransportMetrics
+from transports.core.provenance_check import ProvenanceVerifier
+from transports.core.serving import EgressPacer
 from transports.factory import create_client, create_server
-from transports.identity import NodeSigner, TrustAnchor
-from transports.metrics import TransportMetrics
-from transports.provenance_check import ProvenanceVerifier
-from transports.serving import EgressPacer
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ from cluster.directory_upkeep import DirectoryUpkeep
 from cluster.node_loader import NodeLoader
 from cluster.node_runtime import NodeRuntime
 from fabric.provenance import Rejection
-from transports.codec import MissReason
+from transports.core.codec import MissReason
 
 
 def counter_stats(registry: CollectorRegistry, transport: str) -> dict[str, Any]:

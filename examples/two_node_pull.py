@@ -33,8 +33,8 @@ from fabric.config import KVConfig, TransportConfig, TransportKind
 from fabric.keys import BlockAddress, addresses, block_hashes
 from fabric.store import Store
 from fabric.tiers.base import Payload
-from transports.base import Hit, Peer
-from transports.certs import init_ca, issue_node
+from transports.core.base import Hit, Peer
+from transports.core.certs import init_ca, issue_node
 from transports.factory import create_client, create_server
 
 logger = logging.getLogger("two_node_pull")

@@ -28,7 +28,7 @@ Record encoding (what frames carry and the index stores, beside the producer's c
 
 The certificate (DER) travels beside the record, never inside the signed bytes: the CA's signature
 on it binds the signing key to the producer's name, and verifying that is the verifier's job
-(transports/provenance_check.py).
+(transports/core/provenance_check.py).
 """
 
 from __future__ import annotations
@@ -162,7 +162,7 @@ class Provenance:
 
 class BlockSigner(Protocol):
     """A producer's signing key and the certificate that binds it to its node name
-    (transports.identity.NodeSigner)."""
+    (transports.core.identity.NodeSigner)."""
 
     @property
     def node(self) -> str: ...

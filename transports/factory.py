@@ -16,9 +16,9 @@ from __future__ import annotations
 from typing import get_args
 
 from fabric.config import TransportConfig, TransportKind
-from transports.base import BlockSource, TransportClient, TransportServer
-from transports.certs import CredentialFiles, NodeCredentials
-from transports.metrics import TransportMetrics
+from transports.core.base import BlockSource, TransportClient, TransportServer
+from transports.core.certs import CredentialFiles, NodeCredentials
+from transports.core.metrics import TransportMetrics
 
 KINDS: tuple[str, ...] = get_args(TransportKind)
 
@@ -47,13 +47,13 @@ def create_server(config: TransportConfig, source: BlockSource, credentials: Nod
 
         return QuicTransportServer.from_config(config, creds, source, metrics)
     if config.kind == "rdma":
-        from transports.rdma import RdmaServer, rdma_unavailable_reason
+        from transports.rdma.transport import RdmaServer, rdma_unavailable_reason
 
         reason = rdma_unavailable_reason()
         if reason is not None:
             raise TransportUnavailableError(f"transport kind 'rdma' is unavailable: {reason}")
         return RdmaServer.from_config(config, creds, source, metrics)
-    from transports.tls_tcp import TlsTcpServer
+    from transports.tls.server import TlsTcpServer
 
     return TlsTcpServer.from_config(config, creds, source, metrics)
 
@@ -68,13 +68,13 @@ def create_client(config: TransportConfig, credentials: NodeCredentials | None =
 
         return QuicTransportClient.from_config(config, creds, metrics)
     if config.kind == "rdma":
-        from transports.rdma import RdmaClient, rdma_unavailable_reason
+        from transports.rdma.transport import RdmaClient, rdma_unavailable_reason
 
         reason = rdma_unavailable_reason()
         if reason is not None:
             raise TransportUnavailableError(f"transport kind 'rdma' is unavailable: {reason}")
         return RdmaClient.from_config(config, creds, metrics)
-    from transports.tls_client import TlsTcpClient
+    from transports.tls.client import TlsTcpClient
 
     return TlsTcpClient.from_config(config, creds, metrics)
 

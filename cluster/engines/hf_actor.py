@@ -43,7 +43,7 @@ from cluster.api import EngineLoad
 from cluster.client import FabricClient
 from cluster.engines.hf import Generation, HFEngine, LoadMode, load_checkpoint
 from fabric.keys import Namespace
-from transports.buffers import tune_allocator
+from transports.core.buffers import tune_allocator
 
 MAX_ACCEPTED = 16       # requests an engine actor accepts at once (they compute one at a time)
 KEEP_FREED_MIB = 1024   # several 4k-token caches of a small model; 0 leaves glibc's defaults

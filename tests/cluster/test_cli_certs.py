@@ -17,9 +17,9 @@ from cryptography import x509
 
 from cluster.cli import main
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit, Peer
-from transports.certs import CredentialFiles, NodeCredentials, node_name_of
-from transports.identity import IdentityError, TrustAnchor
+from transports.core.base import Hit, Peer
+from transports.core.certs import CredentialFiles, NodeCredentials, node_name_of
+from transports.core.identity import IdentityError, TrustAnchor
 from transports.quic import QuicTransportClient, QuicTransportServer
 
 

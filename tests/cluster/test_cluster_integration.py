@@ -27,10 +27,10 @@ from cluster.node_actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_n
 from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
 from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
-from transports.base import Hit, Peer
-from transports.certs import CertificateError, init_ca, issue_node, revoke
+from transports.core.base import Hit, Peer
+from transports.core.certs import CertificateError, init_ca, issue_node, revoke
+from transports.core.identity import NodeSigner
 from transports.factory import create_client
-from transports.identity import NodeSigner
 
 LAYOUT = KVLayout.mha(4, 2, 64, "f16")      # 8 KiB per (block, layer) at 16 tokens
 NS = Namespace("itest-model", LAYOUT, block_size=16, weights_fingerprint="itest")

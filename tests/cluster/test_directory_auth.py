@@ -11,8 +11,8 @@ import pytest
 
 from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress
 from cluster.directory_auth import DirectoryGate, Proof, ReportSigner
-from transports.certs import init_ca, issue_node
-from transports.identity import NodeSigner, TrustAnchor
+from transports.core.certs import init_ca, issue_node
+from transports.core.identity import NodeSigner, TrustAnchor
 
 H = [bytes([i]) * 32 for i in range(6)]
 A, B = "ray-id-a", "ray-id-b"            # Ray node ids; the certificates name "node-a" / "node-b"

@@ -16,8 +16,8 @@ from cluster.directory_auth import DirectoryGate, Proof, ReportSigner
 from cluster.directory_upkeep import DirectoryUpkeep, ShardUnavailable
 from cluster.metrics import ClusterMetrics
 from fabric.config import ClusterConfig
-from transports.certs import init_ca, issue_node
-from transports.identity import NodeSigner, TrustAnchor
+from transports.core.certs import init_ca, issue_node
+from transports.core.identity import NodeSigner, TrustAnchor
 
 NODE = "a" * 56
 ADDR = NodeAddress("127.0.0.1", 7000, "tls-tcp", "node-a")

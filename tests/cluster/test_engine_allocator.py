@@ -23,7 +23,7 @@ ENGINE_PROBE = """
 import resource, sys, threading
 sys.path.insert(0, {root!r})
 import torch
-from transports.buffers import tune_allocator
+from transports.core.buffers import tune_allocator
 from cluster.engines.hf_actor import KEEP_FREED_MIB
 if {tune}:
     assert tune_allocator(trim_threshold=KEEP_FREED_MIB << 20)

@@ -29,8 +29,8 @@ from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig, Tran
 from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.store import Store
-from transports.base import Hit, Peer
-from transports.certs import init_ca, issue_node
+from transports.core.base import Hit, Peer
+from transports.core.certs import init_ca, issue_node
 from transports.factory import create_client, create_server
 
 _missing = missing_capability()

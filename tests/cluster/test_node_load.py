@@ -27,12 +27,12 @@ from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.provenance import Provenance, Rejection, sign_block
 from fabric.store import Store
-from transports.base import Peer
-from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
-from transports.identity import NodeSigner, TrustAnchor
-from transports.provenance_check import ProvenanceVerifier
-from transports.tls_client import TlsTcpClient
-from transports.tls_tcp import TlsTcpServer
+from transports.core.base import Peer
+from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.provenance_check import ProvenanceVerifier
+from transports.tls.client import TlsTcpClient
+from transports.tls.server import TlsTcpServer
 
 LAYOUT = KVLayout.mha(3, 2, 32, "f16")
 NS = Namespace("prov-model", LAYOUT, block_size=16, weights_fingerprint="prov")

@@ -30,11 +30,11 @@ from fabric.config import Config, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.store import Store
-from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
-from transports.identity import NodeSigner, TrustAnchor
-from transports.provenance_check import ProvenanceVerifier
-from transports.tls_client import TlsTcpClient
-from transports.tls_tcp import TlsTcpServer
+from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.provenance_check import ProvenanceVerifier
+from transports.tls.client import TlsTcpClient
+from transports.tls.server import TlsTcpServer
 
 LAYOUT = KVLayout.mha(3, 2, 32, "f16")
 NS = Namespace("loader-model", LAYOUT, block_size=16, weights_fingerprint="loader")

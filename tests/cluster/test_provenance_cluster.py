@@ -24,7 +24,7 @@ from cluster.launch import LocalCluster, start_local_cluster
 from fabric.config import ClusterConfig, Config, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
-from transports.certs import revoke
+from transports.core.certs import revoke
 
 LAYOUT = KVLayout.mha(4, 2, 64, "f16")
 NS = Namespace("prov-model", LAYOUT, block_size=16, weights_fingerprint="prov")

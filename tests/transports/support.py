@@ -21,11 +21,11 @@ from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
 from fabric.store import Store
-from transports.base import Hit, Peer, PullResult
-from transports.certs import CredentialFiles, NodeCredentials
-from transports.identity import NodeSigner, TrustAnchor
-from transports.provenance_check import ProvenanceVerifier
-from transports.quic_base import ALPN
+from transports.core.base import Hit, Peer, PullResult
+from transports.core.certs import CredentialFiles, NodeCredentials
+from transports.core.identity import NodeSigner, TrustAnchor
+from transports.core.provenance_check import ProvenanceVerifier
+from transports.quic.base import ALPN
 
 SIGNED_NAMESPACE = b"s" * 32   # the namespace root of `signed_store` blocks
 TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this

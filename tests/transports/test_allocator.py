@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 PROBE = """
 import resource, sys
 sys.path.insert(0, {root!r})
-from transports.buffers import tune_allocator, uninitialised_bytearray
+from transports.core.buffers import tune_allocator, uninitialised_bytearray
 if {tune}:
     assert tune_allocator()
 def pull():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from transports import budget
-from transports.budget import PeerBudgets, PeerRates, TokenBucket, Verdict
+from transports.core import budget
+from transports.core.budget import PeerBudgets, PeerRates, TokenBucket, Verdict
 
 
 def test_a_bucket_gives_its_burst_then_refills_at_its_rate() -> None:

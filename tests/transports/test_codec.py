@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
-from transports.codec import (
+from transports.core.codec import (
     MAGIC,
     PREAMBLE,
     PREAMBLE_SIZE,
@@ -299,7 +299,7 @@ def test_preamble_size_is_fixed() -> None:
 
 
 def test_no_pickle_in_codec() -> None:
-    import transports.codec as codec
+    import transports.core.codec as codec
     with open(codec.__file__) as f:
         assert "pickle" not in f.read().replace("No pickle", "")
 

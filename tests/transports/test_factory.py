@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 
 from fabric.config import Config, TransportConfig
-from transports.base import Hit, Peer
-from transports.certs import CertificateError
+from transports.core.base import Hit, Peer
+from transports.core.certs import CertificateError
 from transports.factory import create_client, create_server, load_credentials, server_port
-from transports.tls_client import TlsTcpClient
-from transports.tls_tcp import TlsTcpServer
+from transports.tls.client import TlsTcpClient
+from transports.tls.server import TlsTcpServer
 
 
 def transport_config(cert_dir: Path, kind: str, node: str = "node-a") -> TransportConfig:

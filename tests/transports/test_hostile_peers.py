@@ -24,12 +24,12 @@ from support import closing, creds, node_process, pull_all, raw_peer, run, start
 from benchmarks.hostile_attacks import hold_half_open
 from benchmarks.soak_node import address
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit, Peer
-from transports.codec import Bye, Error, ErrorCode, Frame, FrameDecoder, Hello, Miss, MissReason, Pull, encode
+from transports.core.base import Hit, Peer
+from transports.core.codec import Bye, Error, ErrorCode, Frame, FrameDecoder, Hello, Miss, MissReason, Pull, encode
+from transports.core.serving import BATCH_BYTES
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
-from transports.serving import BATCH_BYTES
-from transports.tls_client import TlsTcpClient
-from transports.tls_tcp import SERVER_WRITE_HIGH, TlsTcpServer
+from transports.tls.client import TlsTcpClient
+from transports.tls.server import SERVER_WRITE_HIGH, TlsTcpServer
 
 MemorySourceFactory = Any   # tests/transports/conftest.py: memory_source(num_blocks, num_layers, payload_size)
 

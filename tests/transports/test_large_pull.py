@@ -19,9 +19,9 @@ import numpy as np
 from fabric.config import KVConfig, TransportConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store
-from transports.base import Hit, Peer
+from transports.core.base import Hit, Peer
 from transports.factory import create_client, create_server
-from transports.tls_client import RESULTS_HIGH
+from transports.tls.client import RESULTS_HIGH
 
 
 def test_a_pull_larger_than_the_client_buffer_bound_completes(tmp_path: Path, cert_dir: Path) -> None:
@@ -60,8 +60,8 @@ def test_a_long_pull_delivers_its_first_addresses_first(tmp_path: Path, cert_dir
     PULL_WINDOW (2) PULLs of one pull in flight, so the first 1,024 arrive within ~2,048 sent."""
     from prometheus_client import CollectorRegistry
 
-    from transports.metrics import TransportMetrics
-    from transports.session import MAX_ADDRESSES_PER_PULL
+    from transports.core.metrics import TransportMetrics
+    from transports.core.session import MAX_ADDRESSES_PER_PULL
 
     n, size = 4 * MAX_ADDRESSES_PER_PULL, 8 * 1024
     payloads = {BlockAddress(BlockHash(os.urandom(32)), 0): os.urandom(size) for _ in range(n)}

@@ -12,13 +12,13 @@ from typing import Any
 from support import closing, creds, pull_all, raw_peer, run, started
 
 from fabric.config import Config
-from transports.base import Hit, Miss, Peer
-from transports.budget import PeerRates, peer_rates
-from transports.codec import End, Error, ErrorCode, FrameDecoder, Hello, MissReason, Pull, encode
-from transports.metrics import TransportMetrics
+from transports.core.base import Hit, Miss, Peer
+from transports.core.budget import PeerRates, peer_rates
+from transports.core.codec import End, Error, ErrorCode, FrameDecoder, Hello, MissReason, Pull, encode
+from transports.core.metrics import TransportMetrics
 from transports.quic import QuicTransportClient, QuicTransportServer
-from transports.tls_client import TlsTcpClient
-from transports.tls_tcp import TlsTcpServer
+from transports.tls.client import TlsTcpClient
+from transports.tls.server import TlsTcpServer
 
 MemorySourceFactory = Any   # tests/transports/conftest.py
 STINGY = PeerRates(pulls_per_s=0.5, pull_burst=3.0)   # 3 PULLs, then one every 2 s

@@ -24,9 +24,9 @@ from support import check_signed_pull, closing, creds, filled_store, pull_all, r
 
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import BlockSource, Hit, Peer, PullResult
-from transports.certs import issue_node
-from transports.codec import (
+from transports.core.base import BlockSource, Hit, Peer, PullResult
+from transports.core.certs import issue_node
+from transports.core.codec import (
     MAGIC,
     PREAMBLE,
     VERSION,
@@ -42,7 +42,7 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.metrics import TransportMetrics
+from transports.core.metrics import TransportMetrics
 from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer, QuicTuning
 
 

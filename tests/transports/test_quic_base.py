@@ -1,10 +1,10 @@
-"""QUIC tuning (transports/quic_base.py) on a real library connection, driven with `now` by hand:
+"""QUIC tuning (transports/quic/base.py) on a real library connection, driven with `now` by hand:
 what a lost first packet costs a datacenter handshake."""
 
 from __future__ import annotations
 
-from transports.quic_backend import resolve
-from transports.quic_base import QuicTuning, base_configuration
+from transports.quic.backend import resolve
+from transports.quic.base import QuicTuning, base_configuration
 
 
 def _first_resend_s(backend_name: str, tuning: QuicTuning) -> float:

@@ -24,11 +24,11 @@ from aioquic.quic.configuration import QuicConfiguration
 from cryptography import x509
 from support import run
 
-from transports import quic_tls
-from transports.base import Hit, Peer
-from transports.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
-from transports.codec import FrameDecoder, MissReason, Pull, encode
+from transports.core.base import Hit, Peer
+from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
+from transports.core.codec import FrameDecoder, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
+from transports.quic import tls as quic_tls
 
 
 def node_files(cert_dir: Path, node: str) -> CredentialFiles:

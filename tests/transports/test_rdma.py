@@ -16,9 +16,9 @@ from support import creds, run
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit, Peer
+from transports.core.base import Hit, Peer
 from transports.factory import TransportUnavailableError, create_client, create_server
-from transports.rdma import (
+from transports.rdma.transport import (
     CONTROL_MAX,
     ControlDecoder,
     ControlError,
@@ -31,7 +31,7 @@ from transports.rdma import (
     gid_text,
     rdma_unavailable_reason,
 )
-from transports.tls_link import accept_tls, open_tls, tls_send_all
+from transports.tls.link import accept_tls, open_tls, tls_send_all
 
 ROCE_GID = bytes.fromhex("fe80" + "00" * 6 + "0a0b0c0d0e0f1011")
 PARAMS = RdmaParams(node="node-a", qp_num=0x1234, psn=0xABCDE, lid=0, gid=ROCE_GID, port_num=1, mtu=4096,

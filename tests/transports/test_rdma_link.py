@@ -18,10 +18,10 @@ from typing import Any, cast
 
 import pytest
 
-from transports.codec import FrameDecoder, MissReason
-from transports.metrics import TransportMetrics
-from transports.rdma_device import RdmaDeviceError, _Device, _RegisteredSlabs
-from transports.rdma_link import RdmaLink
+from transports.core.codec import FrameDecoder, MissReason
+from transports.core.metrics import TransportMetrics
+from transports.rdma.device import RdmaDeviceError, _Device, _RegisteredSlabs
+from transports.rdma.link import RdmaLink
 
 RECV_SLOTS = 4
 SLOT_SIZE = 4096
@@ -102,7 +102,7 @@ def slabs(monkeypatch: pytest.MonkeyPatch) -> list[list[Any]]:
             closed.append(list(self._maps))
             super().close()
 
-    monkeypatch.setattr("transports.rdma_link._RegisteredSlabs", Recording)
+    monkeypatch.setattr("transports.rdma.link._RegisteredSlabs", Recording)
     return closed
 
 

@@ -13,14 +13,15 @@ import pytest
 
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
-from transports.base import Hit, PullResult
-from transports.codec import (
+from transports.core.base import Hit, PullResult
+from transports.core.codec import (
     MAGIC,
     PREAMBLE,
     VERSION,
     Block,
     Blocks,
     Bye,
+    End,
     Error,
     ErrorCode,
     Frame,
@@ -34,7 +35,7 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.session import GROUP_BYTES, GROUP_PART_MAX, ClientSession, Fetched, ServerSession
+from transports.core.session import GROUP_BYTES, GROUP_PART_MAX, ClientSession, Fetched, ServerSession
 
 TIMEOUT_S = 10.0
 
@@ -78,10 +79,10 @@ class Pair:
         while self.to_server:
             data, self.to_server = self.to_server, b""
             back = self.server.receive(data, self.now)
-            for pull in self.server.take_pulls():
-                fetched = [self.store.get(a) for a in pull.addresses]
-                back += self.server.answer(pull.request_id, pull.addresses, fetched)
-                back += self.server.finish(pull.request_id, self.now)
+            self.server.take_pulls()
+            while (batch := self.server.next_batch()) is not None:
+                rid, rest = batch
+                back += self.server.answer(rid, rest, [self.store.get(a) for a in rest], self.now)
             for rid, results, done in self.client.receive(wire(back), self.now):
                 self.results.setdefault(rid, []).extend(results)
                 if done:
@@ -122,9 +123,9 @@ def answer_frames(store: dict[BlockAddress, Fetched], asked: list[BlockAddress],
     server.receive(wire([Hello("client-1", max_payload=client_max_payload), Pull(1, tuple(asked))]), 0.0)
     assert [p.request_id for p in server.take_pulls()] == [1]
     half = len(asked) // 2   # answered in two fetch batches, as adapters do
-    out = server.answer(1, asked[:half], [store.get(a) for a in asked[:half]])
-    out += server.answer(1, asked[half:], [store.get(a) for a in asked[half:]])
-    return FrameDecoder().feed(wire(out + server.finish(1, 0.0)))
+    out = server.answer(1, asked[:half], [store.get(a) for a in asked[:half]], 0.0)
+    out += server.answer(1, asked[half:], [store.get(a) for a in asked[half:]], 0.0)
+    return FrameDecoder().feed(wire(out))
 
 
 def test_a_run_of_small_hits_travels_as_few_blocks_frames_each_part_verified() -> None:
@@ -221,6 +222,77 @@ def test_a_lying_part_in_a_slot_is_a_miss_and_answered_slots_are_never_rewritten
     out = client.receive(wire([Hello("server-1"), lie]), 0.0)
     kinds = [type(r).__name__ for _, res, _ in out for r in res]
     assert kinds == ["Hit", "Miss"]
+
+
+def placed_blocks(num: int, size: int) -> tuple[ClientSession, int, bytearray, list[bytes]]:
+    """A client that asked for `num` addresses into `num` slots of `size` (over the BLOCKS part
+    size: a server answers each with a BLOCK frame of its own), and the payloads the server holds."""
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(b"?" * (num * size))
+    rid, _ = client.submit([addr(i) for i in range(num)], 0.0, into=memoryview(slots))
+    return client, rid, slots, [os.urandom(size) for _ in range(num)]
+
+
+def test_block_frames_are_received_straight_into_the_callers_slots() -> None:
+    """A 1 MiB layer comes as a BLOCK frame: it lands in its slot too, and each hit's payload is
+    its slot (no payload-sized buffer of its own)."""
+    size = GROUP_PART_MAX + 4096
+    client, rid, slots, parts = placed_blocks(3, size)
+    frames: list[Frame] = [Hello("server-1"), *(Block(rid, addr(i), blake3.blake3(p).digest(), p)
+                                                for i, p in enumerate(parts))]
+    # Arbitrary splits: a frame's payload is received across several reads.
+    data, hits = wire(frames), []
+    for at in range(0, len(data), 70_001):
+        hits += [r for _, res, _ in client.receive(data[at:at + 70_001], 0.0) for r in res]
+    assert all(isinstance(h, Hit) for h in hits) and bytes(slots) == b"".join(parts)
+    assert [h.payload.obj is slots and h.payload.nbytes == size for h in hits if isinstance(h, Hit)] == [True] * 3
+
+
+def test_a_corrupt_block_frame_in_a_slot_is_a_miss() -> None:
+    """A BLOCK whose payload does not match its digest lands in its slot, and is a miss."""
+    size = GROUP_PART_MAX + 1
+    client, rid, slots, parts = placed_blocks(2, size)
+    lie = Block(rid, addr(0), blake3.blake3(b"other").digest(), parts[0])
+    good = Block(rid, addr(1), blake3.blake3(parts[1]).digest(), parts[1])
+    out = client.receive(wire([Hello("server-1"), lie, good]), 0.0)
+    results = [r for _, res, _ in out for r in res]
+    assert [type(r).__name__ for r in results] == ["Miss", "Hit"]
+    assert isinstance(results[0], Miss) and results[0].reason is MissReason.DIGEST_MISMATCH
+    assert isinstance(results[1], Hit) and bytes(results[1].payload) == parts[1]
+    # The lie was received in its slot (no copy) and checked there: the slot never counted as filled.
+    assert bytes(slots[:size]) == parts[0] and results[1].payload.obj is slots
+
+
+def test_a_block_for_a_repeated_address_never_lands_in_an_answered_slot() -> None:
+    """Asked [A, B, A] and answered MISS A, MISS B, BLOCK A in one read: the BLOCK is the third
+    address's answer, and its hit holds exactly its payload, not the first slot the caller may
+    reuse after its miss."""
+    size = GROUP_PART_MAX + 10
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(3 * size)
+    asked = [addr(1), addr(2), addr(1)]
+    rid, _ = client.submit(asked, 0.0, into=memoryview(slots))
+    payload = os.urandom(size)
+    frames: list[Frame] = [Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND),
+                           Miss(rid, addr(2), MissReason.NOT_FOUND),
+                           Block(rid, addr(1), blake3.blake3(payload).digest(), payload)]
+    results = [r for _, res, _ in client.receive(wire(frames), 0.0) for r in res]
+    assert [type(r).__name__ for r in results] == ["Miss", "Miss", "Hit"]
+    hit = results[2]
+    assert isinstance(hit, Hit) and bytes(hit.payload) == payload
+    slots[:size] = b"!" * size   # the caller reuses the first (missed) slot: the hit is not touched
+    assert bytes(hit.payload) == payload
+    # The same with the caller refilling the missed slot while the BLOCK is still arriving.
+    client = ClientSession("client-1", "server-1", 0.0)
+    slots = bytearray(2 * size)
+    rid, _ = client.submit([addr(1), addr(1)], 0.0, into=memoryview(slots))
+    data = wire([Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND),
+                 Block(rid, addr(1), blake3.blake3(payload).digest(), payload)])
+    first = [r for _, res, _ in client.receive(data[:-1000], 0.0) for r in res]
+    assert [type(r).__name__ for r in first] == ["Miss"]
+    slots[:size] = b"!" * size
+    last = [r for _, res, _ in client.receive(data[-1000:], 0.0) for r in res]
+    assert len(last) == 1 and isinstance(last[0], Hit) and bytes(last[0].payload) == payload
 
 
 @pytest.mark.parametrize("header", [
@@ -384,7 +456,7 @@ def test_a_quic_stream_may_open_with_the_clients_hello_whose_limit_then_applies(
     server = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
     out = server.receive(encode(Hello("client-1", VERSION, 1000)) + encode(Pull(5, (addr(1), addr(2)))), 0.0)
     assert out == [] and [p.request_id for p in server.take_pulls()] == [5]
-    frames = server.answer(5, [addr(1), addr(2)], [big, small])
+    frames = server.answer(5, [addr(1), addr(2)], [big, small], 0.0)
     assert isinstance(frames[0], Miss) and frames[0].reason is MissReason.TOO_LARGE
     assert isinstance(frames[1], Block)
     stranger = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
@@ -393,6 +465,73 @@ def test_a_quic_stream_may_open_with_the_clients_hello_whose_limit_then_applies(
     late = ServerSession("server-1", "client-1", 0.0, hello=False, one_pull=True)
     out = late.receive(encode(Pull(5, (addr(1),))) + encode(Hello("client-1")), 0.0)
     assert isinstance(out[0], Error) and out[0].code is ErrorCode.PROTOCOL
+
+
+def test_the_server_session_hands_out_batches_round_robin_and_ends_each_pull() -> None:
+    """Adapters keep no cursor: the session says which pull to answer next and what of it is left,
+    takes turns between pulls (one caller's long pull does not hold up another's), and a pull's
+    last answer carries its END."""
+    server = ServerSession("server-1", "client-1", 0.0)
+    store = {addr(i): Stored(bytes([i]) * 100) for i in range(6)}
+    server.receive(wire([Hello("client-1"), Pull(1, tuple(addr(i) for i in range(4))), Pull(2, (addr(4), addr(5)))]),
+                   0.0)
+    assert server.next_batch() is None   # nothing handed out (admitted) yet
+    assert [p.request_id for p in server.take_pulls()] == [1, 2]
+    order, ends = [], []
+    while (batch := server.next_batch()) is not None:
+        rid, rest = batch
+        order.append((rid, len(rest)))
+        out = server.answer(rid, rest[:1], [store[rest[0]]], 1.0)   # a fetch batch of one block
+        ends += [f.request_id for f in out if isinstance(f, End)]
+    assert order == [(1, 4), (2, 2), (1, 3), (2, 1), (1, 2), (1, 1)]
+    assert ends == [2, 1] and not server.active and server.next_batch() is None
+    with pytest.raises(LocalProtocolError):
+        server.answer(1, [addr(0)], [store[addr(0)]], 1.0)
+
+
+def test_an_empty_pull_is_one_empty_batch_answered_by_its_end() -> None:
+    server = ServerSession("server-1", "client-1", 0.0)
+    server.receive(wire([Hello("client-1"), Pull(1, ())]), 0.0)
+    server.take_pulls()
+    assert server.next_batch() == (1, ())
+    assert server.answer(1, (), [], 0.0) == [End(1)] and server.next_batch() is None
+
+
+def test_the_client_session_keeps_each_requests_results_until_its_caller_takes_them() -> None:
+    """Adapters keep no copy of results: each request's outcome is the session's, in the order
+    asked, done once every address is answered, and forgotten when the caller is done with it."""
+    blocks = {addr(i): Stored(os.urandom(100)) for i in range(3)}
+    pair = Pair(dict(blocks))
+    first = pair.pull([addr(0), addr(7)])
+    second = pair.pull([addr(1), addr(2)])
+    pair.run()
+    one, two = pair.client.outcome(first), pair.client.outcome(second)
+    assert [r.address for r in one.results] == [addr(0), addr(7)] and one.done and one.answered
+    assert isinstance(one.results[1], Miss) and one.results[1].reason is MissReason.NOT_FOUND
+    assert [bytes(r.payload) for r in two.results if isinstance(r, Hit)] == [blocks[addr(1)].payload,
+                                                                            blocks[addr(2)].payload]
+    one.results.popleft()   # the caller takes what it reads
+    assert len(pair.client.outcome(first).results) == 1
+    pair.client.cancel(first)
+    with pytest.raises(KeyError):
+        pair.client.outcome(first)
+
+
+def test_a_request_lost_with_its_connection_was_never_answered() -> None:
+    """A pooled connection already gone when the PULL went out answers nothing (the caller may
+    pull again on a new one); a request the server answered, even with misses, was answered."""
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1)], 0.0)
+    client.receive(wire([Hello("server-1"), Bye("idle")]), 0.0)
+    outcome = client.outcome(rid)
+    assert outcome.done and not outcome.answered
+    assert [r.reason for r in outcome.results if isinstance(r, Miss)] == [MissReason.PEER_GONE]
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1), addr(2)], 0.0)
+    client.receive(wire([Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND)]), 0.0)
+    client.connection_lost(MissReason.PEER_GONE)
+    outcome = client.outcome(rid)
+    assert outcome.done and outcome.answered and len(outcome.results) == 2
 
 
 def test_a_refused_pull_is_answered_overloaded_and_frees_its_slot() -> None:

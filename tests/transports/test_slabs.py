@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transports.slabs import Extent, SlabAllocator
+from transports.core.slabs import Extent, SlabAllocator
 
 KIB = 1024
 

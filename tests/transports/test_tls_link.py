@@ -11,10 +11,10 @@ from pathlib import Path
 from support import creds
 
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Peer
-from transports.codec import Block, End, Frame, FrameDecoder, Miss, MissReason
-from transports.metrics import TransportMetrics
-from transports.tls_link import TLS_RECORD, TlsLink, accept_tls, open_tls
+from transports.core.base import Peer
+from transports.core.codec import Block, End, Frame, FrameDecoder, Miss, MissReason
+from transports.core.metrics import TransportMetrics
+from transports.tls.link import TLS_RECORD, TlsLink, accept_tls, open_tls
 
 
 def _frames() -> list[Frame]:

@@ -20,11 +20,10 @@ from cryptography import x509
 from support import check_signed_pull, closing, creds, filled_store, pull_all, run, started, wait_until
 
 from fabric.keys import BlockAddress, BlockHash
-from transports import tls_client
-from transports.base import Hit, Peer, PullResult
-from transports.buffers import uninitialised_bytearray
-from transports.certs import init_ca, issue_node, revoke
-from transports.codec import (
+from transports.core.base import Hit, Peer, PullResult
+from transports.core.buffers import uninitialised_bytearray
+from transports.core.certs import init_ca, issue_node, revoke
+from transports.core.codec import (
     MAGIC,
     PREAMBLE,
     VERSION,
@@ -41,11 +40,12 @@ from transports.codec import (
     Pull,
     encode,
 )
-from transports.metrics import TransportMetrics
-from transports.serving import SLOW_STREAK
-from transports.tls_client import ADDRESSES_PER_PULL, TlsTcpClient
-from transports.tls_link import READ_BUDGET, TRANSPORT, open_tls
-from transports.tls_tcp import TlsTcpServer
+from transports.core.metrics import TransportMetrics
+from transports.core.serving import SLOW_STREAK
+from transports.tls import client as tls_client
+from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
+from transports.tls.link import READ_BUDGET, TRANSPORT, open_tls
+from transports.tls.server import TlsTcpServer
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 # Fixtures of tests/transports/conftest.py (not importable as a module: tests/ is no package).
@@ -205,6 +205,25 @@ def test_a_pull_into_slots_receives_hits_in_place(cert_dir: Path, memory_source:
                     placed.append(i)
                     assert bytes(slots[i * 24 * 1024:(i + 1) * 24 * 1024]) == source.blocks[r.address].payload
             assert sorted(set(range(len(asked))) - set(placed)) == [50]   # all but the miss
+
+    run(main())
+
+
+def test_a_pull_into_slots_receives_large_blocks_in_place(cert_dir: Path,
+                                                           memory_source: MemorySourceFactory) -> None:
+    """Blocks over the BLOCKS part size travel one per BLOCK frame: they land in their slots too."""
+    size = 512 * 1024
+    source = memory_source(num_blocks=4, num_layers=2, payload_size=size)
+    asked = source.addresses
+    slots = bytearray(len(asked) * size)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            results = await pull_all_into(client, peer, asked, memoryview(slots))
+            assert [r.address for r in results] == asked
+            for i, r in enumerate(results):
+                assert isinstance(r, Hit) and isinstance(r.payload, memoryview) and r.payload.obj is slots
+                assert bytes(slots[i * size:(i + 1) * size]) == source.blocks[r.address].payload
 
     run(main())
 

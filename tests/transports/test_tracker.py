@@ -9,9 +9,20 @@ import blake3
 import pytest
 
 from fabric.keys import BlockAddress, BlockHash
-from transports.base import Hit
-from transports.codec import Block, End, Error, ErrorCode, FrameDecoder, Miss, MissReason, ProtocolError, Pull, encode
-from transports.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull
+from transports.core.base import Hit
+from transports.core.codec import (
+    Block,
+    End,
+    Error,
+    ErrorCode,
+    FrameDecoder,
+    Miss,
+    MissReason,
+    ProtocolError,
+    Pull,
+    encode,
+)
+from transports.core.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from transports.codec import (
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Frame,
     FrameDecoder,
@@ -34,11 +34,11 @@ from transports.codec import (
     encode_parts,
     payload_pieces,
 )
-from transports.metrics import TransportMetrics
-from transports.rdma_control import MTU_CODES, ControlError, RdmaParams, gid_text
-from transports.rdma_device import RdmaDeviceError, _Device, _RegisteredSlabs
-from transports.slabs import Extent
-from transports.tls_link import LinkBase
+from transports.core.metrics import TransportMetrics
+from transports.core.slabs import Extent
+from transports.rdma.control import MTU_CODES, ControlError, RdmaParams, gid_text
+from transports.rdma.device import RdmaDeviceError, _Device, _RegisteredSlabs
+from transports.tls.link import LinkBase
 
 logger = logging.getLogger(__name__)
 

@@ -36,7 +36,7 @@ import msgpack
 
 from fabric.keys import HASH_SIZE, BlockAddress, BlockHash
 from fabric.provenance import Provenance
-from transports.frames import (
+from transports.core.frames import (
     DEFAULT_MAX_PAYLOAD,
     VERSION,
     Block,
@@ -53,7 +53,7 @@ from transports.frames import (
     Payload,
     Pull,
 )
-from transports.provenance_tables import part_records, record_tables
+from transports.core.provenance_tables import part_records, record_tables
 
 # The frames are defined in frames.py and are part of the codec's interface.
 __all__ = [

@@ -1,6 +1,6 @@
 """QUIC transport (aioquic 1.7.2): what its server and client share (re-exported by `transports.quic`).
 
-    client (quic_client.QuicTransportClient)        server (quic_server.QuicTransportServer)
+    client (client.QuicTransportClient)        server (server.QuicTransportServer)
     pool: node -> one connection                    per connection: stream id -> ServerSession
     pull(): one bidirectional stream per PULL
         HELLO + PULL + FIN ───────────────────────► ServerSession(hello=False, one_pull=True)
@@ -8,7 +8,7 @@
     ClientSession verifies each digest               while unacked bytes < send_high_water
 
 ALPN `kvfabric/1`; mutual TLS against the cluster CA (the server side is enforced by
-`transports.quic_tls`, the client side by aioquic's own verification with the dialled node name
+`transports.quic.tls`, the client side by aioquic's own verification with the dialled node name
 as server name).
 
 Datagram size decides QUIC's speed here: aioquic builds every packet in Python, so throughput is
@@ -26,8 +26,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from fabric.config import TransportConfig
-from transports.codec import Frame, encode_parts, payload_pieces
-from transports.quic_backend import QuicBackend
+from transports.core.codec import Frame, encode_parts, payload_pieces
+from transports.quic.backend import QuicBackend
 
 ALPN = "kvfabric/1"
 DATACENTER_INITIAL_RTT_S = 0.01

@@ -2,17 +2,17 @@
 packet core is Rust), chosen by `[transport] quic_backend`.
 
 Both expose the same sans-I/O shape (QuicConnection: receive_datagram / datagrams_to_send /
-next_event / send_stream_data, events, an asyncio protocol and server), so `quic_server` and
-`quic_client` are written once against it. What differs sits here, one `QuicBackend` per library:
+next_event / send_stream_data, events, an asyncio protocol and server), so `server` and
+`client` are written once against it. What differs sits here, one `QuicBackend` per library:
 
   * the library's classes (configuration, connection, protocol and server bases, events);
-  * the server's client-certificate enforcement (`quic_tls` for aioquic, `quic_tls_qh3` for qh3);
+  * the server's client-certificate enforcement (`tls` for aioquic, `tls_qh3` for qh3);
   * the few stream internals the server reads (bytes queued, whether a stream can still send);
   * the UDP endpoint: our batched reader for aioquic; for qh3 its own transport, which sends with
     GSO and receives with GRO / recvmmsg where the kernel has them.
 
 `auto` picks qh3 when it imports (it moves several times more bytes per CPU second), else aioquic.
-Session resumption exists on aioquic only (see `quic_tls_qh3`).
+Session resumption exists on aioquic only (see `tls_qh3`).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ from functools import cache
 from types import ModuleType
 from typing import Any, Literal, cast
 
-from transports.client_auth import AuthFailure
-from transports.udp import UdpEndpoint
+from transports.quic.client_auth import AuthFailure
+from transports.quic.udp import UdpEndpoint
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +95,7 @@ def _aioquic() -> QuicBackend:
     from aioquic.quic.connection import QuicConnection
     from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
-    from transports import quic_tls
+    from transports.quic import tls as quic_tls
 
     def queued(quic: Any) -> int:
         return sum(len(qs.sender._buffer) for qs in quic._streams.values())
@@ -142,7 +142,7 @@ def _qh3() -> QuicBackend:
     from qh3.quic.connection import QuicConnection, QuicConnectionError
     from qh3.quic.packet import QuicPacketType
 
-    from transports import quic_tls_qh3
+    from transports.quic import tls_qh3 as quic_tls_qh3
 
     def queued(quic: Any) -> int:
         return int(quic.get_send_buffer_size())

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from transports.base import Hit, PullResult
-from transports.codec import MissReason
+from transports.core.base import Hit, PullResult
+from transports.core.codec import MissReason
 
 
 class TransportMetrics:

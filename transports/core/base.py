@@ -14,7 +14,7 @@ from typing import Protocol
 
 from fabric.keys import BlockAddress
 from fabric.provenance import Provenance
-from transports.codec import Miss
+from transports.core.codec import Miss
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +42,7 @@ class BlockSource(Protocol):
 @dataclass(frozen=True, slots=True)
 class Hit:
     """A verified payload: its BLAKE3 digest matched the one the peer announced. `provenance` is
-    the producer's record the peer sent with it (not yet checked: see transports/provenance_check.py)."""
+    the producer's record the peer sent with it (not yet checked: see transports/core/provenance_check.py)."""
 
     address: BlockAddress
     payload: bytes | bytearray | memoryview

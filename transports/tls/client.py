@@ -5,7 +5,7 @@ must name the dialled node), keeps PULL_WINDOW PULLs of a pull in flight (the se
 connection's PULLs round-robin, so two keep one pull's answers in order), checks digests on the
 loop, receives runs of hits straight into the caller's slots (`into`), and pauses reading while
 over RESULTS_HIGH bytes of results wait for their callers. A pull that races the server's idle
-close is made again on a new connection. The server is tls_tcp.py.
+close is made again on a new connection. The server is server.py.
 """
 
 
@@ -20,10 +20,10 @@ from typing import Self
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
-from transports.base import Hit, Peer, PullResult
-from transports.buffers import tune_allocator, uninitialised_bytearray
-from transports.certs import NodeCredentials
-from transports.codec import (
+from transports.core.base import Hit, Peer, PullResult
+from transports.core.buffers import tune_allocator, uninitialised_bytearray
+from transports.core.certs import NodeCredentials
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
     Frame,
@@ -32,13 +32,10 @@ from transports.codec import (
     MissReason,
     ProtocolError,
 )
-from transports.metrics import TransportMetrics
-from transports.serving import (
-    Watchdog,
-    watchdog_interval,
-)
-from transports.session import MAX_ADDRESSES_PER_PULL, ClientSession
-from transports.tls_link import (
+from transports.core.metrics import TransportMetrics
+from transports.core.session import MAX_ADDRESSES_PER_PULL, ClientSession, Outcome
+from transports.core.timer import DeadlineTimer
+from transports.tls.link import (
     TRANSPORT,
     FrameLink,
     TlsLink,
@@ -54,21 +51,18 @@ RESULTS_HIGH = 64 * 1024 * 1024
 
 
 class _Request:
-    """One PULL's results awaiting its caller."""
+    """One PULL's caller: its results (the session's `Outcome`) and how the caller is woken."""
 
-    __slots__ = ("abandoned", "finished", "request_id", "results", "touched", "waiting", "wakeup")
+    __slots__ = ("outcome", "request_id", "waiting", "wakeup")
 
-    def __init__(self, request_id: int) -> None:
+    def __init__(self, request_id: int, outcome: Outcome) -> None:
         self.request_id = request_id
-        self.results: deque[PullResult] = deque()
+        self.outcome = outcome
         self.wakeup = asyncio.Event()
-        self.finished = False
-        self.abandoned = False
-        self.touched = False    # a frame of this request arrived
         self.waiting = False    # its caller waits for results
 
 
-class _ClientConnection:
+class ClientConnection:
     """Client side of one connection: its ClientSession, and results handed to their callers."""
 
     link: FrameLink
@@ -77,7 +71,7 @@ class _ClientConnection:
         self.client = client
         self.peer = peer
         self._loop = asyncio.get_running_loop()
-        # Payload buffers are not zero-filled: decryption overwrites every byte (tls_link).
+        # Payload buffers are not zero-filled: decryption overwrites every byte (link.py).
         decoder = FrameDecoder(max_payload=client.max_payload, payload_allocator=uninitialised_bytearray)
         self.session = ClientSession(client.node, peer.node, self._loop.time(), max_payload=client.max_payload,
                                      frame_timeout_s=client.frame_timeout_s, idle_timeout_s=client.idle_timeout_s,
@@ -85,29 +79,28 @@ class _ClientConnection:
         self.requests: dict[int, _Request] = {}
         self.buffered = 0
         self.paused = False   # reading paused: over RESULTS_HIGH bytes of results wait for callers
+        self.timer = DeadlineTimer(self._expire)
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
 
     def submit(self, addresses: Sequence[BlockAddress], into: memoryview | None = None) -> _Request:
         if self.link.closed or self.session.closing:
-            req = _Request(0)
-            req.results.extend(Miss(0, a, MissReason.PEER_GONE) for a in addresses)
-            req.finished = True
-            return req
+            return _Request(0, Outcome(deque(Miss(0, a, MissReason.PEER_GONE) for a in addresses), done=True))
         rid, frames = self.session.submit(addresses, self._loop.time(), into)
-        req = self.requests[rid] = _Request(rid)
+        req = self.requests[rid] = _Request(rid, self.session.outcome(rid))
         for frame in frames:
             self.link.send(frame)
+        self.timer.at_most(self.session.next_deadline())
         return req
 
     def abandon(self, req: _Request) -> None:
         """The caller stopped iterating: drop further results (the frames are still read)."""
-        req.abandoned = True
         self.session.cancel(req.request_id)
         self.requests.pop(req.request_id, None)
-        self.consumed(sum(len(r.payload) for r in req.results if isinstance(r, Hit)))
-        req.results.clear()
+        results = req.outcome.results
+        self.consumed(sum(len(r.payload) for r in results if isinstance(r, Hit)))
+        results.clear()
 
     def consumed(self, nbytes: int, *, starving: bool = False) -> None:
         """`starving`: a caller waits with nothing to read: resume even over RESULTS_HIGH (else deadlock)."""
@@ -116,12 +109,13 @@ class _ClientConnection:
             self.paused = False
             self.session.resume(self._loop.time())
             self.link.resume_reading()
+            self.timer.at_most(self.session.next_deadline())
 
     def on_frames(self, frames: list[Frame]) -> None:
         self._deliver(self.session.receive_frames(frames, self._loop.time()))
 
-    def _deliver(self, out: list[tuple[int, list[PullResult], bool]], arrived: bool = True) -> None:
-        """Hand results to their requests; `arrived`: they come from frames, not a lost connection."""
+    def _deliver(self, out: list[tuple[int, list[PullResult], bool]]) -> None:
+        """Count what the session queued for its requests and wake their callers."""
         hits = num_bytes = 0
         metrics, transport = self.client.metrics, self.client.transport
         for rid, results, done in out:
@@ -134,22 +128,19 @@ class _ClientConnection:
                     metrics.child(metrics.pulls, transport, r.reason.value).inc()
             if req is None:
                 continue
-            # Answered: a frame of its own arrived (a BYE read after the PULL went out is not one).
-            if not req.touched and arrived:
-                req.touched = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
-            req.results.extend(results)
             if done:
-                req.finished = True
                 del self.requests[rid]
             req.wakeup.set()
         if hits:
             metrics.child(metrics.pulls, transport, "hit").inc(hits)
             metrics.child(metrics.pull_bytes, transport).inc(num_bytes)
             self.buffered += num_bytes
-            if self.buffered > RESULTS_HIGH and not any(r.waiting and not r.results for r in self.requests.values()):
+            if self.buffered > RESULTS_HIGH and not any(
+                    r.waiting and not r.outcome.results for r in self.requests.values()):
                 self.paused = True
                 self.session.pause(self._loop.time())
                 self.link.pause_reading()
+        self.timer.at_most(self.session.next_deadline())
         if self.session.closing:
             self.client._forget(self)
             if self.session.error is not None:
@@ -158,13 +149,17 @@ class _ClientConnection:
             self.link.close(self.session.close_reason, str(self.session.error or "closed"))
 
     def on_closed(self, reason: MissReason) -> None:
+        self.timer.cancel()
         self.client._forget(self)
-        self._deliver(self.session.connection_lost(reason), arrived=False)
+        self._deliver(self.session.connection_lost(reason))
 
-    def watchdog(self, now: float) -> None:
+    def _expire(self, now: float) -> float | None:
+        """The session's timers (see DeadlineTimer): a stalled server, an idle connection."""
+        if self.link.closed:
+            return None
         deadline = self.session.next_deadline()
-        if deadline is None or now < deadline or self.link.closed:
-            return
+        if deadline is None or now < deadline:
+            return deadline
         frames, results = self.session.handle_timer(now)
         if self.session.closing:
             self.client._forget(self)   # before BYE, so that no new pull picks this connection
@@ -173,6 +168,7 @@ class _ClientConnection:
         self._deliver(results)
         if self.session.closing:
             self.link.close_after_flush(self.session.close_reason, "idle" if frames else "server stalled")
+        return self.session.next_deadline()
 
 
 class TlsTcpClient:
@@ -193,9 +189,8 @@ class TlsTcpClient:
         self.frame_timeout_s = frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics or TransportMetrics()
-        self._pool: dict[Peer, _ClientConnection] = {}
+        self._pool: dict[Peer, ClientConnection] = {}
         self._dialing: dict[Peer, asyncio.Lock] = {}
-        self._watchdog: Watchdog | None = None
         self.num_connects = 0
 
     @classmethod
@@ -234,19 +229,20 @@ class TlsTcpClient:
             try:
                 for i in range(len(chunks)):
                     req = requests[i]
-                    results = req.results
+                    outcome = req.outcome
+                    results = outcome.results
                     while True:
                         while results:
                             r = results.popleft()
                             if isinstance(r, Hit):
                                 conn.buffered -= len(r.payload)   # out of the window; `consumed` resumes below
-                            elif (i == 0 and attempt == 0 and reused and not req.touched
+                            elif (i == 0 and attempt == 0 and reused and not outcome.answered
                                   and r.reason is MissReason.PEER_GONE):
                                 retry = True  # the pooled connection was gone before answering anything
                                 break
                             yield r
                         conn.consumed(0)
-                        if retry or (req.finished and not results):
+                        if retry or (outcome.done and not results):
                             break
                         req.wakeup.clear()
                         req.waiting = True
@@ -264,7 +260,7 @@ class TlsTcpClient:
                 return
             logger.info("pooled connection to %s was gone; pulling again on a new one", peer.node)
 
-    async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, MissReason, bool]:
+    async def _connection(self, peer: Peer) -> tuple[ClientConnection | None, MissReason, bool]:
         """(the pooled or a new connection, None and the miss reason when none can be had, whether
         the connection was reused from the pool)."""
         conn = self._pool.get(peer)
@@ -278,7 +274,7 @@ class TlsTcpClient:
             if not lock.locked() and self._dialing.get(peer) is lock:
                 del self._dialing[peer]   # no dial of this peer waits: forget its lock
 
-    async def _dial(self, peer: Peer) -> tuple[_ClientConnection | None, MissReason, bool]:
+    async def _dial(self, peer: Peer) -> tuple[ClientConnection | None, MissReason, bool]:
         conn = self._pool.get(peer)
         if conn is not None and not conn.link.closed:
             return conn, MissReason.PEER_GONE, True
@@ -292,9 +288,9 @@ class TlsTcpClient:
         except (OSError, TimeoutError) as e:
             logger.info("cannot reach %s at %s:%d: %s", peer.node, peer.host, peer.port, e)
             return None, MissReason.TIMEOUT if isinstance(e, TimeoutError) else MissReason.PEER_GONE, False
-        conn = _ClientConnection(self, peer)
+        conn = ClientConnection(self, peer)
         try:
-            conn.attach(await self._open_link(peer, sock, conn))
+            conn.attach(await self.open_link(peer, sock, conn))
         except (OSError, TimeoutError, ProtocolError) as e:
             logger.warning("could not set up a %s link with %s: %s", self.transport, peer.node, e)
             sock.close()
@@ -305,25 +301,20 @@ class TlsTcpClient:
         conn.link.start()
         for frame in conn.session.hello():
             conn.link.send(frame)
-        if self._watchdog is None:
-            self._watchdog = Watchdog(watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
-                                       lambda: list(self._pool.values()))
+        conn.timer.at_most(conn.session.next_deadline())
         return conn, MissReason.PEER_GONE, False
 
-    async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
+    async def open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: ClientConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
         return TlsLink(sock, conn.session.decoder, conn.on_frames, conn.on_closed,
                        self.frame_timeout_s, self.metrics, self.transport, batch_frames=True)
 
-    def _forget(self, conn: _ClientConnection) -> None:
+    def _forget(self, conn: ClientConnection) -> None:
         if self._pool.get(conn.peer) is conn:
             del self._pool[conn.peer]
             self.metrics.connections.labels(self.transport, "client").dec()
 
     async def close(self) -> None:
-        if self._watchdog is not None:
-            self._watchdog.cancel()
-            self._watchdog = None
         for conn in list(self._pool.values()):
             conn.link.send(Bye("client closing"))
             conn.link.close(MissReason.PEER_GONE, "client closing")

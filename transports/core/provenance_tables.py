@@ -1,4 +1,4 @@
-"""How producers' provenance records travel in BLOCK and BLOCKS headers (transports/codec.py).
+"""How producers' provenance records travel in BLOCK and BLOCKS headers (transports/core/codec.py).
 Pure: header fields in, records out.
 
 Optional header fields (all three or none)::

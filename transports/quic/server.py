@@ -1,4 +1,4 @@
-"""QUIC server (aioquic or qh3, see `quic_backend`): one `ServerSession` per PULL stream, answers pumped round-robin.
+"""QUIC server (aioquic or qh3, see `backend`): one `ServerSession` per PULL stream, answers pumped round-robin.
 
     client stream: HELLO + PULL + FIN ──► ServerSession(hello=False, one_pull=True): the client's
                    payload limit, rules, frame deadline
@@ -47,13 +47,16 @@ from aioquic.quic.packet import QuicErrorCode
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
-from transports.base import BlockSource
-from transports.budget import PeerBudgets, PeerRates, peer_rates
-from transports.certs import NodeCredentials
-from transports.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
-from transports.metrics import TransportMetrics
-from transports.quic_backend import QuicBackend, resolve
-from transports.quic_base import (
+from transports.core.base import BlockSource
+from transports.core.budget import PeerBudgets, PeerRates, peer_rates
+from transports.core.certs import NodeCredentials
+from transports.core.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
+from transports.core.metrics import TransportMetrics
+from transports.core.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
+from transports.core.session import Fetched, ServerSession
+from transports.core.timer import DeadlineTimer
+from transports.quic.backend import QuicBackend, resolve
+from transports.quic.base import (
     ALPN,
     STREAM_PROTOCOL_ERROR,
     STREAM_TIMEOUT,
@@ -62,10 +65,8 @@ from transports.quic_base import (
     base_configuration,
     send_frame,
 )
-from transports.quic_tls import QuicTlsMaterial
-from transports.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
-from transports.session import Fetched, ServerSession
-from transports.udp import udp_socket
+from transports.quic.tls import QuicTlsMaterial
+from transports.quic.udp import udp_socket
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's (see _classes)
     from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -83,9 +84,6 @@ class _Stream:
 
     stream_id: int
     session: ServerSession | None
-    addresses: Sequence[BlockAddress] = ()
-    request_id: int = 0
-    next_index: int = 0
     frames: deque[Frame] = field(default_factory=deque)   # answers made, not yet handed to aioquic
     fetching: bool = False
     peer_finished: bool = False
@@ -105,7 +103,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self.node: str | None = None
         self._streams: dict[int, _Stream] = {}
         self._ready: deque[_Stream] = deque()   # streams with answers left to make or send
-        self._sweep_timer: asyncio.TimerHandle | None = None
+        self._deadlines = DeadlineTimer(self._expire)   # the streams' sessions' deadlines
         self._terminated = False
         self._refused = False
         self._throttled_until = 0.0   # over its budget: its datagrams are dropped until then
@@ -208,7 +206,6 @@ class _ServerConnection(QuicConnectionProtocol):
         self.node = node
         self._server.metrics.connections.labels(TRANSPORT, "server").inc()
         logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)
-        self._arm_sweep()
 
     def _on_terminated(self, event: events.ConnectionTerminated) -> None:
         if self._terminated:
@@ -227,9 +224,7 @@ class _ServerConnection(QuicConnectionProtocol):
 
     def _release(self) -> None:
         self._end_half_open()
-        if self._sweep_timer is not None:
-            self._sweep_timer.cancel()
-            self._sweep_timer = None
+        self._deadlines.cancel()
         self._streams.clear()
         self._ready.clear()
         self._server._connections.discard(self)
@@ -269,13 +264,12 @@ class _ServerConnection(QuicConnectionProtocol):
         now = self._loop.time()
         for pull in pulls:
             assert self.node is not None, "only an authenticated connection carries PULLs"
-            if self._server.admit_pull(self.node, now):
-                stream.request_id, stream.addresses = pull.request_id, pull.addresses
-            else:
+            if not self._server.admit_pull(self.node, now):
                 stream.frames.extend(session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget"))
                 self._throttled_until = now + self._server.throttle_s(self.node, now)
         if pulls or session.closing:
             self._ready.append(stream)   # answers to make, or its ERROR frame or end to send
+        self._deadlines.at_most(session.next_deadline())
         if session.closing:
             error = session.error
             if error is not None:
@@ -292,7 +286,7 @@ class _ServerConnection(QuicConnectionProtocol):
         stream = self._streams.get(stream_id)
         if stream is None:
             return
-        stream.session, stream.addresses = None, ()
+        stream.session = None
         stream.frames.clear()
         if stream in self._ready:
             self._ready.remove(stream)
@@ -328,8 +322,7 @@ class _ServerConnection(QuicConnectionProtocol):
                     self._quic.send_stream_data(stream.stream_id, b"", end_stream=True)
                     self._close(stream.stream_id)
                     continue
-                self._make_answers(stream, session)
-                if stream.fetching:
+                if not self._make_answers(stream, session):
                     continue
             while stream.frames and budget > 0:
                 frame = stream.frames.popleft()
@@ -341,56 +334,63 @@ class _ServerConnection(QuicConnectionProtocol):
             if stream.session is not None:
                 self._ready.append(stream)
 
-    def _make_answers(self, stream: _Stream, session: ServerSession) -> None:
-        rest = stream.addresses[stream.next_index:]
+    def _make_answers(self, stream: _Stream, session: ServerSession) -> bool:
+        """Answer the stream's next batch (the session says which); False when there are no
+        answers to send now (none left, or they are being fetched in the pool)."""
+        batch = session.next_batch()
+        if batch is None:
+            return False
+        rid, rest = batch
         server = self._server
         if server.executor is not None and self._loop.time() < server.slow_until:
             stream.fetching = True   # the store is slow (disk): read it off the loop
-            task = self._loop.create_task(self._fetch_in_thread(stream, session, rest))
+            task = self._loop.create_task(self._fetch_in_thread(stream, session, rid, rest))
             server.fetches.add(task)
             task.add_done_callback(server.fetches.discard)
-            return
+            return False
         fetched, slow = fetch(server.source, rest, BATCH_BYTES, INLINE_FETCH_S)
         server.note_fetch(slow, self._loop.time())
-        self._answered(stream, session, rest, fetched)
+        self._answered(stream, session, rid, rest, fetched)
+        return True
 
-    async def _fetch_in_thread(self, stream: _Stream, session: ServerSession, rest: Sequence[BlockAddress]) -> None:
+    async def _fetch_in_thread(self, stream: _Stream, session: ServerSession, rid: int,
+                               rest: Sequence[BlockAddress]) -> None:
         server = self._server
         assert server.executor is not None, "fetching in a thread needs the pool"
         fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, BATCH_BYTES)
         stream.fetching = False
         if stream.session is session and not self._terminated:
-            self._answered(stream, session, rest, fetched)
+            self._answered(stream, session, rid, rest, fetched)
             self._ready.append(stream)
             self.transmit()
 
-    def _answered(self, stream: _Stream, session: ServerSession, rest: Sequence[BlockAddress],
+    def _answered(self, stream: _Stream, session: ServerSession, rid: int, rest: Sequence[BlockAddress],
                   fetched: list[Fetched]) -> None:
-        stream.frames.extend(session.answer(stream.request_id, rest[:len(fetched)], fetched))
-        stream.next_index += len(fetched)
-        if stream.next_index >= len(stream.addresses):
-            stream.frames.extend(session.finish(stream.request_id, self._loop.time()))
-        self._server.count_served(session, self._loop.time())
+        now = self._loop.time()
+        stream.frames.extend(session.answer(rid, rest[:len(fetched)], fetched, now))
+        self._server.count_served(session, now)
 
     # -- timers --------------------------------------------------------------------------------
 
-    def _arm_sweep(self) -> None:
-        interval = max(0.05, self._server.frame_timeout_s / 8)
-        self._sweep_timer = self._loop.call_later(interval, self._sweep)
-
-    def _sweep(self) -> None:
-        now = self._loop.time()
+    def _expire(self, now: float) -> float | None:
+        """The streams' timers (see DeadlineTimer): a PULL that does not arrive whole in time ends
+        its stream; returns the soonest deadline left."""
+        if self._terminated:
+            return None
         failed = False
+        soonest: float | None = None
         for stream in list(self._streams.values()):
             session = stream.session
             deadline = None if session is None else session.next_deadline()
             if session is not None and deadline is not None and now >= deadline:
                 self._after(stream, session.handle_timer(now))
                 failed = True
+                deadline = session.next_deadline()
+            if deadline is not None and (soonest is None or deadline < soonest):
+                soonest = deadline
         if failed:
             self.transmit()
-        if not self._terminated:
-            self._arm_sweep()
+        return soonest
 
 
 class _CidTable(dict[bytes, QuicConnectionProtocol]):
@@ -509,7 +509,7 @@ class QuicTransportServer(ServingServer):
         `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
         them from one source address, each for at most `handshake_timeout_s`;
         `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);
-        `io_threads`: for slow reads; `backend`: the QUIC library (see `quic_backend`)."""
+        `io_threads`: for slow reads; `backend`: the QUIC library (see `backend`)."""
         self.backend = resolve(backend)
         self.credentials = credentials
         self.node = credentials.node

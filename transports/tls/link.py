@@ -39,9 +39,9 @@ from typing import Protocol, cast
 
 from cryptography import x509
 
-from transports.base import Peer
-from transports.certs import CertificateError, NodeCredentials, node_name_of
-from transports.codec import (
+from transports.core.base import Peer
+from transports.core.certs import CertificateError, NodeCredentials, node_name_of
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     DIRECT_MIN,
     Error,
@@ -53,7 +53,7 @@ from transports.codec import (
     encode_parts,
     payload_pieces,
 )
-from transports.metrics import TransportMetrics
+from transports.core.metrics import TransportMetrics
 
 logger = logging.getLogger(__name__)
 

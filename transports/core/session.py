@@ -6,15 +6,18 @@
                                                            the certificate's; answered by HELLO
     submit(addresses, now) ─► PULL(rid)  ───────────────►  take_pulls(): ≤ max_inflight at once; more
                                                            wait (`reading` False: stop reading)
-    receive(): each digest checked,      ◄───────────────  answer(rid, addresses, blocks): a run of
-      Hit / Miss per address, in order                     hits as one BLOCKS frame (or a BLOCK), a
-                                                           MISS(not_found | too_large | source_error)
-    done on END / ERROR                  ◄───────────────  finish(rid) ─► END
+                                                           next_batch(): which pull to answer next
+                                                           (round-robin) and what of it is left
+    receive(): each digest checked,      ◄───────────────  answer(rid, addresses, blocks, now): a run
+      Hit / Miss per address, in order,                    of hits as one BLOCKS frame (or a BLOCK),
+      queued in the request's Outcome                      a MISS(not_found | too_large | source_error)
+    done on END / ERROR                  ◄───────────────  … END with the answer to its last address
 
 Neither side touches a socket, a thread or a clock: bytes (or decoded frames) and `now` go in;
 frames to send, pull results, `closing` and the next timer deadline come out. A transport adapter
-moves the bytes, fetches blocks from its store, calls `handle_timer(now)` at `next_deadline()`
-and closes the connection once `closing` is set (after sending what the call returned). QUIC runs
+moves the bytes, fetches the batches `next_batch` names from its store, calls `handle_timer(now)`
+at `next_deadline()` (with a `timer.DeadlineTimer`) and closes the connection once `closing` is set
+(after sending what the call returned); it keeps no copy of what the session tracks. QUIC runs
 one session per stream (`hello=False`, one PULL each); there the client opens each stream with its
 HELLO (its payload limit), which is checked the same way and not answered (the TLS handshake
 already named both ends).
@@ -34,14 +37,15 @@ error is kept in `error` for the adapter's metrics. A call out of turn by the ad
 from __future__ import annotations
 
 import enum
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from fabric.keys import BlockAddress
 from fabric.provenance import Provenance
-from transports.base import PullResult, SourceBlock
-from transports.codec import (
+from transports.core.base import Hit, PullResult, SourceBlock
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     VERSION,
     Block,
@@ -60,10 +64,10 @@ from transports.codec import (
     ProtocolError,
     Pull,
 )
-from transports.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull, verify
+from transports.core.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull, verify
 
-__all__ = ["MAX_ADDRESSES_PER_PULL", "ClientSession", "Fetched", "PullTracker", "ServedStats", "ServerSession",
-           "State", "answer_pull", "verify"]
+__all__ = ["MAX_ADDRESSES_PER_PULL", "ClientSession", "Fetched", "Outcome", "PullTracker", "ServedStats",
+           "ServerSession", "State", "answer_pull", "verify"]
 
 Fetched = SourceBlock | None | Exception   # what a store read gave: a block, nothing, or a failure
 
@@ -83,6 +87,17 @@ PROVENANCE_HEADER_BUDGET = 32 * 1024
 class State(enum.Enum):
     OPEN = "open"
     CLOSING = "closing"   # the adapter sends what the last call returned, then closes
+
+
+@dataclass(slots=True)
+class Outcome:
+    """What one client request has given and its caller has not taken yet: results in the order
+    asked (the caller pops them), whether it is done, and whether the server answered it at all
+    (anything but a PEER_GONE miss: a pooled connection that was already gone answers nothing)."""
+
+    results: deque[PullResult] = field(default_factory=deque)
+    done: bool = False
+    answered: bool = False
 
 
 @dataclass(slots=True)
@@ -155,6 +170,7 @@ class ServerSession(_Session):
         self.answered: dict[int, int] = {}    # per active pull, how many of its addresses are answered
         self.queued: dict[int, Pull] = {}     # waiting for a slot (insertion ordered)
         self._to_start: list[Pull] = []
+        self._turns: deque[int] = deque()     # active pulls handed out by take_pulls, in answering order
         self.num_pulls = 0
         self.stats = ServedStats()
         self._init_session(FrameDecoder(max_payload=0), now)   # clients never send payloads
@@ -248,15 +264,45 @@ class ServerSession(_Session):
 
     # -- answering
     def take_pulls(self) -> list[Pull]:
-        """PULLs to start answering now (each is then answered with `answer` and `finish`); none
-        once the session is closing: nobody waits for their answers."""
+        """PULLs to start answering now: the adapter admits each (or `refuse`s it), then answers
+        the admitted ones batch by batch (`next_batch`, `answer`); none once the session is
+        closing: nobody waits for their answers."""
         out, self._to_start = self._to_start, []
-        return out if self.state is State.OPEN else []
+        if self.state is not State.OPEN:
+            return []
+        self._turns.extend(pull.request_id for pull in out)
+        return out
 
-    def answer(self, request_id: int, addresses: Sequence[BlockAddress], fetched: Sequence[Fetched]) -> list[Frame]:
+    def next_batch(self) -> tuple[int, Sequence[BlockAddress]] | None:
+        """The pull to answer next, round-robin over the pulls handed out by `take_pulls` (fair
+        between callers), and its addresses not answered yet: the adapter fetches from their start
+        and hands what it got to `answer`. None when there is nothing to answer, or the session is
+        closing."""
+        rid = self._next_turn()
+        return None if rid is None else (rid, self.active[rid].addresses[self.answered[rid]:])
+
+    @property
+    def answering(self) -> bool:
+        """True while `next_batch` has a batch to hand out."""
+        return self._next_turn() is not None
+
+    def _next_turn(self) -> int | None:
+        if self.state is not State.OPEN:
+            return None
+        turns = self._turns
+        while turns:
+            if turns[0] in self.active:
+                return turns[0]
+            turns.popleft()   # finished, refused or abandoned
+        return None
+
+    def answer(self, request_id: int, addresses: Sequence[BlockAddress], fetched: Sequence[Fetched],
+               now: float) -> list[Frame]:
         """The frames for the next `addresses` of an active pull (in the order asked), from what
         the store gave: runs of hits as BLOCKS frames (a lone hit as a BLOCK), a block over the
-        client's payload limit MISS(too_large), a failed read MISS(source_error)."""
+        client's payload limit MISS(too_large), a failed read MISS(source_error). A pull whose last
+        address this answers is finished: its END comes last (and a queued PULL starts, see
+        `reading`); one with more to answer waits for its next turn (see `next_batch`)."""
         pull = self.active.get(request_id)
         if pull is None:
             raise LocalProtocolError(f"answer for request {request_id}, which is not being answered")
@@ -265,6 +311,16 @@ class ServerSession(_Session):
             raise LocalProtocolError(f"answer for {len(addresses)} addresses of request {request_id}, which has "
                                      f"{len(pull.addresses) - first} unanswered")
         self.answered[request_id] = first + len(addresses)
+        out = self._frames(request_id, first, addresses, fetched)
+        turns = self._turns
+        if turns and turns[0] == request_id:
+            turns.rotate(-1)
+        if first + len(addresses) == len(pull.addresses):
+            out += self.finish(request_id, now)
+        return out
+
+    def _frames(self, request_id: int, first: int, addresses: Sequence[BlockAddress],
+                fetched: Sequence[Fetched]) -> list[Frame]:
         limit, stats = self.peer_max_payload, self.stats
         budget = min(GROUP_BYTES, limit)
         out: list[Frame] = []
@@ -324,7 +380,8 @@ class ServerSession(_Session):
         return Blocks(request_id, first, b"".join([b.digest for b in run]), sizes, payloads, signed)
 
     def finish(self, request_id: int, now: float) -> list[Frame]:
-        """END of an active pull; starts the next queued one (see `take_pulls`, `reading`)."""
+        """END of an active pull now, whatever is left unanswered (`answer` ends a pull it answers
+        fully); starts the next queued one (see `take_pulls`, `reading`)."""
         if self.active.pop(request_id, None) is None:
             raise LocalProtocolError(f"finish of request {request_id}, which is not being answered")
         self.answered.pop(request_id, None)
@@ -416,6 +473,7 @@ class ClientSession(_Session):
         self.idle_timeout_s = idle_timeout_s
         self.hello_done = not hello
         self.requests: dict[int, PullTracker] = {}
+        self.outcomes: dict[int, Outcome] = {}   # per request submitted and not cancelled
         self.next_id = 1
         self.last_rx = now
         self.paused_since: float | None = None
@@ -427,10 +485,14 @@ class ClientSession(_Session):
         # Before HELLO is checked too: a slot is only ever written by a frame for an address of a
         # live request not answered yet, and counts once its own part is verified.
         rid = header.get("rid")
-        if ftype is not FrameType.BLOCKS or type(rid) is not int:   # a malformed header is judged later
+        if type(rid) is not int:   # a malformed header is judged later
             return None
         tracker = self.requests.get(rid)
-        return None if tracker is None else tracker.place(header.get("first"), header.get("sizes"), size)
+        if tracker is None:
+            return None
+        if ftype is FrameType.BLOCK:
+            return tracker.place_block(header.get("hash"), header.get("layer"), size)
+        return tracker.place(header.get("first"), header.get("sizes"), size)
 
     def hello(self) -> list[Frame]:
         return [Hello(self.node, VERSION, self.max_payload)]
@@ -439,8 +501,9 @@ class ClientSession(_Session):
                into: memoryview | None = None) -> tuple[int, list[Frame]]:
         """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL): its id and PULL frame.
 
-        `into` (optional): one equal-size slot per address, back to back. Runs of slot-sized hits
-        are then received straight into their slots (no copy); each Hit's payload is its slot,
+        `into` (optional): one equal-size slot per address, back to back. Slot-sized hits (BLOCK
+        frames and runs in BLOCKS) are then received straight into their slots (no copy); each such
+        Hit's payload is its slot,
         written only by that address's verified answer. Unverified slots may hold anything."""
         if self.state is not State.OPEN:
             raise LocalProtocolError("submit on a session that is closing")
@@ -451,12 +514,20 @@ class ClientSession(_Session):
         if not self.requests:
             self.last_rx = now   # the answer timer starts now
         self.requests[rid] = PullTracker(rid, addresses, into)
+        self.outcomes[rid] = Outcome()
         return rid, [Pull(rid, tuple(addresses))]
 
+    def outcome(self, request_id: int) -> Outcome:
+        """The results of a request submitted and not cancelled (see `Outcome`); every call that
+        returns results also queues them here, so an adapter keeps no copy of them."""
+        return self.outcomes[request_id]
+
     def cancel(self, request_id: int) -> None:
-        """The caller gave up on a request; its late frames are dropped, and a payload being
-        received into its slots goes on in a buffer of its own (the caller may reuse them now)."""
+        """The caller is done with a request (it took its results, or gave up): its late frames
+        are dropped, its results forgotten, and a payload being received into its slots goes on in
+        a buffer of its own (the caller may reuse them now)."""
         self.requests.pop(request_id, None)
+        self.outcomes.pop(request_id, None)
         if self.decoder.placed_rid == request_id:
             self.decoder.detach_payload()
 
@@ -472,6 +543,20 @@ class ClientSession(_Session):
     def end_of_stream(self, now: float) -> list[tuple[int, list[PullResult], bool]]:
         out = self._guarded(self._close_decoder, now)
         return out + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
+
+    def _record(self, out: list[tuple[int, list[PullResult], bool]]) -> list[tuple[int, list[PullResult], bool]]:
+        """Queue what `out` holds in the requests' outcomes; `out` itself goes back to the adapter
+        (for its metrics and wake-ups)."""
+        outcomes = self.outcomes
+        for rid, results, done in out:
+            outcome = outcomes.get(rid)
+            if outcome is None:
+                continue
+            outcome.results.extend(results)
+            outcome.done = outcome.done or done
+            if not outcome.answered:
+                outcome.answered = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
+        return out
 
     def _close_decoder(self) -> list[Frame]:
         self.decoder.close()
@@ -491,8 +576,8 @@ class ClientSession(_Session):
             self.error = e
             self._close(MissReason.PEER_ERROR)
         if self.state is not State.OPEN:
-            out += self.connection_lost(self.close_reason)
-        return out
+            out += self._lose(self.close_reason)
+        return self._record(out)
 
     def _on_frames(self, frames: list[Frame], out: list[tuple[int, list[PullResult], bool]], now: float) -> None:
         requests = self.requests
@@ -548,6 +633,9 @@ class ClientSession(_Session):
 
     def connection_lost(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
         """The connection is gone: every pending address becomes a miss for `reason`."""
+        return self._record(self._lose(reason))
+
+    def _lose(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
         self._close(reason)
         out = [(rid, tracker.fail(reason), True) for rid, tracker in self.requests.items()]
         self.requests.clear()

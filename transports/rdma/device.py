@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
-from transports.rdma_control import MTU_CODES, gid_bytes
-from transports.slabs import Extent, SlabAllocator
+from transports.core.slabs import Extent, SlabAllocator
+from transports.rdma.control import MTU_CODES, gid_bytes
 
 logger = logging.getLogger(__name__)
 

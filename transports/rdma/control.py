@@ -24,8 +24,8 @@ from typing import Any
 
 import msgpack
 
-from transports.codec import ProtocolError, unpack_map
-from transports.tls_link import tls_recv, tls_send_all
+from transports.core.codec import ProtocolError, unpack_map
+from transports.tls.link import tls_recv, tls_send_all
 
 CONTROL_MAX = 64 * 1024
 CONTROL_LEN = struct.Struct("<I")

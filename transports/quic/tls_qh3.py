@@ -33,13 +33,13 @@ from qh3._hazmat import Buffer, SignatureError, verify_with_public_key
 from qh3._hazmat import Certificate as Qh3Certificate
 from qh3.quic.connection import QuicConnection
 
-from transports.client_auth import AuthFailure, ClientRefused, check_client_certificate
-from transports.quic_tls import TlsGeneration
+from transports.quic.client_auth import AuthFailure, ClientRefused, check_client_certificate
+from transports.quic.tls import TlsGeneration
 
 PINNED_QH3 = "2.1.0"
 if qh3.__version__ != PINNED_QH3:
     raise ImportError(
-        f"transports.quic_tls_qh3 extends qh3 {PINNED_QH3} internals (server-side client certificates) "
+        f"transports.quic.tls_qh3 extends qh3 {PINNED_QH3} internals (server-side client certificates) "
         f"but qh3 {qh3.__version__} is installed; re-check tls.Context._server_handle_hello, "
         f"handle_message and QuicConnection._create_tls against the new version before moving the pin")
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from fabric.provenance import Provenance, Rejection
-from transports.identity import IdentityError, NodeIdentity, TrustAnchor
+from transports.core.identity import IdentityError, NodeIdentity, TrustAnchor
 
 _IDENTITY_REJECTIONS = {r.value: r for r in (Rejection.UNTRUSTED, Rejection.EXPIRED, Rejection.REVOKED,
                                              Rejection.NOT_A_NODE, Rejection.MALFORMED)}

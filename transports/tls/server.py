@@ -1,5 +1,5 @@
 """TLS-TCP transport: the session protocol (`session.py`) over TLS 1.3 with mutual certificate checks.
-This module is the server; tls_client.py the client.
+This module is the server; client.py the client.
 
     client                                         server
     ──────                                         ──────
@@ -11,7 +11,7 @@ This module is the server; tls_client.py the client.
 
 This module only moves bytes and runs timers: every protocol rule (HELLO, request ids, the
 in-flight window, the total frame deadline, idle and send timeouts, what an oversize or unreadable
-block becomes) is the sessions'. Frames move over `tls_link.TlsLink` (decryption into payload
+block becomes) is the sessions'. Frames move over `link.TlsLink` (decryption into payload
 buffers, payloads sent without copies); RDMA reuses both connection classes over its own link.
 
 Server: one pump per connection answers its pulls round-robin, BATCH_BYTES at a time, fetching the
@@ -20,7 +20,7 @@ SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_
 PULLs and payload bytes per second are budgeted per node (`budget`): a PULL over them is answered
 ERROR overloaded and the connection is not read until the budget admits a PULL again.
 Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
-Client (tls_client.py): one pooled connection per peer, PULL_WINDOW PULLs of a pull in flight;
+Client (client.py): one pooled connection per peer, PULL_WINDOW PULLs of a pull in flight;
 digests checked on the loop; reading pauses while over RESULTS_HIGH bytes of results wait for callers.
 """
 
@@ -32,15 +32,14 @@ import errno
 import logging
 import socket
 import ssl
-from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
 from fabric.config import TransportConfig
-from transports.base import BlockSource
-from transports.budget import PeerBudgets, PeerRates, peer_rates
-from transports.certs import CertificateError, NodeCredentials
-from transports.codec import (
+from transports.core.base import BlockSource
+from transports.core.budget import PeerBudgets, PeerRates, peer_rates
+from transports.core.certs import CertificateError, NodeCredentials
+from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
     Error,
@@ -49,21 +48,19 @@ from transports.codec import (
     FrameDecoder,
     MissReason,
     ProtocolError,
-    Pull,
 )
-from transports.metrics import TransportMetrics
-from transports.serving import (
+from transports.core.metrics import TransportMetrics
+from transports.core.serving import (
     BATCH_BYTES,
     INLINE_FETCH_S,
     EgressPacer,
     ServingServer,
-    Watchdog,
     fetch,
     payload_bytes,
-    watchdog_interval,
 )
-from transports.session import ServerSession
-from transports.tls_link import (
+from transports.core.session import ServerSession
+from transports.core.timer import DeadlineTimer
+from transports.tls.link import (
     TRANSPORT,
     FrameLink,
     TlsLink,
@@ -77,7 +74,7 @@ logger = logging.getLogger(__name__)
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
 REFUSE_LINGER_S = 1.0   # a refused peer gets this long to read ERROR overloaded and close
 
-class _ServerConnection:
+class ServerConnection:
     """Server side of one connection: its ServerSession, and a pump that answers the session's pulls."""
 
     link: FrameLink
@@ -89,9 +86,9 @@ class _ServerConnection:
         self.session = ServerSession(server.node, node, self._loop.time(), max_payload=server.max_payload,
                                      max_inflight=server.max_inflight, frame_timeout_s=server.frame_timeout_s,
                                      idle_timeout_s=server.idle_timeout_s)
-        self.cursors: deque[tuple[Pull, int]] = deque()   # active pulls and how far they are answered
         self.pump: asyncio.Task[None] | None = None
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
+        self.timer = DeadlineTimer(self._expire)
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
@@ -107,9 +104,7 @@ class _ServerConnection:
         refused = False
         while pulls:   # a refusal frees a slot: a queued PULL may start at once
             for pull in pulls:
-                if server.admit_pull(self.node, now):
-                    self.cursors.append((pull, 0))
-                else:
+                if not server.admit_pull(self.node, now):
                     if not refused:
                         out, refused = list(out), True
                     out += session.refuse(pull.request_id, now, f"{self.node} is over its PULL budget")
@@ -119,7 +114,7 @@ class _ServerConnection:
             self._loop.call_later(server.throttle_s(self.node, now), self._unthrottle)
         link.send_many(out)
         self.server.peak_inflight = max(self.server.peak_inflight, len(session.active))
-        if self.cursors and self.pump is None and not session.closing:
+        if self.pump is None and session.answering:
             self.pump = self._loop.create_task(self._pump())
         if session.closing:
             self._close_session()
@@ -127,6 +122,7 @@ class _ServerConnection:
             link.resume_reading()
         else:
             link.pause_reading()
+        self.timer.at_most(session.next_deadline(self._blocked_since()))
 
     def _unthrottle(self) -> None:
         self.throttled = False
@@ -146,12 +142,12 @@ class _ServerConnection:
     async def _pump(self) -> None:
         server, session, link = self.server, self.session, self.link
         try:
-            while self.cursors and not link.closed and not session.closing:
+            while not link.closed and session.answering:
                 await link.drain()
-                if link.closed or not self.cursors:
+                turn = None if link.closed else session.next_batch()
+                if turn is None:
                     break
-                pull, start = self.cursors.popleft()
-                rest = pull.addresses[start:]
+                rid, rest = turn
                 # RAM-resident blocks are read on the loop; after SLOW_STREAK slow reads in a row
                 # (disk, not a one-off preemption) reading moves to the pool for SLOW_SOURCE_HOLD_S.
                 batch = BATCH_BYTES if server.pacer is None else server.pacer.batch_bytes(BATCH_BYTES)
@@ -160,14 +156,10 @@ class _ServerConnection:
                     server.note_fetch(slow, self._loop.time())
                 else:
                     fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, batch)
-                if link.closed or pull.request_id not in session.active:
+                if link.closed or rid not in session.active:
                     break
                 now = self._loop.time()
-                out = session.answer(pull.request_id, rest[:len(fetched)], fetched)
-                if start + len(fetched) < len(pull.addresses):
-                    self.cursors.append((pull, start + len(fetched)))
-                else:
-                    out += session.finish(pull.request_id, now)
+                out = session.answer(rid, rest[:len(fetched)], fetched, now)
                 server.count_served(session, now)
                 self._carry_out(out)
                 if server.pacer is not None:   # a capped egress: the next batch waits its turn
@@ -176,17 +168,25 @@ class _ServerConnection:
             self.pump = None
 
     def on_closed(self, reason: MissReason) -> None:
+        self.timer.cancel()
         if self.pump is not None:
             self.pump.cancel()
-        self.cursors.clear()
         self.server._forget(self)
 
-    def watchdog(self, now: float) -> None:
-        link, session = self.link, self.session
-        blocked = link.last_tx if link.write_pending else None
+    def _blocked_since(self) -> float | None:
+        link = self.link
+        return link.last_tx if link.write_pending else None
+
+    def _expire(self, now: float) -> float | None:
+        """The session's timers (see DeadlineTimer): what is due is carried out."""
+        if self.link.closed:
+            return None
+        session, blocked = self.session, self._blocked_since()
         deadline = session.next_deadline(blocked)
-        if deadline is not None and now >= deadline and not link.closed:
-            self._carry_out(session.handle_timer(now, blocked))
+        if deadline is not None and now >= deadline:
+            self._carry_out(session.handle_timer(now, blocked))   # re-arms the timer itself
+            return None
+        return deadline
 
 
 class TlsTcpServer(ServingServer):
@@ -220,8 +220,7 @@ class TlsTcpServer(ServingServer):
         self.num_accept_errors = 0
         self._listener: socket.socket | None = None
         self._accept_task: asyncio.Task[None] | None = None
-        self._watchdog: Watchdog | None = None
-        self._connections: set[_ServerConnection] = set()
+        self._connections: set[ServerConnection] = set()
         self._handshakes: set[asyncio.Task[None]] = set()
 
     @classmethod
@@ -252,8 +251,6 @@ class TlsTcpServer(ServingServer):
         self._listener = lsock
         self.host, self.port = lsock.getsockname()[:2]
         self._accept_task = asyncio.get_running_loop().create_task(self._accept_loop(lsock))
-        self._watchdog = Watchdog(watchdog_interval(self.frame_timeout_s, self.idle_timeout_s),
-                                   lambda: list(self._connections))
         logger.info("TLS-TCP server %s listening on %s:%d", self.node, self.host, self.port)
         return self.host, self.port
 
@@ -308,9 +305,9 @@ class TlsTcpServer(ServingServer):
             logger.warning("refused %s from %s: already %d connections", node, where, self.max_connections_per_peer)
             await self._refuse(sock, f"{node} already has {self.max_connections_per_peer} connections")
             return
-        conn = _ServerConnection(self, node)
+        conn = ServerConnection(self, node)
         try:
-            conn.attach(await self._open_link(sock, conn))
+            conn.attach(await self.open_link(sock, conn))
         except (OSError, TimeoutError, ProtocolError) as e:
             logger.warning("could not set up a %s link with %s (%s): %s", self.transport, node, where, e)
             sock.close()
@@ -318,6 +315,7 @@ class TlsTcpServer(ServingServer):
         self._connections.add(conn)
         metrics.connections.labels(self.transport, "server").inc()
         conn.link.start()
+        conn.timer.at_most(conn.session.next_deadline())
         logger.debug("accepted %s from %s", node, where)
 
     async def _refuse(self, sock: ssl.SSLSocket, why: str) -> None:
@@ -336,12 +334,12 @@ class TlsTcpServer(ServingServer):
         finally:
             link.close(MissReason.PEER_GONE, why)
 
-    async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
+    async def open_link(self, sock: ssl.SSLSocket, conn: ServerConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
         return TlsLink(sock, conn.session.decoder, conn.on_frames, conn.on_closed, self.frame_timeout_s,
                        self.metrics, self.transport, self.max_payload, write_high=SERVER_WRITE_HIGH)
 
-    def _forget(self, conn: _ServerConnection) -> None:
+    def _forget(self, conn: ServerConnection) -> None:
         if conn in self._connections:
             self._connections.discard(conn)
             self.metrics.connections.labels(self.transport, "server").dec()
@@ -349,8 +347,6 @@ class TlsTcpServer(ServingServer):
     async def close(self) -> None:
         """Stop accepting, say BYE to every client, and wait for block reads in flight to finish
         (so the source may be closed after this returns)."""
-        if self._watchdog is not None:
-            self._watchdog.cancel()
         listener, self._listener = self._listener, None
         tasks = [t for t in (self._accept_task, *self._handshakes) if t is not None]
         for task in tasks:

@@ -1,24 +1,21 @@
 """What the transport servers share besides the sessions: reading blocks from the store in
-batches (on the loop or in a thread pool) and a periodic timer over connections.
+batches (on the loop or in a thread pool), pacing egress and each peer's budget.
 
-`fetch` calls the store (I/O); the sessions never do. `Watchdog` ticks every `interval_s` and lets
-each connection compare `now` with its session's `next_deadline()`.
+`fetch` calls the store (I/O); the sessions never do. Timers are `timer.DeadlineTimer`'s.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Executor
-from typing import Protocol
 
 from fabric.keys import BlockAddress
-from transports.base import BlockSource
-from transports.budget import PeerBudgets, Verdict
-from transports.metrics import TransportMetrics
-from transports.session import Fetched, ServerSession
+from transports.core.base import BlockSource
+from transports.core.budget import PeerBudgets, Verdict
+from transports.core.metrics import TransportMetrics
+from transports.core.session import Fetched, ServerSession
 
 logger = logging.getLogger(__name__)
 
@@ -29,34 +26,6 @@ SLOW_SOURCE_HOLD_S = 1.0          # … for this long
 PACED_BATCH_S = 0.05              # a server with a capped egress sends batches of this long at its rate
 THROTTLE_MIN_S = 0.05             # a peer refused over its budget is not read for at least this long …
 THROTTLE_MAX_S = 1.0              # … and at most this long at a time (far below the frame and idle timeouts)
-
-
-class Watched(Protocol):
-    def watchdog(self, now: float) -> None: ...
-
-
-class Watchdog:
-    """Every `interval_s`, `conn.watchdog(now)` for each connection `connections()` lists (a copy:
-    a watchdog may close its connection, which then leaves the collection)."""
-
-    def __init__(self, interval_s: float, connections: Callable[[], list[Watched]]) -> None:
-        self._loop = asyncio.get_running_loop()
-        self._interval_s = interval_s
-        self._connections = connections
-        self._handle = self._loop.call_later(interval_s, self._tick)
-
-    def _tick(self) -> None:
-        now = self._loop.time()
-        for conn in self._connections():
-            conn.watchdog(now)
-        self._handle = self._loop.call_later(self._interval_s, self._tick)
-
-    def cancel(self) -> None:
-        self._handle.cancel()
-
-
-def watchdog_interval(frame_timeout_s: float, idle_timeout_s: float) -> float:
-    return max(0.02, min(frame_timeout_s, idle_timeout_s) / 8)
 
 
 class EgressPacer:

@@ -1,5 +1,5 @@
-"""QUIC transport (aioquic): `quic_server.QuicTransportServer` and `quic_client.QuicTransportClient`
-over the sans-I/O sessions, and what they share (`quic_base`), under one import.
+"""QUIC transport (aioquic): `server.QuicTransportServer` and `client.QuicTransportClient`
+over the sans-I/O sessions, and what they share (`base`), under one import.
 
 Pick the datagram size your network carries: aioquic builds every packet in Python, so QUIC's
 throughput follows packets per second, and 8952-byte (jumbo) datagrams move several times what
@@ -8,9 +8,9 @@ throughput follows packets per second, and 8952-byte (jumbo) datagrams move seve
 
 from __future__ import annotations
 
-from transports.quic_base import ALPN, MAX_ADDRESSES_PER_STREAM, TRANSPORT, QuicTuning
-from transports.quic_client import ConnectionInfo, QuicTransportClient
-from transports.quic_server import QuicTransportServer
+from transports.quic.base import ALPN, MAX_ADDRESSES_PER_STREAM, TRANSPORT, QuicTuning
+from transports.quic.client import ConnectionInfo, QuicTransportClient
+from transports.quic.server import QuicTransportServer
 
 __all__ = ["ALPN", "MAX_ADDRESSES_PER_STREAM", "TRANSPORT", "ConnectionInfo", "QuicTransportClient",
            "QuicTransportServer", "QuicTuning"]

@@ -1,7 +1,7 @@
 """RDMA transport (pyverbs, optional extra `rdma`): the kvfabric codec over RC queue pairs.
 
     client                                        server
-    TLS 1.3 control connection: `tls_link.open_tls`, the same certificates and checks as TLS-TCP
+    TLS 1.3 control connection: `tls.link.open_tls`, the same certificates and checks as TLS-TCP
     RC QP created (INIT), receive slots posted
     {"type": "rdma_params", …client}  ───────►    QP created, slots posted, QP → RTR → RTS
                                       ◄───────    {"type": "rdma_params", …server}
@@ -12,11 +12,11 @@
 
 This module is the adapter: `RdmaServer` / `RdmaClient` are the TLS-TCP endpoints (sessions,
 limits, timers) with an `RdmaLink` in place of a `TlsLink`. The parts live in
-  * `rdma_control` — `RdmaParams`, control framing, GID text, `exchange_params` (pure but the
+  * `control` — `RdmaParams`, control framing, GID text, `exchange_params` (pure but the
     exchange; tested without a device);
-  * `rdma_device` — why RDMA cannot run here, the opened device, registered memory slabs;
-  * `rdma_link` — `RdmaLink`, one RC queue pair carrying frames (same surface as `TlsLink`).
-The names below are re-exported so `transports.rdma` stays the one import for users.
+  * `device` — why RDMA cannot run here, the opened device, registered memory slabs;
+  * `link` — `RdmaLink`, one RC queue pair carrying frames (same surface as `TlsLink`).
+The names below are re-exported so `transports.rdma.transport` stays the one import for users.
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ import ssl
 from dataclasses import dataclass
 from typing import Any
 
-from transports.base import BlockSource, Peer
-from transports.certs import NodeCredentials
-from transports.codec import MissReason
-from transports.rdma_control import (
+from transports.core.base import BlockSource, Peer
+from transports.core.certs import NodeCredentials
+from transports.core.codec import MissReason
+from transports.rdma.control import (
     CONTROL_LEN,
     CONTROL_MAX,
     MTU_CODES,
@@ -41,11 +41,11 @@ from transports.rdma_control import (
     gid_bytes,
     gid_text,
 )
-from transports.rdma_device import RdmaDeviceError, _Device, rdma_unavailable_reason
-from transports.rdma_link import TRANSPORT, RdmaLink
-from transports.tls_client import TlsTcpClient, _ClientConnection
-from transports.tls_link import FrameLink
-from transports.tls_tcp import TlsTcpServer, _ServerConnection
+from transports.rdma.device import RdmaDeviceError, _Device, rdma_unavailable_reason
+from transports.rdma.link import TRANSPORT, RdmaLink
+from transports.tls.client import ClientConnection, TlsTcpClient
+from transports.tls.link import FrameLink
+from transports.tls.server import ServerConnection, TlsTcpServer
 
 __all__ = [
     "CONTROL_LEN", "CONTROL_MAX", "MTU_CODES", "PARAMS_VERSION", "TRANSPORT", "ControlDecoder", "ControlError",
@@ -77,7 +77,7 @@ class RdmaServer(TlsTcpServer):
         super().__init__(credentials, source, host, port, **kw)
         self.options = options or RdmaOptions()
 
-    async def _open_link(self, sock: ssl.SSLSocket, conn: _ServerConnection) -> FrameLink:
+    async def open_link(self, sock: ssl.SSLSocket, conn: ServerConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock, conn.session.decoder,
                         conn.on_frames, conn.on_closed, self.frame_timeout_s, self.metrics,
@@ -100,7 +100,7 @@ class RdmaClient(TlsTcpClient):
         super().__init__(credentials, **kw)
         self.options = options or RdmaOptions()
 
-    async def _open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: _ClientConnection) -> FrameLink:
+    async def open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: ClientConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock,
                         conn.session.decoder, conn.on_frames, conn.on_closed,

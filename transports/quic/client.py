@@ -1,4 +1,4 @@
-"""QUIC client (aioquic or qh3, `quic_backend`): pooled connections, one bidirectional stream per PULL, each stream a
+"""QUIC client (aioquic or qh3, `backend`): pooled connections, one bidirectional stream per PULL, each stream a
 `ClientSession(hello=False)` that checks every digest and turns what the server left unanswered into
 misses.
 
@@ -19,7 +19,6 @@ import dataclasses
 import itertools
 import logging
 import socket
-from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -33,12 +32,14 @@ from aioquic.quic.packet import QuicErrorCode
 
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
-from transports.base import Peer, PullResult
-from transports.certs import CertificateError, NodeCredentials
-from transports.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
-from transports.metrics import TransportMetrics
-from transports.quic_backend import QuicBackend, resolve
-from transports.quic_base import (
+from transports.core.base import Peer, PullResult
+from transports.core.certs import CertificateError, NodeCredentials
+from transports.core.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
+from transports.core.metrics import TransportMetrics
+from transports.core.session import ClientSession, Outcome
+from transports.core.timer import DeadlineTimer
+from transports.quic.backend import QuicBackend, resolve
+from transports.quic.base import (
     MAX_ADDRESSES_PER_STREAM,
     STREAM_CANCELLED,
     STREAM_PROTOCOL_ERROR,
@@ -46,9 +47,8 @@ from transports.quic_base import (
     QuicTuning,
     base_configuration,
 )
-from transports.quic_tls import QuicTlsMaterial
-from transports.session import ClientSession
-from transports.udp import udp_socket
+from transports.quic.tls import QuicTlsMaterial
+from transports.quic.udp import udp_socket
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the base is the chosen backend's (see _connection_class)
     from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -60,11 +60,11 @@ logger = logging.getLogger("transports.quic")
 
 @dataclass(slots=True)
 class _PullStream:
+    """One PULL stream: its session (which holds the results, `outcome`) and its caller's wake-up."""
+
     session: ClientSession
     request_id: int
-    last_progress: float
-    done: bool = False
-    results: deque[PullResult] = field(default_factory=deque)
+    outcome: Outcome
     wakeup: asyncio.Event = field(default_factory=asyncio.Event)
 
 
@@ -77,6 +77,7 @@ class _ClientConnection(QuicConnectionProtocol):
         self.events = client.backend.events
         self.peer = peer
         self.pulls: dict[int, _PullStream] = {}
+        self._deadlines = DeadlineTimer(self._expire)   # the pulls' sessions' deadlines
         self.slots = asyncio.Semaphore(client.max_inflight)
         self.closed = False
         self.session_resumed = False
@@ -130,6 +131,7 @@ class _ClientConnection(QuicConnectionProtocol):
             reason = "server_untrusted" if ours else "refused_by_server"
             self.client.metrics.auth_failures.labels(TRANSPORT, reason).inc()
             logger.warning("QUIC handshake with %s failed (%s): %s", self.peer.node, reason, event.reason_phrase)
+        self._deadlines.cancel()
         for stream_id in list(self.pulls):
             self._finish(stream_id, MissReason.PEER_GONE)
 
@@ -137,31 +139,43 @@ class _ClientConnection(QuicConnectionProtocol):
         pull = self.pulls.get(stream_id)
         if pull is None:
             return  # a pull we gave up on; its stream was stopped
-        pull.last_progress = self._loop.time()
         now = self._loop.time()
-        out = pull.session.receive(data, now)
+        pull.session.receive(data, now)
         if end_stream:
-            out += pull.session.end_of_stream(now)
-        for _, results, done in out:
-            pull.results.extend(results)
-            pull.done = pull.done or done
+            pull.session.end_of_stream(now)
         error = pull.session.error
-        if error is not None and not pull.done:
-            pull.results.extend(r for _, res, _ in pull.session.connection_lost(MissReason.PEER_ERROR) for r in res)
-            pull.done = True
+        if error is not None and not pull.outcome.done:
+            pull.session.connection_lost(MissReason.PEER_ERROR)
         if error is not None:
             logger.warning("QUIC pull %d from %s: bad answer: %s", pull.request_id, self.peer.node, error)
             self.client.metrics.protocol_errors.labels(TRANSPORT).inc()
             self.client.backend.stop_reading(self._quic, stream_id, STREAM_PROTOCOL_ERROR)
-        if pull.done:
+        if pull.outcome.done:
             del self.pulls[stream_id]
+        else:
+            self._deadlines.at_most(pull.session.next_deadline())
         pull.wakeup.set()
+
+    def _expire(self, now: float) -> float | None:
+        """The pulls' timers (see DeadlineTimer): a pull without progress for frame_timeout_s
+        ends in TIMEOUT misses; returns the soonest deadline left."""
+        soonest: float | None = None
+        for pull in list(self.pulls.values()):
+            deadline = pull.session.next_deadline()
+            if deadline is not None and now >= deadline:
+                pull.session.handle_timer(now)   # closes the session: no deadline any more
+                logger.warning("QUIC pull %d from %s: no progress for %.1fs", pull.request_id,
+                               self.peer.node, self.client.frame_timeout_s)
+                pull.wakeup.set()
+                continue
+            if deadline is not None and (soonest is None or deadline < soonest):
+                soonest = deadline
+        return soonest
 
     def _finish(self, stream_id: int, reason: MissReason) -> None:
         pull = self.pulls.pop(stream_id, None)
         if pull is not None:
-            pull.results.extend(r for _, res, _ in pull.session.connection_lost(reason) for r in res)
-            pull.done = True
+            pull.session.connection_lost(reason)
             pull.wakeup.set()
 
     def open_pull(self, request_id: int, addresses: Sequence[BlockAddress]) -> tuple[int, _PullStream]:
@@ -175,8 +189,9 @@ class _ClientConnection(QuicConnectionProtocol):
         session.next_id = request_id
         rid, frames = session.submit(addresses, now)
         frames = session.hello() + frames
-        pull = _PullStream(session, rid, now)
+        pull = _PullStream(session, rid, session.outcome(rid))
         self.pulls[stream_id] = pull
+        self._deadlines.at_most(session.next_deadline())
         self._quic.send_stream_data(stream_id, b"".join(encode(f) for f in frames), end_stream=True)
         self.transmit()
         return stream_id, pull
@@ -189,8 +204,9 @@ class _ClientConnection(QuicConnectionProtocol):
 
 
 def _all_gone(pull: _PullStream, num_addresses: int) -> bool:
-    return len(pull.results) == num_addresses and all(
-        isinstance(r, Miss) and r.reason is MissReason.PEER_GONE for r in pull.results)
+    results = pull.outcome.results
+    return len(results) == num_addresses and all(isinstance(r, Miss) and r.reason is MissReason.PEER_GONE
+                                                 for r in results)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,7 +224,7 @@ class QuicTransportClient:
                  max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = 5.0,
                  idle_timeout_s: float = 30.0, frame_timeout_s: float = 10.0, max_inflight: int = 32,
                  metrics: TransportMetrics | None = None, backend: str = "auto") -> None:
-        """`backend`: the QUIC library (see `quic_backend`); pair it with the servers' for resumption."""
+        """`backend`: the QUIC library (see `backend`); pair it with the servers' for resumption."""
         self.backend = resolve(backend)
         self.credentials = credentials
         self.tuning = tuning or QuicTuning()
@@ -264,43 +280,29 @@ class QuicTransportClient:
             stream_id, pull = conn.open_pull(request_id, addresses) if not conn.closed else (-1, None)
             try:
                 while pull is not None:
-                    if reused and may_retry and pull.done and _all_gone(pull, len(addresses)):
+                    outcome = pull.outcome
+                    if reused and may_retry and outcome.done and _all_gone(pull, len(addresses)):
                         # A pooled connection that was already closing (peer restarted, idle
                         # timeout): nothing was answered, and PULL is idempotent, so dial again.
                         stale = True
                         break
-                    while pull.results:
-                        yield pull.results.popleft()
-                    if pull.done:
+                    while outcome.results:
+                        yield outcome.results.popleft()
+                    if outcome.done:
+                        if pull.session.close_reason is MissReason.TIMEOUT and \
+                                conn._loop.time() - conn.last_received >= self.frame_timeout_s:
+                            # Nothing at all came back: the peer is gone (e.g. restarted without
+                            # closing); drop the connection so the next pull dials again.
+                            await self.disconnect(conn.peer)
                         return
                     pull.wakeup.clear()
-                    await self._wait(conn, pull)
+                    await pull.wakeup.wait()
             finally:
-                if pull is not None and not pull.done:
+                if pull is not None and not pull.outcome.done:
                     conn.abandon(stream_id)
         if pull is None or stale:
             async for result in self._pull_stream(peer, addresses, may_retry=False):
                 yield result
-
-    async def _wait(self, conn: _ClientConnection, pull: _PullStream) -> None:
-        """Wait for more results; a pull without progress for frame_timeout_s ends in TIMEOUT misses."""
-        while True:
-            idle = conn._loop.time() - pull.last_progress
-            try:
-                await asyncio.wait_for(pull.wakeup.wait(), max(0.0, self.frame_timeout_s - idle))
-                return
-            except TimeoutError:
-                if conn._loop.time() - pull.last_progress < self.frame_timeout_s:
-                    continue
-            break
-        logger.warning("QUIC pull %d from %s: no progress for %.1fs", pull.request_id,
-                       conn.peer.node, self.frame_timeout_s)
-        pull.results.extend(r for _, res, _ in pull.session.connection_lost(MissReason.TIMEOUT) for r in res)
-        pull.done = True
-        if conn._loop.time() - conn.last_received >= self.frame_timeout_s:
-            # Nothing at all came back: the peer is gone (e.g. restarted without closing);
-            # drop the connection so the next pull dials again.
-            await self.disconnect(conn.peer)
 
     async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, bool]:
         """The pooled connection to `peer` (reused: True) or a new one; None if it cannot be made."""

@@ -48,13 +48,13 @@ from aioquic._buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from transports.certs import CertificateError, NodeCredentials, node_name_of
-from transports.client_auth import AuthFailure, client_auth_allowed
+from transports.core.certs import CertificateError, NodeCredentials, node_name_of
+from transports.quic.client_auth import AuthFailure, client_auth_allowed
 
 PINNED_AIOQUIC = "1.7.2"
 if aioquic.__version__ != PINNED_AIOQUIC:
     raise ImportError(
-        f"transports.quic_tls patches aioquic {PINNED_AIOQUIC} internals (server-side client certificate "
+        f"transports.quic.tls patches aioquic {PINNED_AIOQUIC} internals (server-side client certificate "
         f"checks) but aioquic {aioquic.__version__} is installed; re-check tls.Context and "
         f"QuicConnection._initialize against the new version before moving the pin")
 

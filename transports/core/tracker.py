@@ -13,13 +13,14 @@ into the request: O(1) per frame, no hashing, and an answer out of turn is a Pro
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 
 import blake3
 
 from fabric.keys import BlockAddress
-from transports.base import BlockSource, Hit, PullResult
-from transports.codec import (
+from transports.core.base import BlockSource, Hit, PullResult
+from transports.core.codec import (
     DIGEST_SIZE,
     Block,
     Blocks,
@@ -62,12 +63,12 @@ class PullTracker:
     A server answers a PULL's addresses in the order asked (one BLOCK or MISS each, then END), so
     the tracker is a cursor: each answer must be for the next address, checked without hashing."""
 
-    __slots__ = ("_addresses", "_into", "_next", "_part_size", "_placed", "done", "num_bytes",
+    __slots__ = ("_addresses", "_into", "_next", "_part_size", "_placed", "_repeated", "done", "num_bytes",
                  "num_digest_mismatches", "request_id")
 
     def __init__(self, request_id: int, addresses: Sequence[BlockAddress], into: memoryview | None = None) -> None:
-        """`into`: optional, one equal-size slot per address back to back; BLOCKS parts of that size
-        are then received straight into their slots (see `place`)."""
+        """`into`: optional, one equal-size slot per address back to back; BLOCK payloads and BLOCKS
+        parts of that size are then received straight into their slots (see `place`, `place_block`)."""
         self.request_id = request_id
         self._addresses = tuple(addresses)
         self._next = 0          # index of the next address to be answered
@@ -79,6 +80,10 @@ class PullTracker:
         if self._into is not None and self._part_size * len(self._addresses) != self._into.nbytes:
             raise ValueError(f"{self._into.nbytes} bytes do not split into {len(self._addresses)} equal slots")
         self._placed = 0        # slots below this were handed to the decoder already
+        # Addresses asked for more than once: a BLOCK names its address, not its index, so one of
+        # these cannot be placed before the frames ahead of it are judged (see `place_block`).
+        self._repeated = frozenset() if self._into is None else frozenset(
+            a for a, n in Counter(self._addresses).items() if n > 1)
 
     def place(self, first: object, sizes: object, size: int) -> memoryview | None:
         """Where a BLOCKS frame of this request announcing parts `first`.. of `sizes` should be
@@ -93,6 +98,24 @@ class PullTracker:
             return None
         self._placed = end
         return into[first * part:end * part]
+
+    def place_block(self, hash_: object, layer: object, size: int) -> memoryview | None:
+        """Where a BLOCK frame of this request for (`hash_`, `layer`) should be received: the slot of
+        the first address neither answered nor handed out yet, when it is that address, asked for
+        once, and the payload is slot-sized; else None (a buffer of its own).
+
+        Frames decoded before this one may not be judged yet, so its index is not known here; it
+        is at least that first index (answers come in order), and an address asked for once has
+        only one index: the slot is then exactly its own (`on_block` still judges the frame)."""
+        into, part = self._into, self._part_size
+        i = max(self._next, self._placed)
+        if into is None or size != part or i >= len(self._addresses):
+            return None
+        expected = self._addresses[i]
+        if hash_ != expected.hash or layer != expected.layer or expected in self._repeated:
+            return None
+        self._placed = i + 1
+        return into[i * part:(i + 1) * part]
 
     @property
     def num_pending(self) -> int:

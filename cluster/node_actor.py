@@ -11,6 +11,9 @@ key (`NodeSigner`); a pull accepts only payloads whose producer's record verifie
 cluster CA and its revocation list (`TrustAnchor`, reread when crl.pem changes); a mirror keeps
 the producer's records; `purge_producer` deletes what a producer's records name.
 
+Tenants (docs/tenants.md): every public call that takes a namespace rebinds it first to the salt of
+the tenant its `tenant_token` proves (cluster/tenancy.py); the caller's salt is never used.
+
 It is an async Ray actor: every method runs on one event loop, Store calls that touch files run on
 a thread pool. It starts itself on its first call (the supervisor pings it right after creation
 and again after Ray restarts it), so a restarted actor reopens its folders under a new incarnation.
@@ -61,6 +64,7 @@ from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, PullOutcome, pull_prefix
 from cluster.planner import PullRun, plan_pulls
 from cluster.reply_buffers import ReplyBuffers
+from cluster.tenancy import TenantGate
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.config import Config
 from fabric.events import EventKind
@@ -170,6 +174,8 @@ class NodeActor:
         gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
         self.registry = CollectorRegistry()
         self.metrics = ClusterMetrics(self.registry)
+        self.tenancy = TenantGate(cfg.tenancy, self.trust, (cert_dir / f"{self.node_name}.pem").read_bytes(),
+                                  self.registry)
         self.kv_store = Store.open(kv, registry=self.registry)
         self.local = LocalFabric(self.kv_store, self.node_id)
         # Mirroring pulled blocks is background work: one thread, at the store's lower priority.
@@ -260,6 +266,7 @@ class NodeActor:
             logger.error("new revocation list not used: %s", e)
             return
         self.verifier.trust = self.trust
+        self.tenancy.verifier.trust = self.trust
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     # ---- the Fabric API ----------------------------------------------------------------------------
@@ -278,8 +285,9 @@ class NodeActor:
         owners = [[o for o in per_block if o in peers] for per_block in owners]
         return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers
 
-    async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
+    async def lookup(self, ns: Namespace, tokens: Tokens, *, tenant_token: bytes | None = None) -> LookupReply:
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         return await self._lookup(ns, block_hashes(ns, tokens))
 
     async def _lookup(self, ns: Namespace, hashes: list[BlockHash]) -> LookupReply:
@@ -395,9 +403,11 @@ class NodeActor:
         self.server.pacer = EgressPacer(mb_s * 1e6) if mb_s > 0 else None
         logger.info("send rate %s", f"capped at {mb_s:g} MB/s" if mb_s > 0 else "uncapped")
 
-    async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
+    async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float, *,
+                             tenant_token: bytes | None = None) -> None:
         """An engine on this node computed `num_tokens` of prefill in `seconds` (see `Fabric`)."""
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         self.local.report_prefill(ns, num_tokens, seconds)
         rate = self.local.prefill.of(ns.root).tokens_per_s
         if rate:
@@ -425,18 +435,22 @@ class NodeActor:
             self._pending_mirrors -= 1
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
-                   pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
+                   pulls: bool = True, deadline_s: float | None = None, *,
+                   tenant_token: bytes | None = None) -> LoadReply:
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         return await self._load(ns, block_hashes(ns, tokens)[:max_blocks], pulls, tokens=tokens,
                                 deadline_s=deadline_s)
 
     # A layer stream is never stitched from two runs (the plans may differ): a restart ends it.
     @ray.method(max_task_retries=0)  # type: ignore[untyped-decorator]  # ray.method is untyped
     async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
-                          deadline_s: float | None = None) -> AsyncIterator[Any]:
+                          deadline_s: float | None = None, *, tenant_token: bytes | None = None
+                          ) -> AsyncIterator[Any]:
         """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order.
         `deadline_s` plans the pulls as `load` does (never cuts: the stream has promised its blocks)."""
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         async for item in self._load_layers(ns, block_hashes(ns, tokens)[:max_blocks], tokens, deadline_s):
             yield item
 
@@ -458,8 +472,10 @@ class NodeActor:
             yield out[:planned, layer].copy()
         await task
 
-    async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0) -> StoreReply:
+    async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0, *,
+                    tenant_token: bytes | None = None) -> StoreReply:
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         num_blocks = check_payloads(ns, tokens, payloads, first_block)
         hashes = block_hashes(ns, tokens)[:first_block + num_blocks]
         self._note_chain(ns, hashes, first_block, len(hashes), tokens)
@@ -476,27 +492,34 @@ class NodeActor:
 
     # ---- the Fabric API by block ids (fabric/block_ids.py): the same paths from the block hashes on ----
 
-    async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None
-                            ) -> LookupReply:
+    async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None, *,
+                            tenant_token: bytes | None = None) -> LookupReply:
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         return await self._lookup(ns, block_id_hashes(ns, block_ids, parent))
 
     async def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
-                          max_blocks: int | None = None, pulls: bool = True) -> LoadReply:
+                          max_blocks: int | None = None, pulls: bool = True, *,
+                          tenant_token: bytes | None = None) -> LoadReply:
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         return await self._load(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), pulls)
 
     @ray.method(max_task_retries=0)  # type: ignore[untyped-decorator]  # ray.method is untyped
     async def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
-                                 max_blocks: int | None = None) -> AsyncIterator[Any]:
+                                 max_blocks: int | None = None, *, tenant_token: bytes | None = None
+                                 ) -> AsyncIterator[Any]:
         """`load_layers` for a chain of block ids."""
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         async for item in self._load_layers(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), None):
             yield item
 
     async def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray,
-                           parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
+                           parent: BlockId | None = None, first_block: int = 0, *,
+                           tenant_token: bytes | None = None) -> StoreReply:
         await self._ensure_started()
+        ns = self.tenancy.bind(ns, tenant_token)
         num_blocks = check_block_payloads(ns, len(block_ids), payloads, first_block)
         hashes = block_id_hashes(ns, block_ids[:first_block + num_blocks], parent)
         self._note_chain(ns, hashes, first_block, len(hashes), None)

@@ -169,11 +169,16 @@ class NodeSigner:
         self._key: PrivateKey = key
 
     def sign(self, message: bytes) -> bytes:
-        if isinstance(self._key, ed25519.Ed25519PrivateKey):
-            return self._key.sign(message)
-        if isinstance(self._key, rsa.RSAPrivateKey):
-            return self._key.sign(message, _PSS, hashes.SHA256())
-        return self._key.sign(message, ec.ECDSA(hashes.SHA256()))
+        return sign_with(self._key, message)
+
+
+def sign_with(key: PrivateKey, message: bytes) -> bytes:
+    """`message` signed with `key` by the scheme its type implies (what `verify_signature` checks)."""
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.sign(message)
+    if isinstance(key, rsa.RSAPrivateKey):
+        return key.sign(message, _PSS, hashes.SHA256())
+    return key.sign(message, ec.ECDSA(hashes.SHA256()))
 
 
 def load_revoked(crl_path: str | Path, ca_cert: x509.Certificate) -> frozenset[int]:

@@ -183,7 +183,7 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
         try:
             async with asyncio.timeout(timeout_s):
                 into = None if flat is None else memoryview(flat)  # type: ignore[arg-type]  # numpy's buffer stubs
-                async for result in client.pull(peer, list(slot), into=into):
+                async for result in client.pull(peer, list(slot), into=into, namespace=namespace):
                     where = slot.get(result.address)
                     if where is None:
                         logger.warning("peer %s answered an address it was not asked for; ignored", node_id)

@@ -60,8 +60,9 @@ class TransportServer(Protocol):
 
 class TransportClient(Protocol):
     def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
-             into: memoryview | None = None) -> AsyncIterator[PullResult]:
+             into: memoryview | None = None, namespace: bytes = b"") -> AsyncIterator[PullResult]:
         """`into`: optional equal-size slots, one per address, that a transport may receive hits
-        straight into (a Hit whose payload is its slot); one that does not copies nothing there."""
+        straight into (a Hit whose payload is its slot); one that does not copies nothing there.
+        `namespace`: the root asked under; the peer serves only blocks whose record names it."""
         ...
     async def close(self) -> None: ...

@@ -265,7 +265,7 @@ class ServerSession(_Session):
             raise LocalProtocolError(f"answer for {len(addresses)} addresses of request {request_id}, which has "
                                      f"{len(pull.addresses) - first} unanswered")
         self.answered[request_id] = first + len(addresses)
-        limit, stats = self.peer_max_payload, self.stats
+        limit, stats, namespace = self.peer_max_payload, self.stats, pull.namespace
         budget = min(GROUP_BYTES, limit)
         out: list[Frame] = []
         run: list[SourceBlock] = []    # consecutive hits not yet framed, starting at address index `start`
@@ -273,6 +273,9 @@ class ServerSession(_Session):
         last_prov: Provenance | None = None
         for i, got in enumerate(fetched):
             reason = MissReason.NOT_FOUND
+            if namespace and got is not None and not isinstance(got, Exception) and \
+                    getattr(getattr(got, "provenance", None), "namespace", None) != namespace:
+                got = None   # another namespace's block (or an unsigned one) at this address: never served here
             if got is not None and not isinstance(got, Exception):
                 payload = got.payload
                 size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
@@ -436,8 +439,9 @@ class ClientSession(_Session):
         return [Hello(self.node, VERSION, self.max_payload)]
 
     def submit(self, addresses: Sequence[BlockAddress], now: float,
-               into: memoryview | None = None) -> tuple[int, list[Frame]]:
-        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL): its id and PULL frame.
+               into: memoryview | None = None, namespace: bytes = b"") -> tuple[int, list[Frame]]:
+        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL) under `namespace` (a root;
+        b"": none named, see `Pull`): its id and PULL frame.
 
         `into` (optional): one equal-size slot per address, back to back. Runs of slot-sized hits
         are then received straight into their slots (no copy); each Hit's payload is its slot,
@@ -451,7 +455,7 @@ class ClientSession(_Session):
         if not self.requests:
             self.last_rx = now   # the answer timer starts now
         self.requests[rid] = PullTracker(rid, addresses, into)
-        return rid, [Pull(rid, tuple(addresses))]
+        return rid, [Pull(rid, tuple(addresses), namespace)]
 
     def cancel(self, request_id: int) -> None:
         """The caller gave up on a request; its late frames are dropped, and a payload being

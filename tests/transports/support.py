@@ -183,3 +183,22 @@ def check_signed_pull(cert_dir: Path, root: Path, serving: Callable[..., Any], c
         assert isinstance(r, Hit) and bytes(r.payload) == payloads[r.address]
         assert r.provenance is not None and r.provenance.producer == "node-b"
         assert verifier.check(r.provenance, SIGNED_NAMESPACE, r.address.hash, r.address.layer, r.digest) is None
+
+
+def check_namespaced_pull(cert_dir: Path, root: Path, serving: Callable[..., Any],
+                          client_of: Callable[..., Any]) -> None:
+    """Pull a block signed under SIGNED_NAMESPACE from a "node-a" server of one transport: asked
+    under that namespace every layer is a hit, asked under another every layer is a miss (the
+    server never hands one namespace's bytes to a pull for another, even at the right address)."""
+    other = b"o" * 32
+    async def main() -> tuple[list[PullResult], list[PullResult], dict[BlockAddress, bytes]]:
+        with signed_store(root, cert_dir, "node-b") as (store, payloads, _):
+            async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
+                own = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                foreign = [r async for r in client.pull(peer, list(payloads), namespace=other)]
+                return own, foreign, payloads
+
+    own, foreign, payloads = run(main())
+    assert [bytes(r.payload) for r in own if isinstance(r, Hit)] == list(payloads.values())
+    assert [r.address for r in foreign] == list(payloads)
+    assert not any(isinstance(r, Hit) for r in foreign)

@@ -68,8 +68,8 @@ class Pair:
         self.results: dict[int, list[PullResult]] = {}
         self.done: set[int] = set()
 
-    def pull(self, addresses: list[BlockAddress]) -> int:
-        rid, frames = self.client.submit(addresses, self.now)
+    def pull(self, addresses: list[BlockAddress], namespace: bytes = b"") -> int:
+        rid, frames = self.client.submit(addresses, self.now, namespace=namespace)
         self.to_server += wire(frames)
         return rid
 
@@ -439,3 +439,35 @@ def test_each_hit_carries_its_blocks_record_even_across_many_distinct_blocks() -
     for r in got:
         i = next(i for i in range(600) if addr(i).hash == r.address.hash)
         assert isinstance(r, Hit) and r.provenance == records[i]
+
+
+class SignedStored(Stored):
+    def __init__(self, payload: bytes, provenance: Provenance | None) -> None:
+        super().__init__(payload)
+        self.provenance = provenance
+
+
+def test_a_pull_under_a_namespace_is_served_only_blocks_whose_record_names_it() -> None:
+    ns_a, ns_b = b"a" * 32, b"b" * 32
+    def stored(i: int, ns: bytes | None) -> SignedStored:
+        payload = os.urandom(100)
+        record = None if ns is None else sign_block(ns, addr(i).hash, [blake3.blake3(payload).digest()], "node-p",
+                                                    b"", lambda m: b"sig")
+        return SignedStored(payload, record)
+    store: dict[BlockAddress, Fetched] = {addr(0): stored(0, ns_a), addr(1): stored(1, ns_b), addr(2): stored(2, None)}
+    pair = Pair(store)
+    under_a, under_b, unnamed = (pair.pull([addr(i) for i in range(3)], ns) for ns in (ns_a, ns_b, b""))
+    pair.run()
+    def hits(rid: int) -> list[bool]:
+        return [isinstance(r, Hit) for r in pair.results[rid]]
+    assert hits(under_a) == [True, False, False]
+    assert hits(under_b) == [False, True, False]
+    assert hits(unnamed) == [True, True, True]   # a PULL that names no namespace is checked by its puller only
+    assert all(r.reason is MissReason.NOT_FOUND for r in pair.results[under_a] if not isinstance(r, Hit))
+
+
+def test_a_pull_namespace_must_be_a_32_byte_root() -> None:
+    raw = encode(Pull(1, (addr(0),), b"a" * 32))
+    assert FrameDecoder().feed(raw) == [Pull(1, (addr(0),), b"a" * 32)]
+    with pytest.raises(ProtocolError, match="namespace"):
+        FrameDecoder().feed(encode(Pull(1, (addr(0),), b"short")))

@@ -345,6 +345,7 @@ class NodeActor:
         if outcome is not None:
             pull = pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
                                verifier=self.verifier, namespace=ns.root, provenance=provenance,
+                               tenants=self.tenancy.tenants_of(ns),
                                timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
                                outcome=outcome)
             # A layer stream has promised its blocks: it is planned by the same rule but never cut.

@@ -45,6 +45,8 @@ class TenantGate:
         self.clock = clock
         self.refusals = Counter("kvfabric_tenant_refusals_total", "Calls refused for their tenant token, by reason",
                                 ["reason"], registry=registry)
+        # salt -> the tenants whose namespace it makes (one per tenant or shared group seen here)
+        self._tenants_by_salt: dict[bytes, frozenset[str]] = {self.policy.salt(None): frozenset()}
 
     def bind(self, ns: Namespace, token: bytes | None) -> Namespace:
         """`ns` with the salt of the tenant `token` proves (None: the anonymous tenant); raises
@@ -61,7 +63,14 @@ class TenantGate:
                                                "(FabricClient.connect(credential=...))")
             raise self._refuse("not_served", f"this node does not serve tenant {tenant!r}")
         salt = self.policy.salt(tenant)
+        if tenant is not None and salt not in self._tenants_by_salt:
+            self._tenants_by_salt[salt] = self.policy.members(tenant)
         return ns if ns.tenant_salt == salt else dataclasses.replace(ns, tenant_salt=salt)
+
+    def tenants_of(self, ns: Namespace) -> frozenset[str] | None:
+        """The tenants whose namespace `ns` (as `bind` returned it) is: a block in it counts only if
+        its producer may serve one of them (empty: the anonymous tenant's; None: not bound here)."""
+        return self._tenants_by_salt.get(ns.tenant_salt)
 
     def _refuse(self, reason: str, message: str) -> TenantRefusedError:
         self.refusals.labels(reason).inc()

@@ -68,6 +68,10 @@ class TenancyPolicy:
             return not self.required and not self.served
         return not self.served or tenant in self.served
 
+    def members(self, tenant: str) -> frozenset[str]:
+        """The tenants that share `tenant`'s namespace (itself, or its shared group)."""
+        return frozenset(self._group_of.get(tenant, (tenant,)))
+
     def salt(self, tenant: str | None) -> bytes:
         """The namespace salt of `tenant` (None: anonymous, the empty salt)."""
         if tenant is None:

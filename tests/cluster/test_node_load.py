@@ -48,6 +48,7 @@ def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     init_ca(d)
     for node in NODES:
         issue_node(d, node)
+    issue_node(d, "node-acme", tenants=("acme",))
     return d
 
 
@@ -102,7 +103,7 @@ class _UnnamedPulls:
 
 
 async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trust: TrustAnchor,
-                layer_major: bool = True, *, name_namespace: bool = True
+                layer_major: bool = True, *, name_namespace: bool = True, tenants: frozenset[str] | None = None
                 ) -> tuple[np.ndarray, int, list[Provenance | None], PullOutcome]:
     """Pull every block from `owners` (per block, as the directory would name them) into a fresh buffer."""
     servers = {n.name: TlsTcpServer(_creds(cert_dir, n.name), n.store, "127.0.0.1", 0) for n in nodes}
@@ -119,7 +120,8 @@ async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trus
     try:
         outcome = await pull_prefix(client, peers, HASHES, owners, 0, out, digests, progress, [""] * NUM_BLOCKS,
                                     verifier=ProvenanceVerifier(trust), namespace=NS.root,
-                                    provenance=provenance, timeout_s=10.0, layer_major=layer_major)
+                                    provenance=provenance, timeout_s=10.0, layer_major=layer_major,
+                                    tenants=tenants)
     finally:
         await client.close()
         for server in servers.values():
@@ -237,3 +239,17 @@ def test_a_block_whose_layers_came_under_two_records_is_kept_unsigned(cert_dir: 
     provs.accept(1, records["node-honest"])
     provs.accept(1, records["node-mirror"])
     assert provs.records == [records["node-honest"], None]
+
+
+def test_a_producer_restricted_to_another_tenant_is_refused_for_this_namespace(cert_dir: Path, open_node) -> None:
+    producer = open_node("node-acme")
+    truth = _random_payloads(5)
+    assert producer.fabric.write_blocks(NS, HASHES, truth, signer=_signer(cert_dir, "node-acme")).num_stored \
+        == NUM_BLOCKS
+    trust = TrustAnchor.from_files(cert_dir / "ca.pem")
+    _, complete, _, outcome = asyncio.run(_pull(cert_dir, [producer], [["node-acme"]] * NUM_BLOCKS, trust,
+                                                tenants=frozenset({"globex"})))
+    assert complete == 0 and outcome.rejections == {Rejection.UNAUTHORISED: NUM_BLOCKS * LAYOUT.num_layers}
+    out, complete, _, outcome = asyncio.run(_pull(cert_dir, [producer], [["node-acme"]] * NUM_BLOCKS, trust,
+                                                  tenants=frozenset({"acme"})))
+    assert complete == NUM_BLOCKS and np.array_equal(out, truth) and not outcome.rejections

@@ -81,3 +81,11 @@ def test_shared_groups_bind_one_namespace(ca: Path) -> None:
     gate, _ = _gate(ca, shared=[["acme", "globex"]])
     assert gate.bind(NS, _token(ca, "acme")).root == gate.bind(NS, _token(ca, "globex")).root
     assert gate.bind(NS, _token(ca, "initech")).root != gate.bind(NS, _token(ca, "acme")).root
+
+
+def test_a_bound_namespace_names_the_tenants_its_producers_must_serve(ca: Path) -> None:
+    gate, _ = _gate(ca, shared=[["acme", "globex"]])
+    assert gate.tenants_of(gate.bind(NS, _token(ca, "acme"))) == {"acme", "globex"}
+    assert gate.tenants_of(gate.bind(NS, _token(ca, "initech"))) == {"initech"}
+    assert gate.tenants_of(gate.bind(NS, None)) == frozenset()
+    assert gate.tenants_of(Namespace("m", NS.layout, 16, tenant_salt=b"never bound here")) is None

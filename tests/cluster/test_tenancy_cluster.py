@@ -1,7 +1,8 @@
 """Tenants on a real 2-node Ray cluster: a tenant's calls are bound to its own namespace, whatever salt it claims.
 
-One local cluster for the module (as in test_provenance_cluster.py), with tenants c and d in a
-shared group. Tenant credentials are issued by the test's CA (the operator's role).
+One local cluster for the module (as in test_provenance_cluster.py) that requires tenants, with
+tenants c and d in a shared group. Tenant credentials are issued by the cluster's CA (the
+operator's role). Anonymous calls where tenants are optional are what every other cluster test makes.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     root = tmp_path_factory.mktemp("fabric")
     config = Config(kv=KVConfig(ram_gib=0.25, ssd_gib=1.0, o_direct=False, mirror_delay_s=0.0),
                     cluster=ClusterConfig(heartbeat_s=0.4, lease_s=2.0, directory_shards=1, resync_jitter_s=0.2),
-                    tenancy=TenancyConfig(shared=[["c", "d"]]))
+                    tenancy=TenancyConfig(required=True, shared=[["c", "d"]]))
     local = start_local_cluster(2, root, config)
     try:
         yield local
@@ -96,8 +97,6 @@ def test_tenant_b_with_tenant_as_salt_can_neither_read_nor_poison_a(fabric: Loca
         assert b.load(claimed, tokens).num_blocks == 0
         assert b.lookup_blocks(claimed, ids).num_blocks == 0
         assert b.load_blocks(claimed, ids).num_blocks == 0
-    anonymous = _client(None, None, here)
-    assert anonymous.load(claimed, tokens).num_blocks == 0
     poison = np.full_like(data, 0xAB)
     assert b_there.store(claimed, tokens, poison).num_stored == 6   # lands in B's own namespace
     assert np.array_equal(b_there.load(NS, tokens, pulls=False).payloads, poison)
@@ -119,8 +118,16 @@ def test_a_shared_group_sees_each_others_blocks_and_no_one_else_does(fabric: Loc
     reply = d.load(NS, tokens)
     assert reply.num_blocks == 4 and np.array_equal(reply.payloads, data)
     assert _client(wallet, "e", here).load(NS, tokens).num_blocks == 0
-    assert _client(None, None, here).load(NS, tokens).num_blocks == 0
 
+
+def test_anonymous_calls_are_refused_where_tenants_are_required(fabric: LocalCluster) -> None:
+    here, _ = _nodes(fabric)
+    anonymous = _client(None, None, here)
+    tokens, data = _prompt(4, 2)
+    for call in (lambda: anonymous.store(NS, tokens, data), lambda: anonymous.load(_with_salt_of("a"), tokens),
+                 lambda: anonymous.lookup(NS, tokens)):
+        with pytest.raises(TenantRefusedError, match="only calls with a tenant token"):
+            call()
 
 def test_foreign_node_and_revoked_credentials_are_refused_and_counted(fabric: LocalCluster, wallet: Path,
                                                                       tmp_path: Path) -> None:
@@ -147,5 +154,5 @@ def test_foreign_node_and_revoked_credentials_are_refused_and_counted(fabric: Lo
     with pytest.raises(TenantRefusedError, match="revoked"):
         e.load(NS, tokens)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{e.stats()['metrics_port']}/metrics", timeout=10).read()
-    for reason in (b"untrusted", b"not_a_tenant", b"revoked"):
+    for reason in (b"untrusted", b"not_a_tenant", b"revoked"):   # each refused once, on this node
         assert b'kvfabric_tenant_refusals_total{reason="' + reason + b'"} 1.0' in metrics

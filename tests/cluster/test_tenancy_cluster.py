@@ -102,7 +102,9 @@ def test_tenant_b_with_tenant_as_salt_can_neither_read_nor_poison_a(fabric: Loca
     assert np.array_equal(b_there.load(NS, tokens, pulls=False).payloads, poison)
     assert b_there.store_blocks(claimed, ids, poison).num_stored == 6
     _wait(lambda: a_there.lookup(NS, tokens).num_blocks == 6, "the directory lists A's blocks")
-    for a in (a_here, a_there):   # A's own node, and a pull from it
+    # the credential may come from the config too
+    a_by_config = FabricClient.connect(node_id=there, tenancy=TenancyConfig(credential=str(wallet / "a.tenant.pem")))
+    for a in (a_here, a_there, a_by_config):   # A's own node, and a pull from it
         reply = a.load(NS, tokens)
         assert reply.num_blocks == 6 and np.array_equal(reply.payloads, data)
         reply = a.load_blocks(NS, ids)

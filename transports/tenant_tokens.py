@@ -75,7 +75,7 @@ class TenantToken:
             raise TenantError("malformed", f"a tenant token is at most {MAX_TOKEN_BYTES} bytes")
         try:
             fields = msgpack.unpackb(raw, raw=False)
-        except (ValueError, msgpack.exceptions.ExtraData) as e:
+        except (ValueError, TypeError, msgpack.exceptions.UnpackException) as e:
             raise TenantError("malformed", f"tenant token is not msgpack: {e}") from None
         if not isinstance(fields, list) or len(fields) != 5 or fields[0] != TOKEN_VERSION:
             raise TenantError("malformed", f"not a version-{TOKEN_VERSION} tenant token")
@@ -83,6 +83,8 @@ class TenantToken:
         if not (isinstance(cert_der, bytes) and isinstance(signature, bytes)
                 and type(issued) is int and type(expires) is int):
             raise TenantError("malformed", "tenant token fields have the wrong types")
+        if not (0 <= issued < 2**63 and 0 <= expires < 2**63):
+            raise TenantError("malformed", "tenant token times out of range")
         return cls(cert_der, issued, expires, signature)
 
 

@@ -5,9 +5,12 @@ from __future__ import annotations
 import datetime as dt
 from pathlib import Path
 
+import msgpack
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from transports.certs import CertificateError, init_ca, issue_node, issue_tenant, node_name_of, revoke
 from transports.identity import IdentityError, TrustAnchor
@@ -19,6 +22,13 @@ NOW = 1_800_000_000.0   # unix seconds, within the certificates' validity below
 @pytest.fixture
 def ca(tmp_path: Path) -> Path:
     d = tmp_path / "ca"
+    init_ca(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def module_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("ca")
     init_ca(d)
     return d
 
@@ -105,7 +115,8 @@ def test_a_token_signed_by_another_key_or_tampered_is_refused(ca: Path) -> None:
         with pytest.raises(TenantError) as e:
             TenantVerifier(_anchor(ca)).verify(raw, NOW)
         assert e.value.reason == "bad_signature"
-    for raw in (b"", b"\x93\x01\x02\x03", b"x" * 40_000):
+    far = TenantToken(good.cert_der, 2**63, 2**63 + 1, good.signature)   # times no i64 holds
+    for raw in (b"", b"\x93\x01\x02\x03", b"x" * 40_000, far.encode()):
         with pytest.raises(TenantError) as e:
             TenantVerifier(_anchor(ca)).verify(raw, NOW)
         assert e.value.reason == "malformed"
@@ -133,3 +144,14 @@ def test_node_certificates_may_restrict_their_node_to_tenants(ca: Path) -> None:
     assert tenants_of_node(plain.read_bytes()) == frozenset()
     with pytest.raises(CertificateError, match="invalid tenant name"):
         issue_tenant(ca, "a/b")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.one_of(st.binary(max_size=300),
+                 st.lists(st.one_of(st.integers(-2**63, 2**64 - 1), st.binary(max_size=40), st.text(max_size=5),
+                                    st.none()), max_size=6).map(lambda xs: msgpack.packb(xs, use_bin_type=True))))
+def test_any_bytes_are_refused_with_a_reason_never_an_internal_error(module_ca: Path, raw: bytes) -> None:
+    verifier = TenantVerifier(_anchor(module_ca))
+    with pytest.raises(TenantError) as e:
+        verifier.verify(raw, NOW)
+    assert e.value.reason in ("malformed", "untrusted")

@@ -183,6 +183,7 @@ class NodeActor:
                                                initializer=lower_thread_priority, initargs=(kv.background_nice,))
         tmetrics = TransportMetrics(self.registry)
         self.server = create_server(transport, self.kv_store, metrics=tmetrics)
+        self.server.require_pull_namespace = cfg.tenancy.required   # docs/tenants.md
         host, port = await self.server.start()
         if host in ("0.0.0.0", "::"):
             host = os.environ.get(ADVERTISE_HOST_ENV) or ray.util.get_node_ip_address()

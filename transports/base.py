@@ -54,6 +54,8 @@ PullResult = Hit | Miss
 
 
 class TransportServer(Protocol):
+    require_pull_namespace: bool   # True: a PULL that names no namespace root is answered with misses
+
     async def start(self) -> tuple[str, int]: ...
     async def close(self) -> None: ...
 

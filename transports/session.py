@@ -136,13 +136,15 @@ class _Session:
 class ServerSession(_Session):
     """The server's side of one connection (or one QUIC stream, `hello=False, one_pull=True`).
 
-    `peer_node` is the node name the peer's verified certificate carries."""
+    `peer_node` is the node name the peer's verified certificate carries. `require_namespace`: a
+    PULL that names no namespace root is answered with misses (see `Pull`)."""
 
     def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  max_inflight: int = 32, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
-                 hello: bool = True, one_pull: bool = False) -> None:
+                 hello: bool = True, one_pull: bool = False, require_namespace: bool = False) -> None:
         self.node = node
         self.peer_node = peer_node
+        self.require_namespace = require_namespace
         self.max_payload = max_payload
         self.max_inflight = max_inflight
         self.frame_timeout_s = frame_timeout_s
@@ -273,7 +275,7 @@ class ServerSession(_Session):
         last_prov: Provenance | None = None
         for i, got in enumerate(fetched):
             reason = MissReason.NOT_FOUND
-            if namespace and got is not None and not isinstance(got, Exception) and \
+            if (namespace or self.require_namespace) and got is not None and not isinstance(got, Exception) and \
                     getattr(getattr(got, "provenance", None), "namespace", None) != namespace:
                 got = None   # another namespace's block (or an unsigned one) at this address: never served here
             if got is not None and not isinstance(got, Exception):

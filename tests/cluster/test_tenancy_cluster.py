@@ -7,6 +7,8 @@ operator's role). Anonymous calls where tenants are optional are what every othe
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -20,12 +22,15 @@ from cryptography import x509
 from cluster.api import payload_shape
 from cluster.client import FabricClient
 from cluster.launch import LocalCluster, start_local_cluster
+from cluster.node_actor import node_name_for
 from cluster.tenancy import TenantRefusedError
 from fabric.config import ClusterConfig, Config, KVConfig, TenancyConfig
-from fabric.keys import Namespace
+from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.tenancy import TenancyPolicy
+from transports.base import Hit, Peer
 from transports.certs import init_ca, issue_node, issue_tenant, revoke
+from transports.factory import create_client
 from transports.identity import NodeSigner
 from transports.tenant_tokens import TenantToken
 
@@ -130,6 +135,27 @@ def test_anonymous_calls_are_refused_where_tenants_are_required(fabric: LocalClu
                  lambda: anonymous.lookup(NS, tokens)):
         with pytest.raises(TenantRefusedError, match="only calls with a tenant token"):
             call()
+
+def test_a_pull_that_names_no_namespace_gets_misses_where_tenants_are_required(fabric: LocalCluster,
+                                                                                 wallet: Path) -> None:
+    here, there = _nodes(fabric)
+    tokens, data = _prompt(5, 2)
+    assert _client(wallet, "a", here).store(NS, tokens, data).num_stored == 2
+    host, port = _client(wallet, "a", here).stats()["address"].rsplit(":", 1)
+    peer = Peer(node_name_for(here), host, int(port))
+    root = _with_salt_of("a").root
+    addresses = [BlockAddress(h, layer) for h in block_hashes(_with_salt_of("a"), tokens)
+                 for layer in range(LAYOUT.num_layers)]
+
+    async def pull(namespace: bytes) -> list[bool]:   # as node `there` (a node certificate of the cluster)
+        client = create_client(dataclasses.replace(fabric.config.transport, node_name=node_name_for(there)))
+        try:
+            return [isinstance(r, Hit) async for r in client.pull(peer, addresses, namespace=namespace)]
+        finally:
+            await client.close()
+    assert asyncio.run(pull(b"")) == [False] * len(addresses)
+    assert asyncio.run(pull(root)) == [True] * len(addresses)   # nodes are trusted for the tenants they serve
+
 
 def test_foreign_node_and_revoked_credentials_are_refused_and_counted(fabric: LocalCluster, wallet: Path,
                                                                       tmp_path: Path) -> None:

@@ -189,16 +189,27 @@ def check_namespaced_pull(cert_dir: Path, root: Path, serving: Callable[..., Any
                           client_of: Callable[..., Any]) -> None:
     """Pull a block signed under SIGNED_NAMESPACE from a "node-a" server of one transport: asked
     under that namespace every layer is a hit, asked under another every layer is a miss (the
-    server never hands one namespace's bytes to a pull for another, even at the right address)."""
+    server never hands one namespace's bytes to a pull for another, even at the right address);
+    a PULL that names none is served, until the server requires a namespace."""
     other = b"o" * 32
-    async def main() -> tuple[list[PullResult], list[PullResult], dict[BlockAddress, bytes]]:
+    async def main() -> dict[str, list[PullResult] | dict[BlockAddress, bytes]]:
         with signed_store(root, cert_dir, "node-b") as (store, payloads, _):
-            async with serving(cert_dir, store) as (_, peer), client_of(cert_dir) as client:
-                own = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
-                foreign = [r async for r in client.pull(peer, list(payloads), namespace=other)]
-                return own, foreign, payloads
+            async with serving(cert_dir, store) as (server, peer):
+                async with client_of(cert_dir) as client:
+                    own = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                    foreign = [r async for r in client.pull(peer, list(payloads), namespace=other)]
+                    unnamed = [r async for r in client.pull(peer, list(payloads))]
+                server.require_pull_namespace = True   # seen by connections (and streams) opened from now on
+                async with client_of(cert_dir) as client:
+                    refused = [r async for r in client.pull(peer, list(payloads))]
+                    still = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                return {"own": own, "foreign": foreign, "unnamed": unnamed, "refused": refused, "still": still,
+                        "payloads": payloads}
 
-    own, foreign, payloads = run(main())
-    assert [bytes(r.payload) for r in own if isinstance(r, Hit)] == list(payloads.values())
-    assert [r.address for r in foreign] == list(payloads)
-    assert not any(isinstance(r, Hit) for r in foreign)
+    got = run(main())
+    expected = list(got["payloads"].values())   # type: ignore[union-attr]
+    for hits in ("own", "unnamed", "still"):
+        assert [bytes(r.payload) for r in got[hits] if isinstance(r, Hit)] == expected, hits
+    for misses in ("foreign", "refused"):
+        assert [r.address for r in got[misses]] == list(got["payloads"]), misses
+        assert not any(isinstance(r, Hit) for r in got[misses]), misses

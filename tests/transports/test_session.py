@@ -57,11 +57,12 @@ class Pair:
     """A client and a server session joined by in-memory byte strings; `store` answers pulls."""
 
     def __init__(self, store: dict[BlockAddress, Fetched], *, client_max_payload: int = 1 << 26,
-                 max_inflight: int = 4, hello_node: str = "client-1") -> None:
+                 max_inflight: int = 4, hello_node: str = "client-1", require_namespace: bool = False) -> None:
         self.now = 0.0
         self.store = store
         self.server = ServerSession("server-1", "client-1", self.now, max_inflight=max_inflight,
-                                    frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0)
+                                    frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0,
+                                    require_namespace=require_namespace)
         self.client = ClientSession(hello_node, "server-1", self.now, max_payload=client_max_payload,
                                     frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0)
         self.to_server = wire(self.client.hello())
@@ -464,6 +465,11 @@ def test_a_pull_under_a_namespace_is_served_only_blocks_whose_record_names_it() 
     assert hits(under_b) == [False, True, False]
     assert hits(unnamed) == [True, True, True]   # a PULL that names no namespace is checked by its puller only
     assert all(r.reason is MissReason.NOT_FOUND for r in pair.results[under_a] if not isinstance(r, Hit))
+    strict = Pair(store, require_namespace=True)
+    unnamed, under_a = strict.pull([addr(i) for i in range(3)]), strict.pull([addr(0)], ns_a)
+    strict.run()
+    assert not any(isinstance(r, Hit) for r in strict.results[unnamed])
+    assert [isinstance(r, Hit) for r in strict.results[under_a]] == [True]
 
 
 def test_a_pull_namespace_must_be_a_32_byte_root() -> None:

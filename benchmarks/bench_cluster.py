@@ -207,7 +207,7 @@ def measure(node_ids: list[str], args: argparse.Namespace) -> dict[str, object]:
                for n in node_ids]
     requests = workload(args.requests, args.prompts, args.system_tokens, args.seed)
     ns = Namespace("bench-cluster", LAYOUT, 16, weights_fingerprint="synthetic")
-    ns_local = Namespace("bench-cluster", LAYOUT, 16, weights_fingerprint="synthetic", tenant_salt=b"local-only")
+    ns_local = Namespace("bench-cluster", LAYOUT, 16, weights_fingerprint="synthetic-local-only")   # its own cache
     fabric = run_pass(engines, ns, requests, True, args.seed, "with pulls")
     local_only = run_pass(engines, ns_local, requests, False, args.seed, "local only")
     ideal, total = ideal_hits(ns, requests)
@@ -281,7 +281,7 @@ def measure_events(node_ids: list[str], off: Config, on: Config, args: argparse.
             sub.poll(0.2)
     follower = threading.Thread(target=follow, daemon=True)
     follower.start()
-    ns = Namespace("bench-cluster", LAYOUT, 16, weights_fingerprint="synthetic", tenant_salt=b"events-pair")
+    ns = Namespace("bench-cluster", LAYOUT, 16, weights_fingerprint="synthetic-events")   # a cache of its own
     requests = workload(args.requests, args.prompts, args.system_tokens, args.seed + 1)
     rng = random.Random(args.seed + 1)
     results: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}

@@ -1,4 +1,5 @@
-"""`kvfabric certs init|issue|revoke`: the operator's cluster CA, node certificates and revocation list.
+"""`kvfabric certs init|issue|issue-tenant|revoke`: the operator's cluster CA, node certificates,
+tenant credentials and revocation list.
 
 These run where the CA key is (`ca.key`), never on a node: nodes get `ca.pem`, `crl.pem` and their
 own `<node>.pem` / `<node>.key` only (docs/operations-certificates.md)."""
@@ -12,7 +13,7 @@ from typing import Any
 from cryptography import x509
 
 from cluster.cli import CLIError
-from transports.core.certs import CRL, CertificateError, init_ca, issue_node, revoke
+from transports.core.certs import CRL, CertificateError, init_ca, issue_node, issue_tenant, revoke
 
 
 def register(sub: Any) -> None:
@@ -28,7 +29,15 @@ def register(sub: Any) -> None:
     issue.add_argument("--node", required=True, help="node name (becomes the certificate's DNS SAN)")
     issue.add_argument("--days", type=int, default=365)
     issue.add_argument("--san", action="append", default=[], help="extra DNS name or IP address")
+    issue.add_argument("--tenant", action="append", default=[], metavar="NAME",
+                       help="restrict the node to serving this tenant (repeat for several; none: every tenant)")
     issue.set_defaults(func=_issue)
+    tenant = certs_sub.add_parser("issue-tenant", help="issue a tenant credential signed by the cluster CA")
+    tenant.add_argument("name", metavar="NAME", help="tenant name (letters, digits, '-', '_', '.')")
+    tenant.add_argument("--dir", required=True, help="folder holding the cluster CA")
+    tenant.add_argument("--out", default=None, help="folder for NAME.tenant.pem / .key (default: --dir)")
+    tenant.add_argument("--days", type=int, default=365)
+    tenant.set_defaults(func=_issue_tenant)
     rev = certs_sub.add_parser("revoke", help="revoke node certificates: add them to the CA's crl.pem")
     rev.add_argument("--dir", required=True, help="folder holding the cluster CA and the node certificates")
     rev.add_argument("nodes", nargs="*", metavar="NODE",
@@ -51,10 +60,21 @@ def _init(args: argparse.Namespace) -> int:
 
 def _issue(args: argparse.Namespace) -> int:
     try:
-        cert, key = issue_node(args.dir, args.node, days=args.days, extra_sans=tuple(args.san))
+        cert, key = issue_node(args.dir, args.node, days=args.days, extra_sans=tuple(args.san),
+                               tenants=tuple(args.tenant))
     except CertificateError as e:
         raise CLIError(str(e)) from None
     print(f"node {args.node}: {cert} {key}")
+    return 0
+
+
+def _issue_tenant(args: argparse.Namespace) -> int:
+    try:
+        cert, key = issue_tenant(args.dir, args.name, days=args.days, out_dir=args.out)
+    except CertificateError as e:
+        raise CLIError(str(e)) from None
+    print(f"tenant {args.name}: {cert} {key}; give both to the tenant's clients "
+          f"(FabricClient.connect(credential=...) or [tenancy] credential); revoke with --serial")
     return 0
 
 

@@ -6,6 +6,7 @@
     client.store(ns, tokens, payloads, first_block=kv.num_blocks)
     client.load_blocks(ns, block_ids, parent=parent_id)   # the same, for blocks named by the engine's ids
     client.purge_producer("node-7")            # every node drops the blocks node-7 produced
+    FabricClient.connect(credential="acme.tenant.pem")   # calls as tenant acme (docs/tenants.md)
 
 Each call is one Ray actor call to the NodeActor on the caller's own Ray node, so payloads move
 through that node's shared-memory object store. Calls name the `NodeApi` method they make
@@ -18,8 +19,10 @@ a NodeActor that is stalled never blocks its engine for longer (the engine recom
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 
 import numpy as np
@@ -28,8 +31,9 @@ import ray
 from cluster.api import EngineLoad, IncompleteLoadError, LoadReply, LookupReply, NodeApi, StoreReply, Tokens
 from cluster.node_actor import node_actor_name
 from fabric.block_ids import BlockId
-from fabric.config import ClusterConfig
+from fabric.config import ClusterConfig, TenancyConfig
 from fabric.keys import Namespace
+from transports.core.tenant_tokens import TenantMinter
 
 DEFAULT_NAMESPACE = "kvfabric"
 DEFAULT_CALL_TIMEOUT_S = ClusterConfig().client_timeout_s
@@ -48,16 +52,30 @@ class FabricTimeoutError(TimeoutError):
 
 class FabricClient:
     def __init__(self, actor: ray.actor.ActorHandle, node_id: str, *,
-                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> None:
+                 call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S, tenant: TenantMinter | None = None) -> None:
         self.actor = actor
         self.node_id = node_id
         self.call_timeout_s = call_timeout_s
+        self.tenant = tenant
+
+    def _token(self) -> bytes | None:
+        """This client's tenant token (None: it calls as the anonymous tenant)."""
+        return None if self.tenant is None else self.tenant.token(time.time())
 
     @classmethod
     def connect(cls, *, node_id: str | None = None, namespace: str = DEFAULT_NAMESPACE,
-                timeout_s: float = 30.0, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S) -> FabricClient:
+                timeout_s: float = 30.0, call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+                credential: str | os.PathLike[str] | None = None, tenancy: TenancyConfig | None = None
+                ) -> FabricClient:
         """The client of this process's Ray node (or of `node_id`); waits up to `timeout_s` for the
-        supervisor to start its NodeActor. Each later call waits at most `call_timeout_s`."""
+        supervisor to start its NodeActor. Each later call waits at most `call_timeout_s`.
+
+        `credential` (else `tenancy.credential`): a tenant certificate `<name>.tenant.pem` with its
+        key beside it (`.key`); every call then carries a token of that tenant (docs/tenants.md)."""
+        tenancy = tenancy or TenancyConfig()
+        credential = credential or tenancy.credential or None
+        tenant = None if credential is None else TenantMinter(
+            credential, Path(credential).with_suffix(".key"), ttl_s=tenancy.token_ttl_s)
         if not ray.is_initialized():
             raise FabricUnavailableError("Ray is not initialised: call ray.init(address=...) first")
         node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -66,7 +84,7 @@ class FabricClient:
             try:
                 actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
                 ray.get(actor.ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
-                return cls(actor, node_id, call_timeout_s=call_timeout_s)
+                return cls(actor, node_id, call_timeout_s=call_timeout_s, tenant=tenant)
             except (ValueError, ray.exceptions.RayError) as e:
                 if time.monotonic() >= deadline:
                     raise FabricUnavailableError(
@@ -77,15 +95,16 @@ class FabricClient:
     # ---- synchronous -------------------------------------------------------------------------------
 
     def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        return self._call(NodeApi.lookup, ns, _tokens(tokens))
+        return self._call(NodeApi.lookup, ns, _tokens(tokens), tenant_token=self._token())
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
              pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
-        return self._call(NodeApi.load, ns, _tokens(tokens), max_blocks, pulls, deadline_s)
+        return self._call(NodeApi.load, ns, _tokens(tokens), max_blocks, pulls, deadline_s,
+                          tenant_token=self._token())
 
     def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
         """Sent without waiting for an answer: a report never delays the engine."""
-        self._remote(NodeApi.report_prefill, ns, num_tokens, seconds)
+        self._remote(NodeApi.report_prefill, ns, num_tokens, seconds, tenant_token=self._token())
 
     def report_load(self, load: EngineLoad) -> None:
         """Sent without waiting for an answer: a report never delays the engine."""
@@ -93,27 +112,31 @@ class FabricClient:
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
                     deadline_s: float | None = None) -> RayLayerStream:
-        return RayLayerStream(self._remote(NodeApi.load_layers, ns, _tokens(tokens), max_blocks, deadline_s), self)
+        return RayLayerStream(self._remote(NodeApi.load_layers, ns, _tokens(tokens), max_blocks, deadline_s,
+                                           tenant_token=self._token()), self)
 
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
-        return self._call(NodeApi.store, ns, _tokens(tokens), payloads, first_block)
+        return self._call(NodeApi.store, ns, _tokens(tokens), payloads, first_block, tenant_token=self._token())
 
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
                       parent: BlockId | None = None) -> LookupReply:
-        return self._call(NodeApi.lookup_blocks, ns, list(block_ids), parent)
+        return self._call(NodeApi.lookup_blocks, ns, list(block_ids), parent, tenant_token=self._token())
 
     def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
                     max_blocks: int | None = None, pulls: bool = True) -> LoadReply:
-        return self._call(NodeApi.load_blocks, ns, list(block_ids), parent, max_blocks, pulls)
+        return self._call(NodeApi.load_blocks, ns, list(block_ids), parent, max_blocks, pulls,
+                          tenant_token=self._token())
 
     def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
                            max_blocks: int | None = None) -> RayLayerStream:
-        return RayLayerStream(self._remote(NodeApi.load_blocks_layers, ns, list(block_ids), parent, max_blocks),
+        return RayLayerStream(self._remote(NodeApi.load_blocks_layers, ns, list(block_ids), parent, max_blocks,
+                                           tenant_token=self._token()),
                               self)
 
     def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
                      parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
-        return self._call(NodeApi.store_blocks, ns, list(block_ids), payloads, parent, first_block)
+        return self._call(NodeApi.store_blocks, ns, list(block_ids), payloads, parent, first_block,
+                          tenant_token=self._token())
 
     def held_block_hashes(self) -> list[bytes]:
         """Every block hash this client's node holds (any layer, any tier)."""
@@ -160,15 +183,17 @@ class FabricClient:
     # ---- asyncio -----------------------------------------------------------------------------------
 
     async def alookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
-        return await self._acall(NodeApi.lookup, ns, _tokens(tokens))
+        return await self._acall(NodeApi.lookup, ns, _tokens(tokens), tenant_token=self._token())
 
     async def aload(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
                     pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
-        return await self._acall(NodeApi.load, ns, _tokens(tokens), max_blocks, pulls, deadline_s)
+        return await self._acall(NodeApi.load, ns, _tokens(tokens), max_blocks, pulls, deadline_s,
+                                 tenant_token=self._token())
 
     async def astore(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *,
                      first_block: int = 0) -> StoreReply:
-        return await self._acall(NodeApi.store, ns, _tokens(tokens), payloads, first_block)
+        return await self._acall(NodeApi.store, ns, _tokens(tokens), payloads, first_block,
+                                 tenant_token=self._token())
 
     async def _aget(self, call: str, ref: Any) -> Any:
         try:

@@ -92,7 +92,7 @@ def local_config(root: Path, base: Config | None = None) -> Config:
     transport = dataclasses.replace(cfg.transport, host=LOOPBACK, tcp_port=0, quic_port=0,
                                     cert_dir=str(root / "certs"))
     cluster = dataclasses.replace(cfg.cluster, metrics_port=0)
-    return Config(kv=kv, transport=transport, cluster=cluster, events=cfg.events)
+    return dataclasses.replace(cfg, kv=kv, transport=transport, cluster=cluster)
 
 
 def ensure_ca(cert_dir: str) -> None:

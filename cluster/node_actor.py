@@ -11,6 +11,9 @@ public method starts the node if needed, then hands over: each reads like a call
 does the work. `store` signs one provenance record per block with this node's key
 (docs/provenance.md); a pull accepts only payloads whose producer's record verifies.
 
+Tenants (docs/tenants.md): every public call that takes a namespace rebinds it first to the salt of
+the tenant its `tenant_token` proves (cluster/tenancy.py); the caller's salt is never used.
+
 An async Ray actor: every method runs on one event loop, Store calls that touch files run on a
 thread pool. It starts on its first call (the supervisor pings it right after creation and again
 after Ray restarts it), so a restarted actor reopens its folders under a new incarnation. Payloads
@@ -113,7 +116,8 @@ class NodeActor:
                                       metrics=rt.metrics, clock=time.monotonic)
         self.loader = NodeLoader(self.config, node_id=self.node_id, transport=rt.address.transport, local=rt.local,
                                  directory=self.directory, client=rt.client, verifier=rt.verifier,
-                                 metrics=rt.metrics, kv_events=rt.kv_events, spawn=self._spawn)
+                                 metrics=rt.metrics, kv_events=rt.kv_events, spawn=self._spawn,
+                                 tenants_of=rt.tenancy.tenants_of)
         self._spawn(self._sync_loop())
         logger.info("node %s (incarnation %d) serving %s on %s:%d, metrics on :%d, %d blocks held",
                     self.node_id, self.incarnation, rt.address.transport, rt.address.host, rt.address.port,
@@ -160,8 +164,9 @@ class NodeActor:
 
     # ---- the Fabric API ----------------------------------------------------------------------------
 
-    async def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
+    async def lookup(self, ns: Namespace, tokens: Tokens, *, tenant_token: bytes | None = None) -> LookupReply:
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         return await self.loader.lookup(ns, block_hashes(ns, tokens))
 
     async def set_send_rate(self, mb_s: float) -> None:
@@ -170,9 +175,11 @@ class NodeActor:
         await self._ensure_started()
         self.rt.set_send_rate(mb_s)
 
-    async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
+    async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float, *,
+                             tenant_token: bytes | None = None) -> None:
         """An engine on this node computed `num_tokens` of prefill in `seconds` (see `Fabric`)."""
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         self.loader.report_prefill(ns, num_tokens, seconds)
 
     async def report_load(self, load: EngineLoad) -> None:
@@ -181,23 +188,29 @@ class NodeActor:
         self.loader.report_load(load)
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
-                   pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
+                   pulls: bool = True, deadline_s: float | None = None, *,
+                   tenant_token: bytes | None = None) -> LoadReply:
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         return await self.loader.load(ns, block_hashes(ns, tokens)[:max_blocks], pulls, tokens=tokens,
                                       deadline_s=deadline_s)
 
     # A layer stream is never stitched from two runs (the plans may differ): a restart ends it.
     @_no_retries
     async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
-                          deadline_s: float | None = None) -> AsyncIterator[Any]:
+                          deadline_s: float | None = None, *, tenant_token: bytes | None = None
+                          ) -> AsyncIterator[Any]:
         """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order.
         `deadline_s` plans the pulls as `load` does (never cuts: the stream has promised its blocks)."""
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         async for item in self.loader.load_layers(ns, block_hashes(ns, tokens)[:max_blocks], tokens, deadline_s):
             yield item
 
-    async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0) -> StoreReply:
+    async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0, *,
+                    tenant_token: bytes | None = None) -> StoreReply:
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         num_blocks = check_payloads(ns, tokens, payloads, first_block)
         return await self._write(ns, block_hashes(ns, tokens)[:first_block + num_blocks], payloads, first_block,
                                  tokens)
@@ -211,27 +224,34 @@ class NodeActor:
 
     # ---- the Fabric API by block ids (fabric/block_ids.py): the same paths from the block hashes on ----
 
-    async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None
-                            ) -> LookupReply:
+    async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None, *,
+                            tenant_token: bytes | None = None) -> LookupReply:
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         return await self.loader.lookup(ns, block_id_hashes(ns, block_ids, parent))
 
     async def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
-                          max_blocks: int | None = None, pulls: bool = True) -> LoadReply:
+                          max_blocks: int | None = None, pulls: bool = True, *,
+                          tenant_token: bytes | None = None) -> LoadReply:
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         return await self.loader.load(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), pulls)
 
     @_no_retries
     async def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
-                                 max_blocks: int | None = None) -> AsyncIterator[Any]:
+                                 max_blocks: int | None = None, *, tenant_token: bytes | None = None
+                                 ) -> AsyncIterator[Any]:
         """`load_layers` for a chain of block ids."""
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         async for item in self.loader.load_layers(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), None):
             yield item
 
     async def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray,
-                           parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
+                           parent: BlockId | None = None, first_block: int = 0, *,
+                           tenant_token: bytes | None = None) -> StoreReply:
         await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
         num_blocks = check_block_payloads(ns, len(block_ids), payloads, first_block)
         return await self._write(ns, block_id_hashes(ns, block_ids[:first_block + num_blocks], parent), payloads,
                                  first_block, None)

@@ -73,6 +73,7 @@ class Provenances:
     verifier: ProvenanceVerifier
     namespace: bytes
     records: list[Provenance | None]
+    tenants: frozenset[str] | None = None   # whose namespace it is: producers must be authorised for them
     _seen: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -122,18 +123,19 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
                       owners: Sequence[Sequence[str]], start: int, out: np.ndarray, digests: list[list[bytes]],
                       progress: LayerProgress, sources: list[str], *, verifier: ProvenanceVerifier,
                       namespace: bytes, provenance: list[Provenance | None], timeout_s: float,
-                      max_rounds: int = 3, layer_major: bool = True, outcome: PullOutcome | None = None
-                      ) -> PullOutcome:
+                      max_rounds: int = 3, layer_major: bool = True, outcome: PullOutcome | None = None,
+                      tenants: frozenset[str] | None = None) -> PullOutcome:
     """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
 
     Each round plans runs over the owners not yet seen failing, from the first incomplete block,
     and pulls them concurrently; a failed run's blocks are planned again over the others. Only
-    payloads whose provenance `verifier` accepts for `namespace` are filled; `provenance[b]` gets
+    payloads whose provenance `verifier` accepts for `namespace` (by a producer authorised for
+    `tenants`, when given) are filled; `provenance[b]` gets
     the record block b was accepted under. `outcome` (made here when not given) collects counts and
     one `PullSample` per attempt, also when the caller cancels the pull midway (its deadline).
     """
     outcome = outcome if outcome is not None else PullOutcome()
-    provs = Provenances(verifier, namespace, provenance)
+    provs = Provenances(verifier, namespace, provenance, tenants)
     bad: set[str] = set()
     for _ in range(max_rounds):
         first = progress.complete_blocks()
@@ -178,12 +180,13 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
         got_miss = False
         refused: dict[Rejection, int] = {}   # this attempt's provenance rejections, by reason
         source = f"peer:{node_id}"
-        check, namespace, rejections = provs.verifier.check, provs.namespace, outcome.rejections
+        check, namespace, tenants, rejections = provs.verifier.check, provs.namespace, provs.tenants, \
+            outcome.rejections
         started, first_s, got_bytes = time.perf_counter(), None, 0
         try:
             async with asyncio.timeout(timeout_s):
                 into = None if flat is None else memoryview(flat)  # type: ignore[arg-type]  # numpy's buffer stubs
-                async for result in client.pull(peer, list(slot), into=into):
+                async for result in client.pull(peer, list(slot), into=into, namespace=namespace):
                     where = slot.get(result.address)
                     if where is None:
                         logger.warning("peer %s answered an address it was not asked for; ignored", node_id)
@@ -199,7 +202,8 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                         logger.warning("peer %s sent %d bytes for a %d-byte block; ignored", node_id,
                                        view.nbytes, nbytes)
                         continue
-                    rejected = check(result.provenance, namespace, result.address.hash, layer, result.digest)
+                    rejected = check(result.provenance, namespace, result.address.hash, layer, result.digest,
+                                     tenants=tenants)
                     if rejected is not None:
                         rejections[rejected] = rejections.get(rejected, 0) + 1
                         refused[rejected] = refused.get(rejected, 0) + 1

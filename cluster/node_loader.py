@@ -71,7 +71,10 @@ class NodeLoader:
 
     def __init__(self, config: Config, *, node_id: str, transport: str, local: LocalFabric, directory: Locator,
                  client: TransportClient, verifier: ProvenanceVerifier, metrics: ClusterMetrics,
-                 kv_events: KvEventPublisher | None, spawn: Callable[[Coroutine[Any, Any, None]], None]) -> None:
+                 kv_events: KvEventPublisher | None, spawn: Callable[[Coroutine[Any, Any, None]], None],
+                 tenants_of: Callable[[Namespace], frozenset[str] | None] = lambda ns: None) -> None:
+        """`tenants_of`: the tenants a bound namespace is for (a pulled block's producer must be
+        authorised for one of them; see cluster/tenancy.py)."""
         self.config = config
         self.node_id = node_id
         self.transport = transport     # peers are reached over this node's own transport kind only
@@ -82,6 +85,7 @@ class NodeLoader:
         self.metrics = metrics
         self.kv_events = kv_events
         self.spawn = spawn
+        self.tenants_of = tenants_of
         self.peer_estimates = PeerEstimates()
         self.pending_mirrors = 0
         self._replies = ReplyBuffers(int(config.kv.reply_pool_gib * (1 << 30)))
@@ -181,6 +185,7 @@ class NodeLoader:
         if outcome is not None:
             pull = pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
                                verifier=self.verifier, namespace=ns.root, provenance=provenance,
+                               tenants=self.tenants_of(ns),
                                timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
                                outcome=outcome)
             # A layer stream has promised its blocks: it is planned by the same rule but never cut.

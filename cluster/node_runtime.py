@@ -27,6 +27,7 @@ from cluster.directory_auth import ReportSigner
 from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import LocalFabric
 from cluster.metrics import ClusterMetrics
+from cluster.tenancy import TenantGate
 from fabric.config import Config
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
@@ -76,8 +77,11 @@ class NodeRuntime:
         self.metrics = ClusterMetrics(self.registry)
         self.kv_store = Store.open(kv, registry=self.registry)
         self.local = LocalFabric(self.kv_store, self.node_id)
+        self.tenancy = TenantGate(cfg.tenancy, self.trust,
+                                  (Path(transport.cert_dir) / f"{self.node_name}.pem").read_bytes(), self.registry)
         tmetrics = TransportMetrics(self.registry)
         self.server: TransportServer = create_server(transport, self.kv_store, metrics=tmetrics)
+        self.server.require_pull_namespace = cfg.tenancy.required   # docs/tenants.md
         host, port = await self.server.start()
         if host in ("0.0.0.0", "::"):
             host = os.environ.get(ADVERTISE_HOST_ENV) or ray.util.get_node_ip_address()
@@ -119,6 +123,7 @@ class NodeRuntime:
             logger.error("new revocation list not used: %s", e)
             return
         self.verifier.trust = self.trust
+        self.tenancy.verifier.trust = self.trust
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     def set_send_rate(self, mb_s: float) -> None:

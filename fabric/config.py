@@ -1,4 +1,4 @@
-"""kvfabric configuration: one TOML file with sections [kv], [transport], [cluster] and [events].
+"""kvfabric configuration: one TOML file with sections [kv], [transport], [cluster], [events], [tenancy].
 
 Every key has a default that works on a laptop. Unknown sections or keys and values of the wrong
 type or range raise `ConfigError` naming the file, the key and what was expected, so a typo never
@@ -135,11 +135,25 @@ class EventsConfig:
 
 
 @dataclass(slots=True)
+class TenancyConfig:
+    """Tenants by certificate (docs/tenants.md). `required`: calls without a valid tenant token are
+    refused (false: they are the anonymous tenant with the empty salt). `shared`: groups of tenant
+    names that share one namespace (explicit opt-in). `credential`: a client's tenant certificate
+    (`<name>.tenant.pem`, its key beside as `.key`; "": calls carry no token)."""
+
+    required: bool = False
+    shared: list[list[str]] = field(default_factory=list)
+    credential: str = ""
+    token_ttl_s: float = 300.0
+
+
+@dataclass(slots=True)
 class Config:
     kv: KVConfig = field(default_factory=KVConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
+    tenancy: TenancyConfig = field(default_factory=TenancyConfig)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Config:
@@ -232,6 +246,14 @@ class Config:
             if (value or key == "endpoint") and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ConfigError(f"{source}: events.{key} must be a tcp://, ipc:// or inproc:// ZMQ endpoint, "
                                   f"got {value!r}")
+        if not 0 < self.tenancy.token_ttl_s <= 3600:
+            raise ConfigError(f"{source}: tenancy.token_ttl_s must be in (0, 3600], got {self.tenancy.token_ttl_s}")
+        seen: set[str] = set()
+        for group in self.tenancy.shared:
+            if len(set(group)) < 2 or not all(group) or seen & set(group):
+                raise ConfigError(f"{source}: tenancy.shared groups name two or more tenants each, none in two "
+                                  f"groups; got {group!r}")
+            seen |= set(group)
         if self.cluster.lease_s <= self.cluster.heartbeat_s:
             raise ConfigError(f"{source}: cluster.lease_s ({self.cluster.lease_s}) must exceed "
                               f"cluster.heartbeat_s ({self.cluster.heartbeat_s})")
@@ -271,4 +293,9 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: must be a string, got {value!r}")
         return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(f"{where}: must be a list, got {value!r}")
+        (item,) = get_args(hint)
+        return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
     raise RuntimeError(f"{where}: unsupported config type {hint!r}")

@@ -12,6 +12,9 @@
     kvfabric_put_rejected_total{reason}         counter: full / pinned / no_space / digest_mismatch /
                                                 conflict / io_error
     kvfabric_pending_writes                     gauge: write-behind blocks not yet on SSD
+    kvfabric_store_conflicts_total{held_producer,new_producer}
+                                                counter: puts refused because the address holds other
+                                                bytes, by the producers of both ("unsigned": no record)
 
 An engine's BlockManager is exported beside them by `cluster.engines.allocator_metrics`.
 
@@ -53,6 +56,9 @@ class StoreMetrics:
                                   "by action", ["action"], registry=r)
         self.put_rejected = Counter("kvfabric_put_rejected_total", "Puts refused, by reason", ["reason"],
                                     registry=r)
+        self.conflicts = Counter("kvfabric_store_conflicts_total", "Puts of other bytes than those held at "
+                                 "the address, by the producer of the held and of the refused bytes",
+                                 ["held_producer", "new_producer"], registry=r)
         self.pending_writes = Gauge("kvfabric_pending_writes", "Write-behind blocks not yet on SSD",
                                     registry=r)
         self._hit = {t: self.lookup_seconds.labels(t.value, "hit") for t in Tier}

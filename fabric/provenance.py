@@ -73,6 +73,7 @@ class Rejection(enum.StrEnum):
     REVOKED = "revoked"
     NOT_A_NODE = "not_a_node"
     MALFORMED = "malformed"
+    UNAUTHORISED = "unauthorised"            # the producer's certificate restricts it to other tenants
 
 
 def layers_digest(digests: Sequence[bytes]) -> bytes:

@@ -30,6 +30,7 @@ from fabric.tiers.base import Payload, Tier, as_bytes_view, digest_of
 from fabric.tiers.ssd import HEADER_SIZE, NO_SPACE_ERRNOS, SsdEntry, WriteItem
 
 logger = logging.getLogger(__name__)
+UNSIGNED_PRODUCER = "unsigned"   # the producer label of a block without a provenance record
 
 FLUSH_BATCH_BLOCKS = 128
 FLUSH_BATCH_BYTES = 64 << 20
@@ -93,10 +94,19 @@ class Writer:
         if held is None:
             return None
         if held != t.pending.digest:
+            self._note_conflict_locked(t)
             return self.core.reject_locked(PutResult.CONFLICT)
         if need_ssd and not self.core.ssd.contains(t.key):
             return None     # held in RAM only (its SSD copy expired): write-through writes it again
         return PutResult.OK
+
+    def _note_conflict_locked(self, t: _Todo) -> None:
+        """Name both producers of a conflict: the held bytes' and the refused ones' (or "unsigned")."""
+        held_by = _producer(self.core.provenance_locked(t.key))
+        new_by = _producer(t.pending.provenance)
+        self.core.metrics.conflicts.labels(held_by, new_by).inc()
+        logger.warning("conflicting store at %s: held bytes produced by %s, refused bytes from %s (the held ones "
+                       "stand)", t.pending.address, held_by, new_by)
 
     def _write_behind(self, todo: list[_Todo], results: list[PutResult | None]) -> None:
         core = self.core
@@ -348,3 +358,7 @@ class Writer:
 
 def _classify(err: OSError) -> PutResult:
     return PutResult.NO_SPACE if err.errno in NO_SPACE_ERRNOS else PutResult.IO_ERROR
+
+
+def _producer(record: Provenance | None) -> str:
+    return UNSIGNED_PRODUCER if record is None else record.producer

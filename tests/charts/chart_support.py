@@ -58,7 +58,8 @@ ALL_FEATURES: dict[str, Any] = {
     ],
     "config": {"kv": {"ram_gib": 64, "ssd_gib": 800.5, "block_size": 32, "o_direct": False},
                "transport": {"kind": "quic", "max_payload_bytes": 67108864, "connect_timeout_s": 2.5},
-               "cluster": {"directory_shards": 4, "heartbeat_s": 1, "lease_s": 6}},
+               "cluster": {"directory_shards": 4, "heartbeat_s": 1, "lease_s": 6},
+               "tenancy": {"required": True, "shared": [["team-a", "team-b"]]}},
 }
 
 

@@ -30,6 +30,8 @@ CLUSTER_METRICS = {"kvfabric_pulls_total", "kvfabric_lookups_total", "kvfabric_l
     ({"config": {"kv": {"block_size": "16"}}}, "block_size"),
     ({"config": {"kv": {"ssd_low_water": 1.5}}}, "ssd_low_water"),
     ({"config": {"gpu": {}}}, "gpu"),                                       # no such section
+    ({"config": {"tenancy": {"shared": [["team-a"]]}}}, "/config/tenancy/shared"),   # a group of one
+    ({"config": {"tenancy": {"credential": "/x"}}}, "credential"),          # a client's, not a node's
     ({"workerDefaults": {"gpus": -1}}, "gpus"),
     ({"workerGroups": []}, "workerGroups"),
     ({"workerGroups": [{"name": "GPU_pool"}]}, "GPU_pool"),
@@ -82,6 +84,7 @@ def test_rendered_toml_is_a_valid_config(case: str, tmp_path: Path) -> None:
         assert cfg.kv.ram_gib == 64 and cfg.kv.ssd_gib == 800.5 and cfg.kv.o_direct is False
         assert cfg.transport.kind == "quic" and cfg.transport.max_payload_bytes == 67108864
         assert cfg.cluster.directory_shards == 4 and cfg.cluster.lease_s == 6.0
+        assert cfg.tenancy.required and cfg.tenancy.shared == [["team-a", "team-b"]]
 
 
 def _sample(prop: dict[str, Any]) -> Any:

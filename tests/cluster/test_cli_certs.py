@@ -20,6 +20,7 @@ from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
 from transports.core.certs import CredentialFiles, NodeCredentials, node_name_of
 from transports.core.identity import IdentityError, TrustAnchor
+from transports.core.tenant_tokens import TenantMinter, tenants_of_node
 from transports.quic import QuicTransportClient, QuicTransportServer
 
 
@@ -122,3 +123,19 @@ def test_revoke_lists_the_nodes_certificate_in_the_cas_revocation_list(
     assert TrustAnchor.from_files(d / "ca.pem").revoked == frozenset({serial})
     assert main(["certs", "revoke", "--dir", str(d), "--serial", "0x1f:2a"]) == 0   # a certificate not in --dir
     assert TrustAnchor.from_files(d / "ca.pem").revoked == frozenset({serial, 0x1F2A})
+
+
+def test_issue_tenant_writes_a_tenant_credential_and_issue_can_restrict_a_node(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    d, out = tmp_path / "certs", tmp_path / "tenants"
+    assert main(["certs", "init", "--dir", str(d)]) == 0
+    assert main(["certs", "issue-tenant", "acme", "--dir", str(d), "--out", str(out)]) == 0
+    assert "tenant acme" in capsys.readouterr().out
+    assert san(out / "acme.tenant.pem").get_values_for_type(x509.UniformResourceIdentifier) == [
+        "kvfabric-tenant:acme"]
+    assert stat.S_IMODE(os.stat(out / "acme.tenant.key").st_mode) == 0o600
+    assert TenantMinter(out / "acme.tenant.pem", out / "acme.tenant.key").tenant == "acme"
+    assert main(["certs", "issue", "--dir", str(d), "--node", "n1", "--tenant", "acme", "--tenant", "globex"]) == 0
+    assert tenants_of_node((d / "n1.pem").read_bytes()) == {"acme", "globex"}
+    assert main(["certs", "issue-tenant", "no/slash", "--dir", str(d)]) != 0
+    assert "invalid tenant name" in capsys.readouterr().err

@@ -28,7 +28,7 @@ from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
 from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from transports.core.base import Hit, Peer
-from transports.core.certs import CertificateError, init_ca, issue_node, revoke
+from transports.core.certs import CertificateError, init_ca, issue_node, issue_tenant, revoke
 from transports.core.identity import NodeSigner
 from transports.factory import create_client
 
@@ -115,16 +115,17 @@ def test_layer_wise_load_from_a_peer_delivers_every_layer_in_order(fabric: Local
     assert all(np.array_equal(arr, data[:, layer]) for layer, arr in layers)
 
 
-def test_two_tenants_never_share_blocks(fabric: LocalCluster) -> None:
+def test_two_tenants_never_share_blocks(fabric: LocalCluster, tmp_path: Path) -> None:
     _, a, b = nodes(fabric)[:3]
-    alice = Namespace("itest-model", LAYOUT, 16, weights_fingerprint="itest", tenant_salt=b"alice")
-    bob = Namespace("itest-model", LAYOUT, 16, weights_fingerprint="itest", tenant_salt=b"bob")
+    alice, bob = (issue_tenant(fabric.config.transport.cert_dir, name, out_dir=tmp_path)[0]
+                  for name in ("alice", "bob"))
+    ns = Namespace("itest-model", LAYOUT, 16, weights_fingerprint="itest")
     tokens = prompt(2, 8)
-    FabricClient.connect(node_id=a).store(alice, tokens, kv_for(2, 8, alice))
-    client_b = FabricClient.connect(node_id=b)
-    wait_until(lambda: client_b.lookup(alice, tokens).num_blocks == 8, 5, "alice's blocks visible")
-    assert client_b.lookup(bob, tokens).num_blocks == 0
-    assert client_b.load(bob, tokens).num_blocks == 0
+    FabricClient.connect(node_id=a, credential=alice).store(ns, tokens, kv_for(2, 8, ns))
+    alice_b, bob_b = (FabricClient.connect(node_id=b, credential=c) for c in (alice, bob))
+    wait_until(lambda: alice_b.lookup(ns, tokens).num_blocks == 8, 5, "alice's blocks visible")
+    assert bob_b.lookup(ns, tokens).num_blocks == 0
+    assert bob_b.load(ns, tokens).num_blocks == 0
 
 
 def test_metrics_endpoint_shows_the_pulls(fabric: LocalCluster) -> None:

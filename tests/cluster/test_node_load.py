@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 
 import blake3
@@ -27,7 +27,7 @@ from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.provenance import Provenance, Rejection, sign_block
 from fabric.store import Store
-from transports.core.base import Peer
+from transports.core.base import Peer, PullResult
 from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
 from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.provenance_check import ProvenanceVerifier
@@ -48,6 +48,7 @@ def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     init_ca(d)
     for node in NODES:
         issue_node(d, node)
+    issue_node(d, "node-acme", tenants=("acme",))
     return d
 
 
@@ -85,15 +86,33 @@ def _random_payloads(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, payload_shape(NS, NUM_BLOCKS), dtype=np.uint8)
 
 
+class _UnnamedPulls:
+    """A puller's client whose PULLs name no namespace: to the puller, the servers then act as a liar's
+    would that ignores the namespace it is asked under (an honest server serves only blocks whose
+    record names it), so what is left to stop a liar is the puller's own provenance check."""
+
+    def __init__(self, client: TlsTcpClient) -> None:
+        self.client = client
+
+    def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *, into: memoryview | None = None,
+             namespace: bytes = b"") -> AsyncIterator[PullResult]:
+        return self.client.pull(peer, addresses, into=into)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+
 async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trust: TrustAnchor,
-                layer_major: bool = True) -> tuple[np.ndarray, int, list[Provenance | None], PullOutcome]:
+                layer_major: bool = True, *, name_namespace: bool = True, tenants: frozenset[str] | None = None
+                ) -> tuple[np.ndarray, int, list[Provenance | None], PullOutcome]:
     """Pull every block from `owners` (per block, as the directory would name them) into a fresh buffer."""
     servers = {n.name: TlsTcpServer(_creds(cert_dir, n.name), n.store, "127.0.0.1", 0) for n in nodes}
     peers = {}
     for name, server in servers.items():
         host, port = await server.start()
         peers[name] = Peer(name, host, port)
-    client = TlsTcpClient(_creds(cert_dir, "node-puller"))
+    tls = TlsTcpClient(_creds(cert_dir, "node-puller"))
+    client: TlsTcpClient | _UnnamedPulls = tls if name_namespace else _UnnamedPulls(tls)
     out = np.zeros(payload_shape(NS, NUM_BLOCKS), dtype=np.uint8)
     digests = [[b""] * LAYOUT.num_layers for _ in range(NUM_BLOCKS)]
     provenance: list[Provenance | None] = [None] * NUM_BLOCKS
@@ -101,7 +120,8 @@ async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trus
     try:
         outcome = await pull_prefix(client, peers, HASHES, owners, 0, out, digests, progress, [""] * NUM_BLOCKS,
                                     verifier=ProvenanceVerifier(trust), namespace=NS.root,
-                                    provenance=provenance, timeout_s=10.0, layer_major=layer_major)
+                                    provenance=provenance, timeout_s=10.0, layer_major=layer_major,
+                                    tenants=tenants)
     finally:
         await client.close()
         for server in servers.values():
@@ -155,15 +175,18 @@ def test_a_liar_with_a_valid_certificate_serves_no_byte(cert_dir: Path, open_nod
     trust = TrustAnchor.from_files(cert_dir / "ca.pem")
 
     # the liar alone: nothing is accepted, every payload is a named rejection
+    # (an unsigned block is not even served to a PULL that names its namespace: see _UnnamedPulls)
+    unnamed = how == "unsigned"
     out, complete, provenance, outcome = asyncio.run(
-        _pull(cert_dir, [liar], [[liar.name]] * NUM_BLOCKS, trust, layer_major))
+        _pull(cert_dir, [liar], [[liar.name]] * NUM_BLOCKS, trust, layer_major, name_namespace=not unnamed))
     assert complete == 0
     assert outcome.rejections == {reason: NUM_BLOCKS * LAYOUT.num_layers}
     assert provenance == [None] * NUM_BLOCKS
 
     # the liar first, the honest producer next: every byte is the producer's, none the liar's
     out, complete, provenance, outcome = asyncio.run(
-        _pull(cert_dir, [liar, honest], [[liar.name, "node-honest"]] * NUM_BLOCKS, trust, layer_major))
+        _pull(cert_dir, [liar, honest], [[liar.name, "node-honest"]] * NUM_BLOCKS, trust, layer_major,
+              name_namespace=not unnamed))
     assert complete == NUM_BLOCKS
     assert np.array_equal(out, truth) and not np.array_equal(out, fake)
     assert outcome.rejections.get(reason, 0) > 0 and outcome.num_fallbacks > 0
@@ -216,3 +239,17 @@ def test_a_block_whose_layers_came_under_two_records_is_kept_unsigned(cert_dir: 
     provs.accept(1, records["node-honest"])
     provs.accept(1, records["node-mirror"])
     assert provs.records == [records["node-honest"], None]
+
+
+def test_a_producer_restricted_to_another_tenant_is_refused_for_this_namespace(cert_dir: Path, open_node) -> None:
+    producer = open_node("node-acme")
+    truth = _random_payloads(5)
+    assert producer.fabric.write_blocks(NS, HASHES, truth, signer=_signer(cert_dir, "node-acme")).num_stored \
+        == NUM_BLOCKS
+    trust = TrustAnchor.from_files(cert_dir / "ca.pem")
+    _, complete, _, outcome = asyncio.run(_pull(cert_dir, [producer], [["node-acme"]] * NUM_BLOCKS, trust,
+                                                tenants=frozenset({"globex"})))
+    assert complete == 0 and outcome.rejections == {Rejection.UNAUTHORISED: NUM_BLOCKS * LAYOUT.num_layers}
+    out, complete, _, outcome = asyncio.run(_pull(cert_dir, [producer], [["node-acme"]] * NUM_BLOCKS, trust,
+                                                  tenants=frozenset({"acme"})))
+    assert complete == NUM_BLOCKS and np.array_equal(out, truth) and not outcome.rejections

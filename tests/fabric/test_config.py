@@ -77,3 +77,18 @@ def test_namespaces_take_the_configured_block_size(tmp_path: Path) -> None:
     assert ns.block_size == 4 and ns.tenant_salt == b"t"
     assert len(block_hashes(ns, list(range(10)))) == 2           # full blocks of 4 tokens
     assert ns.root != Config().kv.namespace("m", layout, tenant_salt=b"t").root
+
+
+def test_tenancy_is_optional_by_default_and_loads_shared_groups(tmp_path: Path) -> None:
+    assert (Config().tenancy.required, Config().tenancy.shared) == (False, [])
+    p = tmp_path / "tenancy.toml"
+    p.write_text('[tenancy]\nrequired = true\nshared = [["a", "b"]]\ncredential = "/etc/kvf/a.tenant.pem"\n')
+    tenancy = Config.load(p).tenancy
+    assert tenancy.required and tenancy.shared == [["a", "b"]] and tenancy.credential.endswith("a.tenant.pem")
+    for bad, message in (('shared = ["a", "b"]', r"shared\[0\]: must be a list"),
+                         ('shared = [["a"]]', "two or more tenants"),
+                         ('shared = [["a", "b"], ["b", "c"]]', "none in two groups"),
+                         ("token_ttl_s = 7200", "token_ttl_s must be in")):
+        p.write_text(f"[tenancy]\n{bad}\n")
+        with pytest.raises(ConfigError, match=message):
+            Config.load(p)

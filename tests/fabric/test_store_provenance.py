@@ -89,3 +89,24 @@ def test_purge_by_producer_removes_only_that_producers_blocks(tmp_path: Path) ->
     with Store.open(_kv(tmp_path, True), background=False) as store:   # gone from the SSD too
         assert all(store.get_block(a) is None for a, _ in bad_items)
         assert store.purge_producer("node-bad") == 0
+
+
+@pytest.mark.parametrize("write_through", [True, False])
+def test_a_conflicting_store_is_counted_with_both_producers_named(tmp_path: Path, write_through: bool,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    items, record = _block("node-a")
+    other = [(address, os.urandom(len(payload))) for address, payload in items]
+    other_record = sign_block(b"n" * 32, items[0][0].hash, [blake3.blake3(p).digest() for _, p in other],
+                              "node-b", b"cert", lambda m: b"s" * 64)
+    with Store.open(_kv(tmp_path, write_through), background=False) as store:
+        _put(store, items, record)
+        with caplog.at_level("WARNING", logger="fabric.store_writes"):
+            results = store.put_many(other, provenance=[other_record] * len(other))
+        assert [r.value for r in results] == ["conflict"] * NUM_LAYERS
+        assert store.metrics.value("kvfabric_store_conflicts_total", held_producer="node-a",
+                                   new_producer="node-b") == NUM_LAYERS
+        assert any("node-a" in m and "node-b" in m for m in caplog.messages)
+        assert [bytes(store.get(a) or b"") for a, _ in items] == [p for _, p in items]   # the first stands
+        store.put_many(other)   # unsigned bytes: named as such
+        assert store.metrics.value("kvfabric_store_conflicts_total", held_producer="node-a",
+                                   new_producer="unsigned") == NUM_LAYERS

@@ -183,3 +183,33 @@ def check_signed_pull(cert_dir: Path, root: Path, serving: Callable[..., Any], c
         assert isinstance(r, Hit) and bytes(r.payload) == payloads[r.address]
         assert r.provenance is not None and r.provenance.producer == "node-b"
         assert verifier.check(r.provenance, SIGNED_NAMESPACE, r.address.hash, r.address.layer, r.digest) is None
+
+
+def check_namespaced_pull(cert_dir: Path, root: Path, serving: Callable[..., Any],
+                          client_of: Callable[..., Any]) -> None:
+    """Pull a block signed under SIGNED_NAMESPACE from a "node-a" server of one transport: asked
+    under that namespace every layer is a hit, asked under another every layer is a miss (the
+    server never hands one namespace's bytes to a pull for another, even at the right address);
+    a PULL that names none is served, until the server requires a namespace."""
+    other = b"o" * 32
+    async def main() -> dict[str, list[PullResult] | dict[BlockAddress, bytes]]:
+        with signed_store(root, cert_dir, "node-b") as (store, payloads, _):
+            async with serving(cert_dir, store) as (server, peer):
+                async with client_of(cert_dir) as client:
+                    own = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                    foreign = [r async for r in client.pull(peer, list(payloads), namespace=other)]
+                    unnamed = [r async for r in client.pull(peer, list(payloads))]
+                server.require_pull_namespace = True   # seen by connections (and streams) opened from now on
+                async with client_of(cert_dir) as client:
+                    refused = [r async for r in client.pull(peer, list(payloads))]
+                    still = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                return {"own": own, "foreign": foreign, "unnamed": unnamed, "refused": refused, "still": still,
+                        "payloads": payloads}
+
+    got = run(main())
+    expected = list(got["payloads"].values())   # type: ignore[union-attr]
+    for hits in ("own", "unnamed", "still"):
+        assert [bytes(r.payload) for r in got[hits] if isinstance(r, Hit)] == expected, hits
+    for misses in ("foreign", "refused"):
+        assert [r.address for r in got[misses]] == list(got["payloads"]), misses
+        assert not any(isinstance(r, Hit) for r in got[misses]), misses

@@ -73,3 +73,19 @@ def test_records_survive_their_encoding(cert_dir: Path, node: str) -> None:
     record = _record(cert_dir, node)
     again = Provenance.decode(record.encode(), record.cert_der)
     assert verifier.check(again, NS, BLOCK, 2, DIGESTS[2]) is None
+
+
+def test_a_producer_restricted_to_other_tenants_is_not_authorised_for_this_namespace(tmp_path: Path) -> None:
+    init_ca(tmp_path)
+    issue_node(tmp_path, "node-acme", tenants=("acme",))
+    issue_node(tmp_path, "node-open")
+    verifier = ProvenanceVerifier(TrustAnchor.from_files(tmp_path / "ca.pem"))
+    acme_only, open_node = _record(tmp_path, "node-acme"), _record(tmp_path, "node-open")
+    assert verifier.check(acme_only, NS, BLOCK, 0, DIGESTS[0], tenants=frozenset({"acme"})) is None
+    assert verifier.check(acme_only, NS, BLOCK, 0, DIGESTS[0], tenants=frozenset({"acme", "globex"})) is None
+    # the same record object right after it was accepted: the shortcut must not skip the tenant check
+    assert verifier.check(acme_only, NS, BLOCK, 1, DIGESTS[1],
+                          tenants=frozenset({"globex"})) is Rejection.UNAUTHORISED
+    assert verifier.check(acme_only, NS, BLOCK, 0, DIGESTS[0], tenants=frozenset()) is Rejection.UNAUTHORISED
+    assert verifier.check(open_node, NS, BLOCK, 0, DIGESTS[0], tenants=frozenset({"globex"})) is None
+    assert verifier.check(acme_only, NS, BLOCK, 0, DIGESTS[0]) is None   # no tenant named: not checked

@@ -20,7 +20,18 @@ import pytest
 from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
-from support import check_signed_pull, closing, creds, filled_store, pull_all, raw_peer, run, started, wait_until
+from support import (
+    check_namespaced_pull,
+    check_signed_pull,
+    closing,
+    creds,
+    filled_store,
+    pull_all,
+    raw_peer,
+    run,
+    started,
+    wait_until,
+)
 
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
@@ -522,6 +533,11 @@ def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_pa
     """The producer's record travels with every layer, and a puller that has never met the producer
     verifies it from the certificate the frames carry."""
     check_signed_pull(cert_dir, tmp_path, serving, client_of)
+
+
+def test_a_pull_under_another_namespace_gets_misses(cert_dir: Path, tmp_path: Path) -> None:
+    """A puller that knows a block's address but asks under another namespace root gets no bytes."""
+    check_namespaced_pull(cert_dir, tmp_path, serving, client_of)
 
 
 @pytest.mark.parametrize(("setting", "expected"), [("auto", "qh3"), ("aioquic", "aioquic"), ("qh3", "qh3")])

@@ -58,19 +58,20 @@ class Pair:
     """A client and a server session joined by in-memory byte strings; `store` answers pulls."""
 
     def __init__(self, store: dict[BlockAddress, Fetched], *, client_max_payload: int = 1 << 26,
-                 max_inflight: int = 4, hello_node: str = "client-1") -> None:
+                 max_inflight: int = 4, hello_node: str = "client-1", require_namespace: bool = False) -> None:
         self.now = 0.0
         self.store = store
         self.server = ServerSession("server-1", "client-1", self.now, max_inflight=max_inflight,
-                                    frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0)
+                                    frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0,
+                                    require_namespace=require_namespace)
         self.client = ClientSession(hello_node, "server-1", self.now, max_payload=client_max_payload,
                                     frame_timeout_s=TIMEOUT_S, idle_timeout_s=30.0)
         self.to_server = wire(self.client.hello())
         self.results: dict[int, list[PullResult]] = {}
         self.done: set[int] = set()
 
-    def pull(self, addresses: list[BlockAddress]) -> int:
-        rid, frames = self.client.submit(addresses, self.now)
+    def pull(self, addresses: list[BlockAddress], namespace: bytes = b"") -> int:
+        rid, frames = self.client.submit(addresses, self.now, namespace=namespace)
         self.to_server += wire(frames)
         return rid
 
@@ -578,3 +579,40 @@ def test_each_hit_carries_its_blocks_record_even_across_many_distinct_blocks() -
     for r in got:
         i = next(i for i in range(600) if addr(i).hash == r.address.hash)
         assert isinstance(r, Hit) and r.provenance == records[i]
+
+
+class SignedStored(Stored):
+    def __init__(self, payload: bytes, provenance: Provenance | None) -> None:
+        super().__init__(payload)
+        self.provenance = provenance
+
+
+def test_a_pull_under_a_namespace_is_served_only_blocks_whose_record_names_it() -> None:
+    ns_a, ns_b = b"a" * 32, b"b" * 32
+    def stored(i: int, ns: bytes | None) -> SignedStored:
+        payload = os.urandom(100)
+        record = None if ns is None else sign_block(ns, addr(i).hash, [blake3.blake3(payload).digest()], "node-p",
+                                                    b"", lambda m: b"sig")
+        return SignedStored(payload, record)
+    store: dict[BlockAddress, Fetched] = {addr(0): stored(0, ns_a), addr(1): stored(1, ns_b), addr(2): stored(2, None)}
+    pair = Pair(store)
+    under_a, under_b, unnamed = (pair.pull([addr(i) for i in range(3)], ns) for ns in (ns_a, ns_b, b""))
+    pair.run()
+    def hits(rid: int) -> list[bool]:
+        return [isinstance(r, Hit) for r in pair.results[rid]]
+    assert hits(under_a) == [True, False, False]
+    assert hits(under_b) == [False, True, False]
+    assert hits(unnamed) == [True, True, True]   # a PULL that names no namespace is checked by its puller only
+    assert all(r.reason is MissReason.NOT_FOUND for r in pair.results[under_a] if not isinstance(r, Hit))
+    strict = Pair(store, require_namespace=True)
+    unnamed, under_a = strict.pull([addr(i) for i in range(3)]), strict.pull([addr(0)], ns_a)
+    strict.run()
+    assert not any(isinstance(r, Hit) for r in strict.results[unnamed])
+    assert [isinstance(r, Hit) for r in strict.results[under_a]] == [True]
+
+
+def test_a_pull_namespace_must_be_a_32_byte_root() -> None:
+    raw = encode(Pull(1, (addr(0),), b"a" * 32))
+    assert FrameDecoder().feed(raw) == [Pull(1, (addr(0),), b"a" * 32)]
+    with pytest.raises(ProtocolError, match="namespace"):
+        FrameDecoder().feed(encode(Pull(1, (addr(0),), b"short")))

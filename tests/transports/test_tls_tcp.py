@@ -17,7 +17,17 @@ from typing import Any
 import blake3
 import pytest
 from cryptography import x509
-from support import check_signed_pull, closing, creds, filled_store, pull_all, run, started, wait_until
+from support import (
+    check_namespaced_pull,
+    check_signed_pull,
+    closing,
+    creds,
+    filled_store,
+    pull_all,
+    run,
+    started,
+    wait_until,
+)
 
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer, PullResult
@@ -824,3 +834,8 @@ def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_pa
     """The producer's record travels with every layer, and a puller that has never met the producer
     verifies it from the certificate the frames carry."""
     check_signed_pull(cert_dir, tmp_path, serving, client_of)
+
+
+def test_a_pull_under_another_namespace_gets_misses(cert_dir: Path, tmp_path: Path) -> None:
+    """A puller that knows a block's address but asks under another namespace root gets no bytes."""
+    check_namespaced_pull(cert_dir, tmp_path, serving, client_of)

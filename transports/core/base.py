@@ -54,14 +54,17 @@ PullResult = Hit | Miss
 
 
 class TransportServer(Protocol):
+    require_pull_namespace: bool   # True: a PULL that names no namespace root is answered with misses
+
     async def start(self) -> tuple[str, int]: ...
     async def close(self) -> None: ...
 
 
 class TransportClient(Protocol):
     def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
-             into: memoryview | None = None) -> AsyncIterator[PullResult]:
+             into: memoryview | None = None, namespace: bytes = b"") -> AsyncIterator[PullResult]:
         """`into`: optional equal-size slots, one per address, that a transport may receive hits
-        straight into (a Hit whose payload is its slot); one that does not copies nothing there."""
+        straight into (a Hit whose payload is its slot); one that does not copies nothing there.
+        `namespace`: the root asked under; the peer serves only blocks whose record names it."""
         ...
     async def close(self) -> None: ...

@@ -3,6 +3,7 @@
     <dir>/ca.pem, ca.key            cluster CA (EC P-256, self-signed, pathlen 0)
     <dir>/<node>.pem, <node>.key    node certificate; its DNS SAN is the node name
     <dir>/crl.pem                   revocation list signed by the CA (`revoke`), when any
+    <dir>/<name>.tenant.pem, .key   tenant credential (`issue_tenant`): URI SAN kvfabric-tenant:<name>
 
 A node's identity is the DNS name in its certificate's SAN. Node certificates carry both the
 serverAuth and clientAuth usages because every node dials and answers. Private keys are written
@@ -30,6 +31,8 @@ logger = logging.getLogger(__name__)
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
 CRL = "crl.pem"   # the CA's revocation list, read by every node beside ca.pem
+TENANT_URI_PREFIX = "kvfabric-tenant:"   # a URI SAN naming a tenant (transports/core/tenant_tokens.py)
+TENANT_SUFFIX = ".tenant"                # <name>.tenant.pem / .key: a tenant credential
 
 
 class CertificateError(Exception):
@@ -84,8 +87,10 @@ def init_ca(cert_dir: str | os.PathLike[str], name: str = "kvfabric cluster CA",
 
 
 def issue_node(cert_dir: str | os.PathLike[str], node: str, days: int = 365,
-               not_before: dt.datetime | None = None, extra_sans: tuple[str, ...] = ()) -> tuple[Path, Path]:
-    """Issue `<node>.pem` / `<node>.key` signed by the CA in `cert_dir`. Returns (cert, key) paths."""
+               not_before: dt.datetime | None = None, extra_sans: tuple[str, ...] = (),
+               tenants: tuple[str, ...] = ()) -> tuple[Path, Path]:
+    """Issue `<node>.pem` / `<node>.key` signed by the CA in `cert_dir`. Returns (cert, key) paths.
+    `tenants` restricts the node to serving those tenants (URI SANs `kvfabric-tenant:NAME`)."""
     d = Path(cert_dir)
     if not node or "/" in node or node.startswith("."):
         raise CertificateError(f"invalid node name {node!r}")
@@ -98,6 +103,7 @@ def issue_node(cert_dir: str | os.PathLike[str], node: str, days: int = 365,
             sans.append(x509.IPAddress(ipaddress.ip_address(extra)))
         except ValueError:
             sans.append(x509.DNSName(extra))
+    sans += [x509.UniformResourceIdentifier(TENANT_URI_PREFIX + _tenant_name(t)) for t in tenants]
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
@@ -116,6 +122,44 @@ def issue_node(cert_dir: str | os.PathLike[str], node: str, days: int = 365,
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
     logger.info("issued certificate for node %s in %s", node, d)
     return cert_path, key_path
+
+
+def issue_tenant(cert_dir: str | os.PathLike[str], tenant: str, days: int = 365,
+                 not_before: dt.datetime | None = None, out_dir: str | os.PathLike[str] | None = None
+                 ) -> tuple[Path, Path]:
+    """Issue a tenant credential `<tenant>.tenant.pem` / `.key` (in `out_dir`, default `cert_dir`)
+    signed by the CA in `cert_dir`: its only SAN is the URI `kvfabric-tenant:<tenant>`, so it never
+    proves a node identity (transports/core/tenant_tokens.py). Returns (cert, key) paths."""
+    d = Path(cert_dir)
+    name = _tenant_name(tenant)
+    ca_cert, ca_key = _load_ca(d)
+    key = ec.generate_private_key(ec.SECP256R1())
+    start = not_before or (_now() - dt.timedelta(minutes=5))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvfabric tenant {name}")]))
+        .issuer_name(ca_cert.subject).public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
+        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(TENANT_URI_PREFIX + name)]),
+                       critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    out = Path(out_dir) if out_dir is not None else d
+    out.mkdir(parents=True, exist_ok=True)
+    cert_path, key_path = out / f"{name}{TENANT_SUFFIX}.pem", out / f"{name}{TENANT_SUFFIX}.key"
+    _write(key_path, _key_pem(key), private=True)
+    _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
+    logger.info("issued credential for tenant %s in %s", name, out)
+    return cert_path, key_path
+
+
+def _tenant_name(tenant: str) -> str:
+    if not tenant or not all(c.isalnum() or c in "-_." for c in tenant) or tenant.startswith("."):
+        raise CertificateError(f"invalid tenant name {tenant!r}: letters, digits, '-', '_' and '.' only")
+    return tenant
 
 
 def _load_ca(d: Path) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:

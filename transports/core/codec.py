@@ -128,8 +128,9 @@ def _header(frame: Frame) -> dict[str, Any]:
     match frame:
         case Hello(node=node, version=version, max_payload=max_payload):
             return {"node": node, "version": version, "max_payload": max_payload}
-        case Pull(request_id=rid, addresses=addrs):
-            return {"rid": rid, "addrs": [[a.hash, a.layer] for a in addrs]}
+        case Pull(request_id=rid, addresses=addrs, namespace=ns):
+            header = {"rid": rid, "addrs": [[a.hash, a.layer] for a in addrs]}
+            return header | {"ns": ns} if ns else header
         case Block(request_id=rid, address=a, digest=digest, provenance=prov):
             header = {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
             return header if prov is None else header | record_tables((prov,))
@@ -295,7 +296,10 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
             if not isinstance(item, list) or len(item) != 2:
                 raise ProtocolError("PULL address must be a [hash, layer] pair")
             addrs.append(_address(item[0], item[1], ftype))
-        return Pull(rid, tuple(addrs))
+        ns = header.get("ns", b"")
+        if not isinstance(ns, bytes) or len(ns) not in (0, HASH_SIZE):
+            raise ProtocolError(f"PULL namespace must be a {HASH_SIZE}-byte root")
+        return Pull(rid, tuple(addrs), ns)
     if ftype is FrameType.BLOCK:
         digest = _field(header, "digest", bytes, ftype)
         if len(digest) != DIGEST_SIZE:

@@ -60,11 +60,14 @@ class Hello:
 
 @dataclass(frozen=True, slots=True)
 class Pull:
-    """Ask for the payloads of `addresses`; answered by one BLOCK or MISS each, then END."""
+    """Ask for the payloads of `addresses`; answered by one BLOCK or MISS each, then END.
+    `namespace`: the root the puller asks under (b"": none named); the server then serves only
+    blocks whose provenance record names that root, and a MISS(not_found) for any other."""
 
     TYPE: ClassVar[FrameType] = FrameType.PULL
     request_id: int
     addresses: tuple[BlockAddress, ...]
+    namespace: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@
 A `TrustAnchor` is the cluster CA certificate plus its revocation list: a node certificate counts
 only if the CA signed it, it is within its validity, it is a node certificate (not a CA, a DNS SAN
 naming the node) and its serial is not revoked. A `NodeIdentity` is what such a certificate
-proves: the node's name, the names and addresses it may advertise (SANs) and its public key.
+proves: the node's name, the names and addresses it may advertise (SANs), its public key, and
+the tenants it is restricted to (URI SANs `kvfabric-tenant:NAME`; none: it serves every tenant).
 
 A node signs with the private key of its own certificate, so the key that signs a block or a
 directory report is bound to the node's name by the CA's signature, and nothing else needs to be
@@ -33,7 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from transports.core.certs import CRL, CertificateError, node_name_of, revoked_serials
+from transports.core.certs import CRL, TENANT_URI_PREFIX, CertificateError, node_name_of, revoked_serials
 
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPrivateKey
@@ -58,6 +59,7 @@ class NodeIdentity:
     serial: int
     public_key: PublicKey
     cert_der: bytes
+    tenants: frozenset[str] = frozenset()   # the tenants the node is restricted to (none: every tenant)
 
     def may_advertise(self, host: str) -> bool:
         """True when `host` (a DNS name or an IP address) is one of the certificate's SANs."""
@@ -144,7 +146,7 @@ class TrustAnchor:
         key = cert.public_key()
         if not isinstance(key, ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey):
             raise IdentityError("not_a_node", f"node {node}'s certificate has an unsupported key type")
-        ident = NodeIdentity(node, _sans(cert), cert.serial_number, key, der)
+        ident = NodeIdentity(node, _sans(cert), cert.serial_number, key, der, _tenants(cert))
         return ident, cert.not_valid_before_utc, cert.not_valid_after_utc
 
 
@@ -169,11 +171,16 @@ class NodeSigner:
         self._key: PrivateKey = key
 
     def sign(self, message: bytes) -> bytes:
-        if isinstance(self._key, ed25519.Ed25519PrivateKey):
-            return self._key.sign(message)
-        if isinstance(self._key, rsa.RSAPrivateKey):
-            return self._key.sign(message, _PSS, hashes.SHA256())
-        return self._key.sign(message, ec.ECDSA(hashes.SHA256()))
+        return sign_with(self._key, message)
+
+
+def sign_with(key: PrivateKey, message: bytes) -> bytes:
+    """`message` signed with `key` by the scheme its type implies (what `verify_signature` checks)."""
+    if isinstance(key, ed25519.Ed25519PrivateKey):
+        return key.sign(message)
+    if isinstance(key, rsa.RSAPrivateKey):
+        return key.sign(message, _PSS, hashes.SHA256())
+    return key.sign(message, ec.ECDSA(hashes.SHA256()))
 
 
 def load_revoked(crl_path: str | Path, ca_cert: x509.Certificate) -> frozenset[int]:
@@ -192,6 +199,12 @@ def _to_der(cert: bytes) -> bytes:
         except ValueError as e:
             raise IdentityError("malformed", f"not a PEM certificate: {e}") from None
     return cert
+
+
+def _tenants(cert: x509.Certificate) -> frozenset[str]:
+    san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    return frozenset(u[len(TENANT_URI_PREFIX):] for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+                     if u.startswith(TENANT_URI_PREFIX))
 
 
 def _sans(cert: x509.Certificate) -> frozenset[str]:

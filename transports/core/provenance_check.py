@@ -5,7 +5,8 @@
 A payload is accepted only when (in this order, cheapest first) it carries a record; the record is
 for that namespace, block and layer and signs that digest; the certificate beside it chains to the
 cluster CA, is valid now and not revoked (`TrustAnchor.identity`, itself cached); the certificate
-names the record's producer; and the signature verifies with the certificate's key.
+names the record's producer; when the caller names the namespace's tenants, a certificate restricted
+to tenants names one of them; and the signature verifies with the certificate's key.
 
 The signature check is the costly step and is the same for every layer of a block: its result is
 cached per record (bounded, least recently used out), so a block of L layers costs one signature
@@ -33,7 +34,8 @@ class ProvenanceVerifier:
         self._trust = trust
         self._verified: OrderedDict[Provenance, bool] = OrderedDict()
         self._cache_size = cache_size
-        self._last_accepted: Provenance | None = None   # this very object passed every check below
+        self._last_accepted: Provenance | None = None   # this very object passed every check below ...
+        self._last_tenants: frozenset[str] | None = None  # ... for these tenants
 
     @property
     def trust(self) -> TrustAnchor:
@@ -46,13 +48,14 @@ class ProvenanceVerifier:
         self._last_accepted = None
 
     def check(self, provenance: Provenance | None, namespace: bytes | None, block_hash: bytes, layer: int,
-              digest: bytes) -> Rejection | None:
+              digest: bytes, *, tenants: frozenset[str] | None = None) -> Rejection | None:
         """None when `digest` (already checked against the payload) is what the producer signed for
-        (block_hash, layer) in `namespace`; else why not."""
+        (block_hash, layer) in `namespace`, by a producer authorised for `tenants` (the tenants whose
+        namespace it is; empty: the anonymous tenant's; None: not checked); else why not."""
         if provenance is None:
             return Rejection.UNSIGNED
         claim = provenance.check_claim(namespace, block_hash, layer, digest)
-        if claim is not None or provenance is self._last_accepted:
+        if claim is not None or (provenance is self._last_accepted and tenants == self._last_tenants):
             return claim
         try:
             ident = self._trust.identity(provenance.cert_der)
@@ -60,9 +63,11 @@ class ProvenanceVerifier:
             return _IDENTITY_REJECTIONS.get(e.reason, Rejection.UNTRUSTED)
         if ident.node != provenance.producer:
             return Rejection.PRODUCER_MISMATCH
+        if tenants is not None and ident.tenants and not ident.tenants & tenants:
+            return Rejection.UNAUTHORISED
         if not self._signature_ok(ident, provenance):
             return Rejection.BAD_SIGNATURE
-        self._last_accepted = provenance
+        self._last_accepted, self._last_tenants = provenance, tenants
         return None
 
     def _signature_ok(self, ident: NodeIdentity, provenance: Provenance) -> bool:

@@ -151,13 +151,15 @@ class _Session:
 class ServerSession(_Session):
     """The server's side of one connection (or one QUIC stream, `hello=False, one_pull=True`).
 
-    `peer_node` is the node name the peer's verified certificate carries."""
+    `peer_node` is the node name the peer's verified certificate carries. `require_namespace`: a
+    PULL that names no namespace root is answered with misses (see `Pull`)."""
 
     def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  max_inflight: int = 32, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
-                 hello: bool = True, one_pull: bool = False) -> None:
+                 hello: bool = True, one_pull: bool = False, require_namespace: bool = False) -> None:
         self.node = node
         self.peer_node = peer_node
+        self.require_namespace = require_namespace
         self.max_payload = max_payload
         self.max_inflight = max_inflight
         self.frame_timeout_s = frame_timeout_s
@@ -311,7 +313,7 @@ class ServerSession(_Session):
             raise LocalProtocolError(f"answer for {len(addresses)} addresses of request {request_id}, which has "
                                      f"{len(pull.addresses) - first} unanswered")
         self.answered[request_id] = first + len(addresses)
-        out = self._frames(request_id, first, addresses, fetched)
+        out = self._frames(request_id, first, addresses, fetched, pull.namespace)
         turns = self._turns
         if turns and turns[0] == request_id:
             turns.rotate(-1)
@@ -320,7 +322,7 @@ class ServerSession(_Session):
         return out
 
     def _frames(self, request_id: int, first: int, addresses: Sequence[BlockAddress],
-                fetched: Sequence[Fetched]) -> list[Frame]:
+                fetched: Sequence[Fetched], namespace: bytes) -> list[Frame]:
         limit, stats = self.peer_max_payload, self.stats
         budget = min(GROUP_BYTES, limit)
         out: list[Frame] = []
@@ -329,6 +331,9 @@ class ServerSession(_Session):
         last_prov: Provenance | None = None
         for i, got in enumerate(fetched):
             reason = MissReason.NOT_FOUND
+            if (namespace or self.require_namespace) and got is not None and not isinstance(got, Exception) and \
+                    getattr(getattr(got, "provenance", None), "namespace", None) != namespace:
+                got = None   # another namespace's block (or an unsigned one) at this address: never served here
             if got is not None and not isinstance(got, Exception):
                 payload = got.payload
                 size = len(payload) if type(payload) is bytes else memoryview(payload).nbytes
@@ -498,8 +503,9 @@ class ClientSession(_Session):
         return [Hello(self.node, VERSION, self.max_payload)]
 
     def submit(self, addresses: Sequence[BlockAddress], now: float,
-               into: memoryview | None = None) -> tuple[int, list[Frame]]:
-        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL): its id and PULL frame.
+               into: memoryview | None = None, namespace: bytes = b"") -> tuple[int, list[Frame]]:
+        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL) under `namespace` (a root;
+        b"": none named, see `Pull`): its id and PULL frame.
 
         `into` (optional): one equal-size slot per address, back to back. Slot-sized hits (BLOCK
         frames and runs in BLOCKS) are then received straight into their slots (no copy); each such
@@ -515,7 +521,7 @@ class ClientSession(_Session):
             self.last_rx = now   # the answer timer starts now
         self.requests[rid] = PullTracker(rid, addresses, into)
         self.outcomes[rid] = Outcome()
-        return rid, [Pull(rid, tuple(addresses))]
+        return rid, [Pull(rid, tuple(addresses), namespace)]
 
     def outcome(self, request_id: int) -> Outcome:
         """The results of a request submitted and not cancelled (see `Outcome`); every call that

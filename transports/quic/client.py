@@ -178,7 +178,8 @@ class _ClientConnection(QuicConnectionProtocol):
             pull.session.connection_lost(reason)
             pull.wakeup.set()
 
-    def open_pull(self, request_id: int, addresses: Sequence[BlockAddress]) -> tuple[int, _PullStream]:
+    def open_pull(self, request_id: int, addresses: Sequence[BlockAddress],
+                  namespace: bytes = b"") -> tuple[int, _PullStream]:
         stream_id = self._quic.get_next_available_stream_id()
         now = self._loop.time()
         # The stream opens with our HELLO for its payload limit; the server does not answer it
@@ -187,7 +188,7 @@ class _ClientConnection(QuicConnectionProtocol):
                                 max_payload=self.client.max_payload, frame_timeout_s=self.client.frame_timeout_s,
                                 hello=False)
         session.next_id = request_id
-        rid, frames = session.submit(addresses, now)
+        rid, frames = session.submit(addresses, now, namespace=namespace)
         frames = session.hello() + frames
         pull = _PullStream(session, rid, session.outcome(rid))
         self.pulls[stream_id] = pull
@@ -259,15 +260,16 @@ class QuicTransportClient:
                               not conn.closed)
 
     async def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
-                   into: memoryview | None = None) -> AsyncIterator[PullResult]:
+                   into: memoryview | None = None, namespace: bytes = b"") -> AsyncIterator[PullResult]:
         """One result per address; the results of each block's layers come in the order asked.
         `into` is accepted and unused: aioquic hands stream data over in its own buffers."""
         for start in range(0, len(addresses), MAX_ADDRESSES_PER_STREAM):
-            async for result in self._pull_stream(peer, addresses[start:start + MAX_ADDRESSES_PER_STREAM]):
+            async for result in self._pull_stream(peer, addresses[start:start + MAX_ADDRESSES_PER_STREAM],
+                                                  namespace):
                 self.metrics.record(TRANSPORT, result)
                 yield result
 
-    async def _pull_stream(self, peer: Peer, addresses: Sequence[BlockAddress],
+    async def _pull_stream(self, peer: Peer, addresses: Sequence[BlockAddress], namespace: bytes = b"",
                            may_retry: bool = True) -> AsyncIterator[PullResult]:
         request_id = next(self._request_ids)
         conn, reused = await self._connection(peer)
@@ -277,7 +279,7 @@ class QuicTransportClient:
             return
         stale = False
         async with conn.slots:
-            stream_id, pull = conn.open_pull(request_id, addresses) if not conn.closed else (-1, None)
+            stream_id, pull = conn.open_pull(request_id, addresses, namespace) if not conn.closed else (-1, None)
             try:
                 while pull is not None:
                     outcome = pull.outcome
@@ -301,7 +303,7 @@ class QuicTransportClient:
                 if pull is not None and not pull.outcome.done:
                     conn.abandon(stream_id)
         if pull is None or stale:
-            async for result in self._pull_stream(peer, addresses, may_retry=False):
+            async for result in self._pull_stream(peer, addresses, namespace, may_retry=False):
                 yield result
 
     async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, bool]:

@@ -242,7 +242,8 @@ class _ServerConnection(QuicConnectionProtocol):
                 return
             server = self._server
             session = ServerSession(server.node, self.node, now, max_payload=server.max_payload, max_inflight=1,
-                                    frame_timeout_s=server.frame_timeout_s, hello=False, one_pull=True)
+                                    frame_timeout_s=server.frame_timeout_s, hello=False, one_pull=True,
+                                    require_namespace=server.require_pull_namespace)
             stream = self._streams[stream_id] = _Stream(stream_id, session)
         if stream.session is None:  # closed by us: late bytes
             if end_stream:
@@ -526,6 +527,7 @@ class QuicTransportServer(ServingServer):
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections_per_peer = max_connections_per_peer
         self.budgets = PeerBudgets(peer_rates)
+        self.require_pull_namespace = False   # True: PULLs that name no namespace root get misses
         self.num_half_open = 0
         self._half_open: dict[str, int] = {}   # source address -> its connections mid-handshake
         self.num_dropped_initials = 0

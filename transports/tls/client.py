@@ -84,10 +84,11 @@ class ClientConnection:
     def attach(self, link: FrameLink) -> None:
         self.link = link
 
-    def submit(self, addresses: Sequence[BlockAddress], into: memoryview | None = None) -> _Request:
+    def submit(self, addresses: Sequence[BlockAddress], into: memoryview | None = None,
+               namespace: bytes = b"") -> _Request:
         if self.link.closed or self.session.closing:
             return _Request(0, Outcome(deque(Miss(0, a, MissReason.PEER_GONE) for a in addresses), done=True))
-        rid, frames = self.session.submit(addresses, self._loop.time(), into)
+        rid, frames = self.session.submit(addresses, self._loop.time(), into, namespace)
         req = self.requests[rid] = _Request(rid, self.session.outcome(rid))
         for frame in frames:
             self.link.send(frame)
@@ -200,7 +201,7 @@ class TlsTcpClient:
                    frame_timeout_s=config.frame_timeout_s, idle_timeout_s=config.idle_timeout_s, metrics=metrics)
 
     async def pull(self, peer: Peer, addresses: Sequence[BlockAddress], *,
-                   into: memoryview | None = None) -> AsyncIterator[PullResult]:
+                   into: memoryview | None = None, namespace: bytes = b"") -> AsyncIterator[PullResult]:
         """One result per address, in the order asked; failures are misses, never exceptions. A pooled
         connection gone before answering anything (closed as idle, peer restarted) is replaced once.
 
@@ -224,7 +225,8 @@ class TlsTcpClient:
             chunks = [addresses[i:i + ADDRESSES_PER_PULL] for i in starts]
             regions = [None if slots is None else slots[i * part:(i + len(c)) * part]
                        for i, c in zip(starts, chunks, strict=True)]
-            requests = [conn.submit(chunks[i], regions[i]) for i in range(min(PULL_WINDOW, len(chunks)))]
+            requests = [conn.submit(chunks[i], regions[i], namespace)
+                        for i in range(min(PULL_WINDOW, len(chunks)))]
             retry = False
             try:
                 for i in range(len(chunks)):
@@ -252,7 +254,7 @@ class TlsTcpClient:
                     if retry:
                         break
                     if i + PULL_WINDOW < len(chunks):
-                        requests.append(conn.submit(chunks[i + PULL_WINDOW], regions[i + PULL_WINDOW]))
+                        requests.append(conn.submit(chunks[i + PULL_WINDOW], regions[i + PULL_WINDOW], namespace))
             finally:
                 for req in requests:
                     conn.abandon(req)

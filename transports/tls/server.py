@@ -85,7 +85,8 @@ class ServerConnection:
         self._loop = asyncio.get_running_loop()
         self.session = ServerSession(server.node, node, self._loop.time(), max_payload=server.max_payload,
                                      max_inflight=server.max_inflight, frame_timeout_s=server.frame_timeout_s,
-                                     idle_timeout_s=server.idle_timeout_s)
+                                     idle_timeout_s=server.idle_timeout_s,
+                                     require_namespace=server.require_pull_namespace)
         self.pump: asyncio.Task[None] | None = None
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
         self.timer = DeadlineTimer(self._expire)
@@ -214,6 +215,8 @@ class TlsTcpServer(ServingServer):
         self.max_connections_per_peer = max_connections_per_peer
         self.budgets = PeerBudgets(peer_rates)
         self.pacer = EgressPacer(send_rate) if send_rate > 0 else None
+        # True: PULLs that name no namespace root get misses (connections opened from then on)
+        self.require_pull_namespace = False
         self.metrics = metrics or TransportMetrics()
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-tls-io") if io_threads else None
         self.peak_inflight = 0

@@ -80,6 +80,8 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 {{- toJson . -}}
 {{- else if kindIs "bool" . -}}
 {{- ternary "true" "false" . -}}
+{{- else if kindIs "slice" . -}}
+{{- toJson . -}}
 {{- else if and (kindIs "float64" .) (eq (float64 (int64 .)) .) -}}
 {{- int64 . -}}
 {{- else -}}

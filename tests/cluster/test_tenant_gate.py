@@ -1,0 +1,91 @@
+"""The NodeActor's tenant gate, without Ray: which calls it refuses and which salt it binds."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+from cluster.tenancy import TenantGate, TenantRefusedError
+from fabric.config import TenancyConfig
+from fabric.keys import Namespace
+from fabric.layout import KVLayout
+from fabric.tenancy import TenancyPolicy
+from transports.core.certs import init_ca, issue_node, issue_tenant
+from transports.core.identity import TrustAnchor
+from transports.core.tenant_tokens import TenantMinter
+
+NOW = 1_800_000_000.0
+NS = Namespace("m", KVLayout.mha(2, 2, 8, "f16"), 16)
+
+
+@pytest.fixture
+def ca(tmp_path: Path) -> Path:
+    init_ca(tmp_path)
+    issue_node(tmp_path, "node-open")
+    issue_node(tmp_path, "node-acme", tenants=("acme",))
+    return tmp_path
+
+
+def _gate(ca: Path, node: str = "node-open", **tenancy: object) -> tuple[TenantGate, CollectorRegistry]:
+    registry = CollectorRegistry()
+    gate = TenantGate(TenancyConfig(**tenancy), TrustAnchor.from_files(ca / "ca.pem"),  # type: ignore[arg-type]
+                      (ca / f"{node}.pem").read_bytes(), registry, clock=lambda: NOW)
+    return gate, registry
+
+
+def _token(ca: Path, tenant: str) -> bytes:
+    return TenantMinter(*issue_tenant(ca, tenant)).token(NOW)
+
+
+def _refused(registry: CollectorRegistry, reason: str) -> float:
+    return registry.get_sample_value("kvfabric_tenant_refusals_total", {"reason": reason}) or 0.0
+
+
+def test_the_callers_salt_is_replaced_by_its_tenants(ca: Path) -> None:
+    gate, _ = _gate(ca)
+    claimed = Namespace("m", NS.layout, 16, tenant_salt=TenancyPolicy().salt("acme"))
+    bound = gate.bind(claimed, _token(ca, "globex"))
+    assert bound.tenant_salt == TenancyPolicy().salt("globex") and bound.root != claimed.root
+    assert gate.bind(claimed, None).tenant_salt == b""   # anonymous: the default tenant's namespace
+    assert gate.bind(NS, _token(ca, "acme")).root == claimed.root
+
+
+def test_required_refuses_anonymous_calls_and_counts_them(ca: Path) -> None:
+    gate, registry = _gate(ca, required=True)
+    with pytest.raises(TenantRefusedError, match="only calls with a tenant token"):
+        gate.bind(NS, None)
+    assert _refused(registry, "required") == 1
+    assert gate.bind(NS, _token(ca, "acme")).tenant_salt == TenancyPolicy().salt("acme")
+
+
+def test_a_node_restricted_to_tenants_refuses_the_others(ca: Path) -> None:
+    gate, registry = _gate(ca, node="node-acme")
+    assert gate.bind(NS, _token(ca, "acme")).tenant_salt == TenancyPolicy().salt("acme")
+    with pytest.raises(TenantRefusedError, match="does not serve tenant 'globex'"):
+        gate.bind(NS, _token(ca, "globex"))
+    with pytest.raises(TenantRefusedError):
+        gate.bind(NS, None)
+    assert (_refused(registry, "not_served"), _refused(registry, "required")) == (1, 1)
+
+
+def test_an_invalid_token_is_refused_not_taken_as_anonymous(ca: Path) -> None:
+    gate, registry = _gate(ca)
+    with pytest.raises(TenantRefusedError, match="tenant token refused"):
+        gate.bind(NS, b"garbage")
+    assert _refused(registry, "malformed") == 1
+
+
+def test_shared_groups_bind_one_namespace(ca: Path) -> None:
+    gate, _ = _gate(ca, shared=[["acme", "globex"]])
+    assert gate.bind(NS, _token(ca, "acme")).root == gate.bind(NS, _token(ca, "globex")).root
+    assert gate.bind(NS, _token(ca, "initech")).root != gate.bind(NS, _token(ca, "acme")).root
+
+
+def test_a_bound_namespace_names_the_tenants_its_producers_must_serve(ca: Path) -> None:
+    gate, _ = _gate(ca, shared=[["acme", "globex"]])
+    assert gate.tenants_of(gate.bind(NS, _token(ca, "acme"))) == {"acme", "globex"}
+    assert gate.tenants_of(gate.bind(NS, _token(ca, "initech"))) == {"initech"}
+    assert gate.tenants_of(gate.bind(NS, None)) == frozenset()
+    assert gate.tenants_of(Namespace("m", NS.layout, 16, tenant_salt=b"never bound here")) is None

@@ -32,10 +32,10 @@ per MiB pulled (1 MiB blocks; the client is this process, the server is read fro
 BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
 The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k / *_mb_s_64k for 256 / 64 KiB,
 *_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, provenance_sign_ms_per_mib /
-provenance_verify_ms_per_mib (blocks of 32 layers of 64 KiB), and ratios, tls_tcp_provenance_over_plain*
-among them; tls_tcp_provenance_over_plain_median* is the median over rounds of each round's pair,
-which a burst of other work on the machine during one run moves less than the totals' ratio). `--quick` moves
-~32 MiB per method and skips Ray (its start-up alone takes several seconds).
+provenance_verify_ms_per_mib (runs of 32 blocks of 32 layers of 64 KiB, also in the table's title), and
+ratios, tls_tcp_provenance_over_plain* among them; tls_tcp_provenance_over_plain_median* is the median over
+rounds of each round's pair, which a burst of other work on the machine during one run moves less than the
+totals' ratio). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
 
 from __future__ import annotations
@@ -487,7 +487,9 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         rows.append([label, *(result[f"{name}_mb_s{suffix}"] or "-" for suffix in BLOCK_SIZES),
                      *(c if c is not None else "-" for c in cpu)])
     print_table(f"Pull throughput over 127.0.0.1, MB/s ({rounds} round(s) of {per_run >> 20} MiB per method); "
-                f"CPU ms per MiB pulled (1 MiB blocks); BLAKE3 of 1 MiB: {result['blake3_ms_per_mib']} ms",
+                f"CPU ms per MiB pulled (1 MiB blocks); BLAKE3 of 1 MiB: {result['blake3_ms_per_mib']} ms; "
+                f"provenance per MiB: signing {result['provenance_sign_ms_per_mib']} ms, "
+                f"verifying {result['provenance_verify_ms_per_mib']} ms",
                 ["method", *(SIZE_LABELS[suffix] for suffix in BLOCK_SIZES), "client CPU", "server CPU"], rows)
     out: dict[str, object] = dict(result)
     for suffix in BLOCK_SIZES:

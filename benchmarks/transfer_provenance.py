@@ -4,11 +4,15 @@ checking those records costs on its own.
     tls_tcp_provenance   the tls_tcp method against a server whose payloads carry records; the client
                          checks every payload as a NodeActor's puller does (transports/provenance_check.py).
                          LAYERS_PER_BLOCK consecutive payloads are the layers of one block and share
-                         one record, and each PULL gets a fresh verifier, so every block's signature
-                         is checked once per pull (what a load pays), never served from an earlier pull.
+                         one record; RUN_BLOCKS consecutive blocks were stored as one run and share
+                         one signature (as `LocalFabric.write_blocks` signs what an engine stores at
+                         once). Each PULL gets a fresh verifier, so every run's signature is checked
+                         once per pull that reaches it (what a load pays), never served from an
+                         earlier pull.
 
-`sign_verify_ms_per_mib` times, on this process alone, signing one record per block and checking
-every layer of it (one signature verification per block, the rest cached), per MiB of block.
+`sign_verify_ms_per_mib` times, on this process alone, signing runs of RUN_BLOCKS blocks and
+checking every layer of every block from its own record (one signature verification per run, one
+inclusion path per block, the rest cached), per MiB of block.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import blake3
 
 from benchmarks.transfer_baselines import BLOCK_SIZES, random_blocks
 from fabric.keys import BlockAddress, BlockHash
-from fabric.provenance import Provenance, sign_block
+from fabric.provenance import Provenance, sign_run
 from transports.certs import CA_CERT
 from transports.identity import NodeSigner, TrustAnchor
 from transports.provenance_check import ProvenanceVerifier
@@ -30,6 +34,7 @@ from transports.provenance_check import ProvenanceVerifier
 # A Llama-3-8B-class layout: 32 layers, and 16 tokens x 8 KV heads x 128 dims x K,V x fp16 = 64 KiB
 # per (block, layer), the benchmark's smallest payload.
 LAYERS_PER_BLOCK = 32
+RUN_BLOCKS = 32      # blocks stored (and signed) at once: a 512-token prompt at 16 tokens per block
 NAMESPACE = blake3.blake3(b"bench-transfer-namespace").digest()
 
 
@@ -56,13 +61,16 @@ class SignedSource:
         self.blocks: dict[BlockAddress, _Signed] = {}
         for size in BLOCK_SIZES.values():
             payloads = random_blocks(size)
-            for start in range(0, len(payloads), LAYERS_PER_BLOCK):
-                layers = payloads[start:start + LAYERS_PER_BLOCK]
-                digests = [blake3.blake3(p).digest() for p in layers]
-                record = sign_block(NAMESPACE, signed_address(size, start).hash, digests, signer.node,
-                                    signer.cert_der, signer.sign)
-                for j, (payload, digest) in enumerate(zip(layers, digests, strict=True)):
-                    self.blocks[signed_address(size, start + j)] = _Signed(payload, digest, record)
+            digests = [blake3.blake3(p).digest() for p in payloads]
+            run_payloads = RUN_BLOCKS * LAYERS_PER_BLOCK
+            for run_start in range(0, len(payloads), run_payloads):
+                starts = range(run_start, min(len(payloads), run_start + run_payloads), LAYERS_PER_BLOCK)
+                records = sign_run(NAMESPACE, [(signed_address(size, start).hash,
+                                                digests[start:start + LAYERS_PER_BLOCK]) for start in starts],
+                                   signer.node, signer.cert_der, signer.sign)
+                for start, record in zip(starts, records, strict=True):
+                    for i in range(start, min(len(payloads), start + LAYERS_PER_BLOCK)):
+                        self.blocks[signed_address(size, i)] = _Signed(payloads[i], digests[i], record)
 
     def get_block(self, addr: BlockAddress) -> _Signed | None:
         return self.blocks.get(addr)
@@ -70,8 +78,8 @@ class SignedSource:
 
 def sign_verify_ms_per_mib(cert_dir: Path, node: str, layer_bytes: int = 64 << 10,
                            num_blocks: int = 64) -> tuple[float, float]:
-    """(sign, verify) ms per MiB of block for blocks of LAYERS_PER_BLOCK layers of `layer_bytes`
-    (medians of 5 passes; digests are given, as a store has them already)."""
+    """(sign, verify) ms per MiB of block for runs of RUN_BLOCKS blocks of LAYERS_PER_BLOCK layers of
+    `layer_bytes` (medians of 5 passes; digests are given, as a store has them already)."""
     signer = NodeSigner(cert_dir / f"{node}.pem", cert_dir / f"{node}.key")
     trust = TrustAnchor.from_files(cert_dir / CA_CERT)
     blocks = [(os.urandom(32), [os.urandom(32) for _ in range(LAYERS_PER_BLOCK)]) for _ in range(num_blocks)]
@@ -80,7 +88,9 @@ def sign_verify_ms_per_mib(cert_dir: Path, node: str, layer_bytes: int = 64 << 1
     records: list[Provenance] = []
     for _ in range(5):
         start = time.perf_counter()
-        records = [sign_block(NAMESPACE, h, d, signer.node, signer.cert_der, signer.sign) for h, d in blocks]
+        records = [record for run in range(0, num_blocks, RUN_BLOCKS)
+                   for record in sign_run(NAMESPACE, blocks[run:run + RUN_BLOCKS], signer.node, signer.cert_der,
+                                          signer.sign)]
         sign_ms.append((time.perf_counter() - start) * 1e3 / mib)
         verifier = ProvenanceVerifier(trust)
         start = time.perf_counter()

@@ -6,8 +6,8 @@
     Store events ──► DirectoryUpkeep (ordered, bounded, signed) ──► DirectoryActor.apply / resync
                  └─► KvEventPublisher (when [events] enabled) ──► ZMQ PUB, vLLM's KV event format
 
-Provenance (docs/provenance.md): `store` signs one record per block with this node's certificate
-key (`NodeSigner`); a pull accepts only payloads whose producer's record verifies against the
+Provenance (docs/provenance.md): `store` signs what it stores as one run (a record per block, one
+signature) with this node's certificate key (`NodeSigner`); a pull accepts only payloads whose producer's record verifies against the
 cluster CA and its revocation list (`TrustAnchor`, reread when crl.pem changes); a mirror keeps
 the producer's records; `purge_producer` deletes what a producer's records name.
 

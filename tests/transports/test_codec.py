@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fabric.keys import BlockAddress, BlockHash
-from fabric.provenance import Provenance, sign_block
+from fabric.provenance import Provenance, sign_block, sign_run
 from transports.codec import (
     MAGIC,
     PREAMBLE,
@@ -328,6 +328,17 @@ def test_provenance_round_trips_in_block_and_blocks_frames() -> None:
     assert len(header["provs"]) == 1 and len(header["certs"]) == 1
     plain = FrameDecoder().feed(encode(Block(1, BlockAddress(BlockHash(b"a" * 32), 0), b"d" * 32, b"p")))
     assert plain[0].provenance is None   # unsigned: no provenance fields at all
+
+
+def test_records_of_a_signed_run_keep_their_inclusion_paths_on_the_wire() -> None:
+    run = sign_run(b"n" * 32, [(bytes([i]) * 32, [bytes([i]) * 32]) for i in range(5)], "node-a", b"C" * 300,
+                   lambda m: b"s" * 64)
+    frame = Blocks(4, 0, b"d" * 96, (1, 1, 1), b"xyz", (run[3], run[3], run[4]))
+    [got] = FrameDecoder().feed(encode(frame))
+    assert isinstance(got, Blocks) and got.provenances == (run[3], run[3], run[4])
+    assert [(p.leaf_index, p.num_leaves, p.path) for p in got.provenances[1:]] == \
+        [(3, 5, run[3].path), (4, 5, run[4].path)]
+    assert got.provenances[1].message() == got.provenances[2].message() == run[0].message()
 
 
 RECORD = _record(b"h" * 32).encode()

@@ -7,9 +7,10 @@
                  └─► KvEventPublisher (when [events] enabled) ──► ZMQ PUB, vLLM's KV event format
 
 Provenance (docs/provenance.md): `store` signs what it stores as one run (a record per block, one
-signature) with this node's certificate key (`NodeSigner`); a pull accepts only payloads whose producer's record verifies against the
-cluster CA and its revocation list (`TrustAnchor`, reread when crl.pem changes); a mirror keeps
-the producer's records; `purge_producer` deletes what a producer's records name.
+signature) with this node's certificate key (`NodeSigner`); a pull accepts only payloads whose
+producer's record verifies against the cluster CA and its revocation list (`TrustAnchor`, reread
+when crl.pem changes); a mirror keeps the producer's records; `purge_producer` deletes what a
+producer's records name.
 
 It is an async Ray actor: every method runs on one event loop, Store calls that touch files run on
 a thread pool. It starts itself on its first call (the supervisor pings it right after creation

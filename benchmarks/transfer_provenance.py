@@ -150,7 +150,8 @@ def frame_ms_per_mib(cert_dir: Path, node: str, block_size: int, passes: int = 7
         start = time.perf_counter()
         wire = [encode(f) for f in sent]
         served = time.perf_counter()
-        received = [f for raw in wire for f in FrameDecoder().feed(raw)]
+        decoder = FrameDecoder()   # one connection
+        received = [f for raw in wire for f in decoder.feed(raw)]
         if signed:
             k = 0
             for frame in received:

@@ -12,8 +12,10 @@ signed run, for every block of the run: its result is cached per signed message,
 certificate (bounded, least recently used out). A block's record leads to its run's message through
 its inclusion path (O(log n) hashes, fabric/merkle.py), so a pull of k blocks of one run costs one
 signature verification, k path checks and one dictionary lookup per layer. Revocation is checked
-for every record object: the layers of one block decoded from one frame share one object, and the
-last one accepted skips straight to the per-layer digest check.
+for every record object: the layers of one block received on one connection share one object (the
+codec keeps the records a connection carried lately), and the last one accepted skips straight to
+the per-layer digest check until another record is accepted or the trust changes (a new revocation
+list).
 """
 
 from __future__ import annotations

@@ -37,10 +37,12 @@ per MiB pulled (1 MiB blocks; the client is this process, the server is read fro
 BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
 The table goes to stdout, then one JSON line (keys *_mb_s for 1 MiB blocks, *_mb_s_256k / *_mb_s_64k for 256 / 64 KiB,
 *_client_cpu_ms_per_mib / *_server_cpu_ms_per_mib, blake3_ms_per_mib, provenance_sign_ms_per_mib /
-provenance_verify_ms_per_mib (blocks of 32 layers of 64 KiB), and ratios, tls_tcp_into_over_copy* and
-tls_tcp_provenance_over_plain* among them; *_median* is the median over rounds of each round's pair,
-which a burst of other work on the machine during one run moves less than the totals' ratio). `--quick` moves
-~32 MiB per method and skips Ray (its start-up alone takes several seconds).
+provenance_verify_ms_per_mib (runs of 32 blocks of 32 layers of 64 KiB, also in the table's title),
+provenance_serve_ms_per_mib / provenance_pull_ms_per_mib (and _64k: the CPU records add to a pull's frames on
+the server and the client, timed in this process, transfer_provenance.frame_ms_per_mib), and ratios,
+tls_tcp_into_over_copy* and tls_tcp_provenance_over_plain* among them; *_median* is the median over rounds of
+each round's pair, which a burst of other work on the machine during one run moves less than the totals'
+ratio). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 """
 
 from __future__ import annotations
@@ -79,7 +81,13 @@ from benchmarks.transfer_baselines import (
     redis_server_binary,
     stop_process,
 )
-from benchmarks.transfer_provenance import NAMESPACE, SignedSource, sign_verify_ms_per_mib, signed_address
+from benchmarks.transfer_provenance import (
+    NAMESPACE,
+    SignedSource,
+    frame_ms_per_mib,
+    sign_verify_ms_per_mib,
+    signed_address,
+)
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
 from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
@@ -457,6 +465,9 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     out["blake3_ms_per_mib"] = blake3_ms_per_mib()
     out["provenance_sign_ms_per_mib"], out["provenance_verify_ms_per_mib"] = sign_verify_ms_per_mib(
         cert_dir, SERVER_NODE)
+    for suffix in ("", "_64k"):
+        out[f"provenance_serve_ms_per_mib{suffix}"], out[f"provenance_pull_ms_per_mib{suffix}"] = frame_ms_per_mib(
+            cert_dir, SERVER_NODE, BLOCK_SIZES[suffix])
     return out
 
 
@@ -483,7 +494,11 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         rows.append([label, *(result[f"{name}_mb_s{suffix}"] or "-" for suffix in BLOCK_SIZES),
                      *(c if c is not None else "-" for c in cpu)])
     print_table(f"Pull throughput over 127.0.0.1, MB/s ({rounds} round(s) of {per_run >> 20} MiB per method); "
-                f"CPU ms per MiB pulled (1 MiB blocks); BLAKE3 of 1 MiB: {result['blake3_ms_per_mib']} ms",
+                f"CPU ms per MiB pulled (1 MiB blocks); BLAKE3 of 1 MiB: {result['blake3_ms_per_mib']} ms; "
+                f"provenance per MiB: signing {result['provenance_sign_ms_per_mib']} ms, "
+                f"verifying {result['provenance_verify_ms_per_mib']} ms, added to a pull's frames at 64 KiB "
+                f"{result['provenance_serve_ms_per_mib_64k']} ms serving, {result['provenance_pull_ms_per_mib_64k']} "
+                "ms pulling",
                 ["method", *(SIZE_LABELS[suffix] for suffix in BLOCK_SIZES), "client CPU", "server CPU"], rows)
     out: dict[str, object] = dict(result)
     for suffix in BLOCK_SIZES:

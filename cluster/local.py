@@ -32,7 +32,7 @@ from cluster.api import (
 from cluster.estimates import PrefillRates
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
-from fabric.provenance import BlockSigner, Provenance, sign_block
+from fabric.provenance import BlockSigner, Provenance, sign_run
 from fabric.store import Store
 from fabric.tiers.base import Tier, digest_of
 
@@ -95,8 +95,9 @@ class LocalFabric:
         """Put `payloads[i]` (all layers) under `hashes[i]`; a block counts once all its layers are held.
         With `digests` (a pull's, per block and layer) each payload is verified against them first.
 
-        Provenance: `signer` (this node, when its own engine produced the blocks) signs one record
-        per block over all its layers; `provenance` (a mirror's) is kept verbatim, one per block.
+        Provenance: `signer` (this node, when its own engine produced the blocks) signs the blocks
+        as one run (one signature; a record per block over all its layers, with its inclusion path);
+        `provenance` (a mirror's) is kept verbatim, one per block.
         Neither: the blocks are unsigned and no peer accepts them."""
         num_layers = payloads.shape[1]
         items = [(BlockAddress(h, layer), memoryview(payloads[i, layer]))
@@ -104,8 +105,8 @@ class LocalFabric:
         if signer is not None:
             if digests is None:
                 digests = [[digest_of(payloads[i, layer]) for layer in range(num_layers)] for i in range(len(hashes))]
-            provenance = [sign_block(ns.root, h, digests[i], signer.node, signer.cert_der, signer.sign)
-                          for i, h in enumerate(hashes)]
+            provenance = sign_run(ns.root, list(zip(hashes, digests, strict=True)), signer.node, signer.cert_der,
+                                  signer.sign)
         flat_digests = None if digests is None else [d for per_block in digests for d in per_block]
         flat_provenance = None if provenance is None else [p for p in provenance for _ in range(num_layers)]
         results = self.local_store.put_many(items, model=ns.model_id, digests=flat_digests,

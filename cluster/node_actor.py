@@ -8,8 +8,13 @@
 What the node holds while it serves (certificates, Store, transport server and client, /metrics,
 KV events) is a `NodeRuntime` (node_runtime.py); `stats()` is assembled by node_stats.py. Every
 public method starts the node if needed, then hands over: each reads like a call to the part that
-does the work. `store` signs one provenance record per block with this node's key
-(docs/provenance.md); a pull accepts only payloads whose producer's record verifies.
+does the work.
+
+Provenance (docs/provenance.md): `store` signs what it stores as one run (a record per block, one
+signature) with this node's certificate key (`NodeSigner`); a pull accepts only payloads whose
+producer's record verifies against the cluster CA and its revocation list (`TrustAnchor`, reread
+when crl.pem changes); a mirror keeps the producer's records; `purge_producer` deletes what a
+producer's records name.
 
 Tenants (docs/tenants.md): every public call that takes a namespace rebinds it first to the salt of
 the tenant its `tenant_token` proves (cluster/tenancy.py); the caller's salt is never used.

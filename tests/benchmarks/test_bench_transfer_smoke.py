@@ -38,6 +38,9 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
         assert result[f"{name}_server_cpu_ms_per_mib"] >= 0, name  # /proc counts 10 ms ticks: a short run may read 0
     assert result["blake3_ms_per_mib"] > 0
     assert result["provenance_sign_ms_per_mib"] > 0 and result["provenance_verify_ms_per_mib"] > 0
+    for suffix in ("", "_64k"):   # what records add to a pull's frames, each end (a difference: any sign)
+        assert isinstance(result[f"provenance_serve_ms_per_mib{suffix}"], float)
+        assert isinstance(result[f"provenance_pull_ms_per_mib{suffix}"], float)
     for suffix in ("", "_256k", "_64k"):   # the paired before/after of every checked payload's provenance
         assert isinstance(result[f"tls_tcp_provenance_over_plain{suffix}"], float)
         assert isinstance(result[f"tls_tcp_provenance_vs_tls_socket_blake3{suffix}"], float)

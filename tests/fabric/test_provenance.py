@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import blake3
@@ -14,6 +15,7 @@ from fabric.provenance import (
     Rejection,
     layers_digest,
     sign_block,
+    sign_run,
     signed_message,
 )
 
@@ -70,3 +72,71 @@ def test_a_block_needs_a_digest_per_layer() -> None:
         sign_block(NS, BLOCK, [], "node-a", b"", _sign)
     with pytest.raises(ProvenanceError):
         sign_block(NS, BLOCK, [b"short"], "node-a", b"", _sign)
+
+
+def _run(n: int, sign=_sign) -> list[Provenance]:
+    blocks = [(bytes([i]) * 32, [bytes([i, j]) * 16 for j in range(3)]) for i in range(n)]
+    return sign_run(NS, blocks, "node-a", b"cert", sign)
+
+
+def test_a_run_is_signed_once_and_every_record_proves_its_own_block() -> None:
+    calls: list[bytes] = []
+
+    def counting(message: bytes) -> bytes:
+        calls.append(message)
+        return _sign(message)
+
+    records = _run(5, counting)
+    assert len(calls) == 1
+    assert {r.signature for r in records} == {_sign(calls[0])}
+    for i, record in enumerate(records):
+        assert record.block_hash == bytes([i]) * 32
+        assert record.message() == calls[0]          # each record leads to the signed run root
+        again = Provenance.decode(record.encode(), b"cert")
+        assert again == record and again.message() == calls[0]
+        assert again.check_claim(NS, record.block_hash, 1, bytes([i, 1]) * 16) is None
+
+
+def test_a_run_of_one_block_is_the_plain_block_record() -> None:
+    [record] = _run(1)
+    assert record == sign_block(NS, b"\0" * 32, [bytes([0, j]) * 16 for j in range(3)], "node-a", b"cert", _sign)
+    assert record.encode()[4] == 1   # version-1 encoding: no inclusion path
+
+
+def _proves(record: Provenance) -> bytes | None:
+    """The message the record's signature must cover; None when its path leads to no run root."""
+    try:
+        return record.message()
+    except ProvenanceError:
+        return None
+
+
+def test_a_tampered_inclusion_path_no_longer_leads_to_the_signed_root() -> None:
+    records = _run(6)
+    signed = records[0].message()
+    r = records[2]
+    flipped = bytes([r.path[0] ^ 1]) + r.path[1:]
+    forged = [
+        dataclasses.replace(r, path=flipped),                                  # a changed sibling
+        dataclasses.replace(r, leaf_index=3),                                  # another position
+        dataclasses.replace(r, num_leaves=7),                                  # another run size
+        dataclasses.replace(r, layer_digests=records[3].layer_digests),        # another block's digests
+        dataclasses.replace(records[3], path=r.path, leaf_index=2),            # a block with a sibling's path
+    ]
+    assert all(_proves(f) != signed for f in forged)
+    with pytest.raises(ProvenanceError, match="inclusion path"):
+        dataclasses.replace(r, path=r.path[:-32]).message()
+
+
+@pytest.mark.parametrize(("mangle", "message"), [
+    (lambda raw: raw[:-1], "does not match its lengths"),
+    (lambda raw: raw[:-33], "does not match its lengths"),
+    (lambda raw: raw[:81] + struct.pack("<II", 9, 6) + raw[89:], "out of range"),
+    (lambda raw: raw[:81] + struct.pack("<II", 0, 1) + raw[89:], "out of range"),
+    (lambda raw: raw[:89] + b"\x40" + raw[90:], "out of range"),
+])
+def test_malformed_run_records_are_named(mangle, message: str) -> None:
+    raw = _run(6)[5].encode()
+    assert Provenance.decode(raw).message() == _run(6)[0].message()
+    with pytest.raises(ProvenanceError, match=message):
+        Provenance.decode(mangle(raw))

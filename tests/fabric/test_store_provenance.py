@@ -13,7 +13,7 @@ from fabric.config import KVConfig
 from fabric.events import EventKind
 from fabric.index import BlockMeta
 from fabric.keys import BlockAddress, BlockHash
-from fabric.provenance import Provenance, sign_block
+from fabric.provenance import Provenance, sign_block, sign_run
 from fabric.store import Store
 from fabric.tiers.base import Tier
 
@@ -70,6 +70,14 @@ def test_an_index_row_written_before_provenance_reads_as_unsigned() -> None:
     _, record = _block("node-a")
     meta = BlockMeta("m", 0, 3, b"d" * 32, 1.0, 1.0, Tier.SSD, b"h" * 32, record)
     assert BlockMeta.decode(meta.encode()).provenance == record
+
+
+def test_a_record_of_a_signed_run_survives_its_index_row() -> None:
+    run = sign_run(b"n" * 32, [(bytes([i]) * 32, [b"d" * 32]) for i in range(3)], "node-a", b"cert",
+                   lambda m: b"s" * 64)
+    meta = BlockMeta("m", 0, 3, b"d" * 32, 1.0, 1.0, Tier.SSD, b"\2" * 32, run[2])
+    again = BlockMeta.decode(meta.encode()).provenance
+    assert again == run[2] and again is not None and again.message() == run[0].message()
 
 
 def test_purge_by_producer_removes_only_that_producers_blocks(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import struct
 
@@ -11,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fabric.keys import BlockAddress, BlockHash
-from fabric.provenance import Provenance, sign_block
+from fabric.provenance import Provenance, sign_block, sign_run
 from transports.core.codec import (
     MAGIC,
     PREAMBLE,
@@ -328,6 +329,35 @@ def test_provenance_round_trips_in_block_and_blocks_frames() -> None:
     assert len(header["provs"]) == 1 and len(header["certs"]) == 1
     plain = FrameDecoder().feed(encode(Block(1, BlockAddress(BlockHash(b"a" * 32), 0), b"d" * 32, b"p")))
     assert plain[0].provenance is None   # unsigned: no provenance fields at all
+
+
+def test_one_connection_decodes_a_record_it_saw_before_into_the_same_object() -> None:
+    # the layers of a block often arrive in separate frames: sharing the object lets the verifier
+    # check the record once (its last accepted record) rather than once per frame
+    a, b = _record(b"a" * 32), _record(b"b" * 32)
+    other_cert = dataclasses.replace(a, cert_der=b"E" * 300)
+    frames = [Block(1, BlockAddress(BlockHash(b"a" * 32), 0), b"d" * 32, b"p", a),
+              Blocks(1, 1, b"d" * 64, (1, 1), b"pq", (a, b)),
+              Block(1, BlockAddress(BlockHash(b"a" * 32), 1), b"d" * 32, b"p", other_cert)]
+    decoder = FrameDecoder()
+    got = [f for raw in map(encode, frames) for f in decoder.feed(raw)]
+    assert isinstance(got[0], Block) and isinstance(got[1], Blocks) and isinstance(got[2], Block)
+    assert got[0].provenance == a and got[1].provenances == (a, b) and got[2].provenance == other_cert
+    assert got[1].provenances[0] is got[0].provenance          # the same bytes: the same object
+    assert got[2].provenance is not got[0].provenance           # another certificate: its own
+    fresh = FrameDecoder().feed(encode(frames[0]))[0]
+    assert isinstance(fresh, Block) and fresh.provenance == a and fresh.provenance is not got[0].provenance
+
+
+def test_records_of_a_signed_run_keep_their_inclusion_paths_on_the_wire() -> None:
+    run = sign_run(b"n" * 32, [(bytes([i]) * 32, [bytes([i]) * 32]) for i in range(5)], "node-a", b"C" * 300,
+                   lambda m: b"s" * 64)
+    frame = Blocks(4, 0, b"d" * 96, (1, 1, 1), b"xyz", (run[3], run[3], run[4]))
+    [got] = FrameDecoder().feed(encode(frame))
+    assert isinstance(got, Blocks) and got.provenances == (run[3], run[3], run[4])
+    assert [(p.leaf_index, p.num_leaves, p.path) for p in got.provenances[1:]] == \
+        [(3, 5, run[3].path), (4, 5, run[4].path)]
+    assert got.provenances[1].message() == got.provenances[2].message() == run[0].message()
 
 
 RECORD = _record(b"h" * 32).encode()

@@ -9,7 +9,7 @@ import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
-from fabric.provenance import Provenance, Rejection, sign_block
+from fabric.provenance import Provenance, Rejection, sign_block, sign_run
 from transports.core.certs import init_ca, issue_node, revoke
 from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.provenance_check import ProvenanceVerifier
@@ -89,3 +89,36 @@ def test_a_producer_restricted_to_other_tenants_is_not_authorised_for_this_names
     assert verifier.check(acme_only, NS, BLOCK, 0, DIGESTS[0], tenants=frozenset()) is Rejection.UNAUTHORISED
     assert verifier.check(open_node, NS, BLOCK, 0, DIGESTS[0], tenants=frozenset({"globex"})) is None
     assert verifier.check(acme_only, NS, BLOCK, 0, DIGESTS[0]) is None   # no tenant named: not checked
+
+
+def _run_records(cert_dir: Path, node: str, num_blocks: int) -> list[Provenance]:
+    signer = NodeSigner(cert_dir / f"{node}.pem", cert_dir / f"{node}.key")
+    blocks = [(bytes([i]) * 32, DIGESTS) for i in range(num_blocks)]
+    return sign_run(NS, blocks, signer.node, signer.cert_der, signer.sign)
+
+
+def test_every_block_of_a_signed_run_verifies_on_its_own(cert_dir: Path) -> None:
+    records = _run_records(cert_dir, "node-a", 5)
+    for i in (4, 0, 2):   # a fresh puller per block: each record proves its block without the others
+        verifier = ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem"))
+        again = Provenance.decode(records[i].encode(), records[i].cert_der)
+        assert [verifier.check(again, NS, bytes([i]) * 32, layer, d) for layer, d in enumerate(DIGESTS)] == [None] * 3
+
+
+def test_a_tampered_inclusion_path_is_refused_even_after_the_run_verified(cert_dir: Path) -> None:
+    verifier = ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem"))
+    records = _run_records(cert_dir, "node-a", 6)
+    assert verifier.check(records[1], NS, b"\1" * 32, 0, DIGESTS[0]) is None   # the run's root is now cached
+    liar_digests = [b"\xff" * 32, *DIGESTS[1:]]
+    r = records[2]
+    forged = [
+        dataclasses.replace(r, path=bytes([r.path[0] ^ 1]) + r.path[1:]),
+        dataclasses.replace(r, leaf_index=3),
+        dataclasses.replace(r, num_leaves=7),
+        dataclasses.replace(r, path=r.path[:-32]),
+    ]
+    assert [verifier.check(f, NS, b"\2" * 32, 1, DIGESTS[1]) for f in forged] == [Rejection.BAD_SIGNATURE] * 4
+    # another block's record, its digests replaced by a liar's, under the run's signature and path
+    swapped = dataclasses.replace(records[3], layer_digests=b"".join(liar_digests))
+    assert verifier.check(swapped, NS, b"\3" * 32, 0, b"\xff" * 32) is Rejection.BAD_SIGNATURE
+    assert verifier.check(records[2], NS, b"\2" * 32, 1, DIGESTS[1]) is None

@@ -53,7 +53,7 @@ from transports.core.frames import (
     Payload,
     Pull,
 )
-from transports.core.provenance_tables import part_records, record_tables
+from transports.core.provenance_tables import KnownRecords, part_records, record_tables
 
 # The frames are defined in frames.py and are part of the codec's interface.
 __all__ = [
@@ -260,14 +260,16 @@ def _check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Excepti
     return num_parts
 
 
-def _records(header: dict[Any, Any], num_parts: int, ftype: FrameType) -> tuple[Provenance | None, ...]:
+def _records(header: dict[Any, Any], num_parts: int, ftype: FrameType,
+             known: KnownRecords | None) -> tuple[Provenance | None, ...]:
     try:
-        return part_records(header, num_parts, ftype.name)
+        return part_records(header, num_parts, ftype.name, known)
     except ValueError as e:
         raise ProtocolError(str(e)) from None
 
 
-def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
+def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
+           known: KnownRecords | None = None) -> Frame:
     # The data path, a BLOCK unsigned (4 fields) or signed (7: its record's three as well), is
     # checked in one expression; anything else, or a BLOCK with something wrong, is built (and what
     # is wrong named) by _build_checked.
@@ -278,11 +280,12 @@ def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memory
             address = BlockAddress(BlockHash(hash_), layer)
             if fields == 4:
                 return Block(rid, address, digest, payload)
-            return Block(rid, address, digest, payload, _records(header, 1, ftype)[0])
-    return _build_checked(ftype, header, payload)
+            return Block(rid, address, digest, payload, _records(header, 1, ftype, known)[0])
+    return _build_checked(ftype, header, payload, known)
 
 
-def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview) -> Frame:
+def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
+                   known: KnownRecords | None = None) -> Frame:
     if ftype not in _PAYLOAD_TYPES and payload:
         raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
     if ftype is FrameType.HELLO:
@@ -305,13 +308,13 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
         if len(digest) != DIGEST_SIZE:
             raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
         addr = _address(header.get("hash"), header.get("layer"), ftype)
-        provs = _records(header, 1, ftype)
+        provs = _records(header, 1, ftype, known)
         return Block(_u64(header, "rid", ftype), addr, digest, payload, provs[0] if provs else None)
     if ftype is FrameType.BLOCKS:
         rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
         digests, sizes = header.get("digests"), header.get("sizes")
         num_parts = _check_parts(digests, sizes, len(payload), ProtocolError)   # bytes and ints from here on
-        provs = _records(header, num_parts, ftype)
+        provs = _records(header, num_parts, ftype, known)
         if not any(p is not None for p in provs):
             provs = ()
         return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload, provs)
@@ -373,6 +376,7 @@ class FrameDecoder:
         self._header: dict[Any, Any] = {}
         self._error: ProtocolError | None = None
         self._staging = bytearray()  # allocated on first get_buffer(): feed()-only users never pay for it
+        self._known: KnownRecords = {}   # provenance records this stream carried lately (provenance_tables)
         # True when the last `get_buffer()` returned (the rest of) a payload's own buffer: bytes
         # read into it belong to that payload only.
         self.receiving_payload = False
@@ -530,7 +534,7 @@ class FrameDecoder:
         self._payload, self._payload_view, self.placed_rid = own, memoryview(own), None
 
     def _finish_frame(self) -> Frame:
-        frame = _build(self._ftype, self._header, self._payload if self._payload_len else bytearray())
+        frame = _build(self._ftype, self._header, self._payload if self._payload_len else bytearray(), self._known)
         self._state = _State.PREAMBLE
         self._header = {}
         # The payload is the frame's now: keep no reference (nor an export that would pin its size).

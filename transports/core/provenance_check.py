@@ -8,18 +8,22 @@ cluster CA, is valid now and not revoked (`TrustAnchor.identity`, itself cached)
 names the record's producer; when the caller names the namespace's tenants, a certificate restricted
 to tenants names one of them; and the signature verifies with the certificate's key.
 
-The signature check is the costly step and is the same for every layer of a block: its result is
-cached per record (bounded, least recently used out), so a block of L layers costs one signature
-verification and L - 1 dictionary lookups. Revocation is checked for every record object: the
-layers of one block decoded from one frame share one object, and the last one accepted skips
-straight to the per-layer digest check.
+The signature check is the costly step and is the same for every layer of a block and, for a
+signed run, for every block of the run: its result is cached per signed message, signature and
+certificate (bounded, least recently used out). A block's record leads to its run's message through
+its inclusion path (O(log n) hashes, fabric/merkle.py), so a pull of k blocks of one run costs one
+signature verification, k path checks and one dictionary lookup per layer. Revocation is checked
+for every record object: the layers of one block received on one connection share one object (the
+codec keeps the records a connection carried lately), and the last one accepted skips straight to
+the per-layer digest check until another record is accepted or the trust changes (a new revocation
+list).
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 
-from fabric.provenance import Provenance, Rejection
+from fabric.provenance import Provenance, ProvenanceError, Rejection
 from transports.core.identity import IdentityError, NodeIdentity, TrustAnchor
 
 _IDENTITY_REJECTIONS = {r.value: r for r in (Rejection.UNTRUSTED, Rejection.EXPIRED, Rejection.REVOKED,
@@ -32,7 +36,8 @@ class ProvenanceVerifier:
 
     def __init__(self, trust: TrustAnchor, *, cache_size: int = 8192) -> None:
         self._trust = trust
-        self._verified: OrderedDict[Provenance, bool] = OrderedDict()
+        # (signed message, signature, certificate) -> whether the signature verified
+        self._verified: OrderedDict[tuple[bytes, bytes, bytes], bool] = OrderedDict()
         self._cache_size = cache_size
         self._last_accepted: Provenance | None = None   # this very object passed every check below ...
         self._last_tenants: frozenset[str] | None = None  # ... for these tenants
@@ -71,12 +76,17 @@ class ProvenanceVerifier:
         return None
 
     def _signature_ok(self, ident: NodeIdentity, provenance: Provenance) -> bool:
-        ok = self._verified.get(provenance)
+        try:
+            message = provenance.message()
+        except ProvenanceError:   # an inclusion path that leads to no run root proves nothing
+            return False
+        key = (message, provenance.signature, provenance.cert_der)
+        ok = self._verified.get(key)
         if ok is None:
-            ok = ident.verify(provenance.signature, provenance.message())
-            self._verified[provenance] = ok
+            ok = ident.verify(provenance.signature, message)
+            self._verified[key] = ok
             if len(self._verified) > self._cache_size:
                 self._verified.popitem(last=False)
         else:
-            self._verified.move_to_end(provenance)
+            self._verified.move_to_end(key)
         return ok

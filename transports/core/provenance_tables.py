@@ -9,6 +9,9 @@ Optional header fields (all three or none)::
 
 A block's layers share one record, so a frame of many layers of few blocks carries few records:
 building the tables is O(parts) identity tests plus O(records) lookups, reading them O(parts).
+A reader may keep the records it decoded on one connection (`KnownRecords`): a record that comes
+again, byte for byte with the same certificate (the next frame of the same block's layers), is
+then the same object, which the verifier has already checked.
 """
 
 from __future__ import annotations
@@ -17,6 +20,10 @@ from collections.abc import Iterable
 from typing import Any
 
 from fabric.provenance import Provenance, ProvenanceError
+
+# (record bytes, certificate bytes) -> the record decoded from them, for one connection
+KnownRecords = dict[tuple[bytes, bytes], Provenance]
+MAX_KNOWN_RECORDS = 64   # a few frames' worth of blocks; the table is emptied when it is full
 
 
 def record_tables(provs: Iterable[Provenance | None]) -> dict[str, Any]:
@@ -41,10 +48,11 @@ def record_tables(provs: Iterable[Provenance | None]) -> dict[str, Any]:
     return {"certs": list(certs), "provs": table, "pix": pix}
 
 
-def part_records(header: dict[Any, Any], num_parts: int, what: str) -> tuple[Provenance | None, ...]:
+def part_records(header: dict[Any, Any], num_parts: int, what: str,
+                 known: KnownRecords | None = None) -> tuple[Provenance | None, ...]:
     """The record of each part of a `what` frame from its `certs` / `provs` / `pix` fields; () when
     there are none. Anything malformed is a ValueError naming it (the codec makes it a ProtocolError).
-    Runs once per frame received: plain loops, each record decoded once."""
+    Runs once per frame received: plain loops, each record decoded once, or taken from `known`."""
     if "pix" not in header and "provs" not in header and "certs" not in header:
         return ()
     certs, table, pix = header.get("certs"), header.get("provs"), header.get("pix")
@@ -64,10 +72,18 @@ def part_records(header: dict[Any, Any], num_parts: int, what: str) -> tuple[Pro
         if type(entry) is not list or len(entry) != 2 or type(entry[0]) is not bytes or type(entry[1]) is not int \
                 or not 0 <= entry[1] < len(certs):
             raise ValueError(f"{what} provs entries must be [record bytes, certificate index]")
-        try:
-            records.append(Provenance.decode(entry[0], certs[entry[1]]))
-        except ProvenanceError as e:
-            raise ValueError(f"{what} carries a bad provenance record: {e}") from None
+        key = (entry[0], certs[entry[1]])
+        record = known.get(key) if known is not None else None
+        if record is None:
+            try:
+                record = Provenance.decode(*key)
+            except ProvenanceError as e:
+                raise ValueError(f"{what} carries a bad provenance record: {e}") from None
+            if known is not None:
+                if len(known) >= MAX_KNOWN_RECORDS:
+                    known.clear()
+                known[key] = record
+        records.append(record)
     num_records = len(records)
     for i in pix:
         if type(i) is not int or not -1 <= i < num_records:

@@ -344,7 +344,7 @@ class ServerSession(_Session):
                     prov: Provenance | None = getattr(got, "provenance", None)
                     prov_bytes = 0   # header bytes this part's record (and certificate) add to the run
                     if prov is not None and prov is not last_prov:
-                        prov_bytes = 128 + len(prov.layer_digests) + (
+                        prov_bytes = 128 + len(prov.layer_digests) + len(prov.path) + (
                             len(prov.cert_der) if last_prov is None or prov.cert_der != last_prov.cert_der else 0)
                         last_prov = prov
                     if run and (run_bytes + size > budget or len(run) == MAX_PARTS or size > GROUP_PART_MAX
@@ -356,7 +356,8 @@ class ServerSession(_Session):
                         continue
                     if not run:
                         start, run_bytes = i, 0
-                        run_prov_bytes = 0 if prov is None else 128 + len(prov.layer_digests) + len(prov.cert_der)
+                        run_prov_bytes = 0 if prov is None else (128 + len(prov.layer_digests) + len(prov.path)
+                                                                 + len(prov.cert_der))
                     else:
                         run_prov_bytes += prov_bytes
                     run.append(got)

@@ -45,7 +45,6 @@ from cluster.node_runtime import NodeRuntime
 from cluster.node_stats import node_stats
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.config import Config
-from fabric.events import EventKind
 from fabric.keys import BlockHash, Namespace, block_hashes
 
 if TYPE_CHECKING:
@@ -123,7 +122,7 @@ class NodeActor:
                                  directory=self.directory, client=rt.client, verifier=rt.verifier,
                                  metrics=rt.metrics, kv_events=rt.kv_events, spawn=self._spawn,
                                  tenants_of=rt.tenancy.tenants_of)
-        self._spawn(self._sync_loop())
+        self._spawn(rt.sync_forever(self.upkeep))
         logger.info("node %s (incarnation %d) serving %s on %s:%d, metrics on :%d, %d blocks held",
                     self.node_id, self.incarnation, rt.address.transport, rt.address.host, rt.address.port,
                     rt.metrics_port, len(rt.kv_store.held_addresses()))
@@ -144,28 +143,8 @@ class NodeActor:
         await self.rt.close_store()
         self._started = False
 
-    async def _sync_loop(self) -> None:
-        c = self.config.cluster
-        tick = min(c.flush_ms / 1000, c.heartbeat_s / 4)
-        store = self.rt.kv_store
-        while True:
-            try:
-                events = store.take_events()
-                self.upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events],
-                                   events.overflowed)
-                if self.rt.kv_events is not None:
-                    self.rt.kv_events.drain(events, store.held_addresses)
-                if await self.upkeep.tick():
-                    self.rt.reload_revocations()
-            except Exception:
-                # This loop is the node's liveness: a bug in one pass must not silence its heartbeats.
-                logger.exception("directory sync pass failed; resyncing every shard")
-                self.upkeep.reset()
-            await asyncio.sleep(tick)
-
     async def _held_hashes(self) -> set[bytes]:
-        held = await asyncio.get_running_loop().run_in_executor(None, self.rt.kv_store.held_addresses)
-        return {a.hash for a in held}
+        return await self.rt.held_hashes()
 
     # ---- the Fabric API ----------------------------------------------------------------------------
 

@@ -24,11 +24,13 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from cluster.directory import NodeAddress
 from cluster.directory_auth import ReportSigner
+from cluster.directory_upkeep import DirectoryUpkeep
 from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.tenancy import TenantGate
 from fabric.config import Config
+from fabric.events import EventKind
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
 from transports.core.buffers import tune_allocator
@@ -134,6 +136,31 @@ class NodeRuntime:
             raise ValueError(f"the {self.address.transport} server has no send-rate cap (TLS-TCP has)")
         self.server.pacer = EgressPacer(mb_s * 1e6) if mb_s > 0 else None
         logger.info("send rate %s", f"capped at {mb_s:g} MB/s" if mb_s > 0 else "uncapped")
+
+    async def sync_forever(self, upkeep: DirectoryUpkeep) -> None:
+        """The node's background pass, every few ms until cancelled: the store's events go to the
+        directory (`upkeep`) and to KV event subscribers; each heartbeat rereads the revocation list."""
+        c = self.config.cluster
+        tick = min(c.flush_ms / 1000, c.heartbeat_s / 4)
+        store = self.kv_store
+        while True:
+            try:
+                events = store.take_events()
+                upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events], events.overflowed)
+                if self.kv_events is not None:
+                    self.kv_events.drain(events, store.held_addresses)
+                if await upkeep.tick():
+                    self.reload_revocations()
+            except Exception:
+                # This loop is the node's liveness: a bug in one pass must not silence its heartbeats.
+                logger.exception("directory sync pass failed; resyncing every shard")
+                upkeep.reset()
+            await asyncio.sleep(tick)
+
+    async def held_hashes(self) -> set[bytes]:
+        """Every block hash the store holds (any tier, any layer)."""
+        held = await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_addresses)
+        return {a.hash for a in held}
 
     async def close_serving(self) -> None:
         """Stop pulling, serving, the metrics endpoint and the KV events (the store stays open)."""

@@ -42,9 +42,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, median, print_table
+from benchmarks._common import emit_json, median, print_table, write_results
 from benchmarks.bench_deadline import prompt_pair
 from benchmarks.bench_ttft import settle
+from benchmarks.network_runs import profile_figures
 from cluster.netbed import NetBed, NetbedUnavailable
 from cluster.netbed_plan import NetbedError, parse_profile
 from fabric.config import ClusterConfig, Config, KVConfig
@@ -167,7 +168,7 @@ def run(profiles: list[str], num_prefix: int, reps: int) -> dict[str, Any]:
             start_bed_fabric(bed, base)
             hosts = node_hosts()
             fab = _start_engines(sorted(hosts, key=lambda n: hosts[n]), num_prefix)
-            out: dict[str, Any] = {"applied": bed.applied, "samples": {}}
+            out: dict[str, Any] = {"applied": bed.applied, "bed": bed.plan.prefix, "samples": {}}
             for k, name in enumerate(profiles):
                 for host in (0, 1):
                     bed.shape(host, name)
@@ -179,7 +180,7 @@ def run(profiles: list[str], num_prefix: int, reps: int) -> dict[str, Any]:
 
 def summarise(measured: dict[str, Any], profiles: list[str]) -> dict[str, Any]:
     """The JSON keys: per profile the medians, pulled tokens and the ratios to recompute."""
-    result: dict[str, Any] = {"applied": measured["applied"]}
+    result: dict[str, Any] = {"applied": measured["applied"], "bed": measured["bed"]}
     for p in profiles:
         s: Samples = measured["samples"][p]
         med = {path: median(s.ttft[path]) for path in PATHS}
@@ -239,13 +240,11 @@ def main() -> None:
         print(f"bench_network_ttft: {e}", file=sys.stderr)
         sys.exit(2)
     result = summarise(measured, profiles)
-    result.update({"quick": args.quick, "reps": reps, "tokens": num_prefix, "transport": "tls-tcp", "profiles": {
-        name: {"rate_mbit": parse_profile(name).rate_bps / 1e6, "delay_ms": parse_profile(name).delay_ms,
-               "loss_percent": parse_profile(name).loss_percent} for name in profiles}})
+    result.update({"quick": args.quick, "reps": reps, "tokens": num_prefix, "transport": "tls-tcp",
+                   "profiles": profile_figures(profiles)})
     report(measured, result, profiles, num_prefix, reps)
     if not args.quick or args.results:
-        path = Path(args.results) if args.results else DEFAULT_RESULTS
-        path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        write_results(result, Path(args.results) if args.results else DEFAULT_RESULTS)
     emit_json(result)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -24,16 +25,11 @@ _missing = missing_capability()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"network test bed needs {_missing}")
 
 
-def _beds() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.startswith("kvb")}
-
-
-def test_quick_run_pulls_the_prefix_over_each_profile_and_reports_ratios(tmp_path: Path) -> None:
-    before = _beds()
+def test_quick_run_pulls_the_prefix_over_each_profile_and_reports_ratios(
+        tmp_path: Path, bed_leftovers: Callable[[str], set[str]]) -> None:
     results = tmp_path / "bench_network_ttft.json"
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_network_ttft.py"), "--quick",
-                           "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=400,
+                           "--results", str(results)], cwd=ROOT, capture_output=True, text=True, timeout=280,
                           check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
@@ -52,4 +48,5 @@ def test_quick_run_pulls_the_prefix_over_each_profile_and_reports_ratios(tmp_pat
             assert result[f"ttft_{path}_s_{p}"] > 0, (path, p)
         for key in ("ttft_remote_over_recompute", "ttft_decided_over_recompute"):
             assert result[f"{key}_{p}"] > 0, (key, p)
-    assert _beds() == before, "the benchmark left network namespaces behind"
+    assert result["bed"].startswith("kvb")
+    assert not bed_leftovers(result["bed"]), "the benchmark left namespaces or links behind"

@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "bench_network_ttft.json"
 BLOCK = 16
 PATHS = ("plain", "decided", "recompute")
-# A 4k prefix of SmolLM2 is ~190 MB: at the `wan` rate that is ~8 s, near the default 10 s pull
-# timeout on a loaded host; the plain pull must not be cut.
+# A 4k prefix of SmolLM2 over `wan`'s rate comes near the default pull timeout on a loaded host;
+# the plain pull must not be cut.
 PULL_TIMEOUT_S = 120.0
 
 
@@ -234,6 +235,7 @@ def main() -> None:
             parse_profile(name)
     except NetbedError as e:
         parser.error(str(e))
+    start = time.monotonic()
     try:
         measured = run(profiles, num_prefix, reps)
     except NetbedUnavailable as e:
@@ -241,7 +243,7 @@ def main() -> None:
         sys.exit(2)
     result = summarise(measured, profiles)
     result.update({"quick": args.quick, "reps": reps, "tokens": num_prefix, "transport": "tls-tcp",
-                   "profiles": profile_figures(profiles)})
+                   "profiles": profile_figures(profiles), "wall_s": round(time.monotonic() - start, 1)})
     report(measured, result, profiles, num_prefix, reps)
     if not args.quick or args.results:
         write_results(result, Path(args.results) if args.results else DEFAULT_RESULTS)

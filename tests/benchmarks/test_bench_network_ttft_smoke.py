@@ -40,6 +40,7 @@ def test_quick_run_pulls_the_prefix_over_each_profile_and_reports_ratios(
     assert result["quick"] is True and result["tokens"] == 256
     assert result["applied"] == {"rate": True, "loss": True, "delay": False, "partition": True}
     assert set(result["profiles"]) == {"lan", "wan"}
+    assert result["wall_s"] > 0
     for p in ("lan", "wan"):
         assert result[f"pulled_tokens_plain_{p}"] == 256, p   # the whole prefix crossed the link
         assert 0 <= result[f"pulled_tokens_decided_{p}"] <= 256, p

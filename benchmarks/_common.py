@@ -6,6 +6,7 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
@@ -37,3 +38,8 @@ def emit_json(result: dict[str, object]) -> None:
     """The benchmark's machine-readable result: always the very last line of stdout."""
     sys.stdout.flush()
     print(json.dumps(result, sort_keys=True), flush=True)
+
+
+def write_results(result: dict[str, object], path: Path) -> None:
+    """The JSON a default run keeps under benchmarks/results/, readable and stable to diff."""
+    path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")

@@ -18,8 +18,9 @@ serving the same random blocks), this process measures from host 1. For each pro
 
 Methods run interleaved, `--rounds` times. What a profile applied is printed and in the JSON: this
 kernel has no `tc netem`, so a profile's rate (tbf) and loss (nftables) are applied and its delay is
-not. The TTFT of a model prefix pulled over each profile is not measured here (it needs a Ray cluster
-and a model per profile, minutes each; see bench_ttft.py on loopback): its keys are null, with a note.
+not. The TTFT of a model prefix pulled over each profile, against recomputing it, is measured by
+bench_network_ttft.py (`ttft_remote_over_recompute_<profile>` in benchmarks/results/bench_network_ttft.json);
+this JSON's `ttft_figures` names it.
 
 Last line of stdout: one JSON object; keys end in the profile name, e.g. `tls_tcp_vs_tls_socket_dc`,
 `quic_vs_tls_tcp_dc`, `quic_p99_over_tls_tcp_p99_lossy`, `get_1m_p50_over_tls_round_lan`.
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 import time
@@ -38,9 +38,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, print_table
+from benchmarks._common import emit_json, print_table, write_results
 from benchmarks.network_client import ServerHost
-from benchmarks.network_runs import Measures, measure_profile
+from benchmarks.network_runs import Measures, measure_profile, profile_figures
 from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE
 from cluster.netbed import NetBed, NetbedUnavailable
 from cluster.netbed_plan import NetbedError, parse_profile
@@ -78,7 +78,8 @@ def run(profiles: list[str], measures: Measures) -> dict[str, object]:
             issue_node(cert_dir, node, days=2)
         _start_server(bed, cert_dir)
         server = ServerHost(bed.plan.address(0), cert_dir)
-        out: dict[str, object] = {"quic_backend": resolve("auto").name, "applied": bed.applied}
+        out: dict[str, object] = {"quic_backend": resolve("auto").name, "applied": bed.applied,
+                                  "bed": bed.plan.prefix}
         for name in profiles:
             for host in (0, 1):
                 bed.shape(host, name)
@@ -147,17 +148,11 @@ def main() -> None:
     except NetbedUnavailable as e:
         print(f"bench_network: {e}", file=sys.stderr)
         sys.exit(2)
-    result.update({"quick": args.quick, "profiles": {
-        name: {"rate_mbit": parse_profile(name).rate_bps / 1e6, "delay_ms": parse_profile(name).delay_ms,
-               "loss_percent": parse_profile(name).loss_percent} for name in profiles}})
-    result["ttft_note"] = ("not measured: a Ray cluster and a model per profile take minutes each; "
-                           "ttft_remote_over_recompute_* are null")
-    for name in profiles:
-        result[f"ttft_remote_over_recompute_{name}"] = None
+    result.update({"quick": args.quick, "profiles": profile_figures(profiles)})
+    result["ttft_figures"] = "benchmarks/bench_network_ttft.py"
     report(result, profiles, measures)
     if not args.quick or args.results:
-        path = Path(args.results) if args.results else DEFAULT_RESULTS
-        path.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+        write_results(result, Path(args.results) if args.results else DEFAULT_RESULTS)
     emit_json(result)
 
 

@@ -57,6 +57,12 @@ class Measures:
                                    quic_stock=quic_stock or self.quic_stock)
 
 
+def profile_figures(names: list[str]) -> dict[str, dict[str, float]]:
+    """What each named link profile asks for (rate, delay, loss), for a benchmark's JSON."""
+    return {name: {"rate_mbit": (p := parse_profile(name)).rate_bps / 1e6, "delay_ms": p.delay_ms,
+                   "loss_percent": p.loss_percent} for name in names}
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 

@@ -14,6 +14,7 @@ import pytest
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
 from transports.core.base import Hit, PullResult
+from transports.core.client_session import ClientSession
 from transports.core.codec import (
     MAGIC,
     PREAMBLE,
@@ -35,7 +36,7 @@ from transports.core.codec import (
     Pull,
     encode,
 )
-from transports.core.session import GROUP_BYTES, GROUP_PART_MAX, ClientSession, Fetched, ServerSession
+from transports.core.session import GROUP_BYTES, GROUP_PART_MAX, Fetched, ServerSession
 
 TIMEOUT_S = 10.0
 

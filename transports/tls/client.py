@@ -23,6 +23,7 @@ from fabric.keys import BlockAddress
 from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import tune_allocator, uninitialised_bytearray
 from transports.core.certs import NodeCredentials
+from transports.core.client_session import ClientSession, Outcome
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
@@ -33,8 +34,8 @@ from transports.core.codec import (
     ProtocolError,
 )
 from transports.core.metrics import TransportMetrics
-from transports.core.session import MAX_ADDRESSES_PER_PULL, ClientSession, Outcome
 from transports.core.timer import DeadlineTimer
+from transports.core.tracker import MAX_ADDRESSES_PER_PULL
 from transports.tls.link import (
     TRANSPORT,
     FrameLink,

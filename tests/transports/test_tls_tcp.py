@@ -54,7 +54,8 @@ from transports.core.metrics import TransportMetrics
 from transports.core.serving import SLOW_STREAK
 from transports.tls import client as tls_client
 from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
-from transports.tls.link import READ_BUDGET, TRANSPORT, open_tls
+from transports.tls.handshake import open_tls
+from transports.tls.link import READ_BUDGET, TRANSPORT
 from transports.tls.server import TlsTcpServer
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

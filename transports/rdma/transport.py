@@ -1,7 +1,7 @@
 """RDMA transport (pyverbs, optional extra `rdma`): the kvfabric codec over RC queue pairs.
 
     client                                        server
-    TLS 1.3 control connection: `tls.link.open_tls`, the same certificates and checks as TLS-TCP
+    TLS 1.3 control connection: `tls.handshake.open_tls`, the same certificates and checks as TLS-TCP
     RC QP created (INIT), receive slots posted
     {"type": "rdma_params", …client}  ───────►    QP created, slots posted, QP → RTR → RTS
                                       ◄───────    {"type": "rdma_params", …server}

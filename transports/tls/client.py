@@ -36,13 +36,8 @@ from transports.core.codec import (
 from transports.core.metrics import TransportMetrics
 from transports.core.timer import DeadlineTimer
 from transports.core.tracker import MAX_ADDRESSES_PER_PULL
-from transports.tls.link import (
-    TRANSPORT,
-    FrameLink,
-    TlsLink,
-    auth_failure_reason,
-    open_tls,
-)
+from transports.tls.handshake import auth_failure_reason, open_tls
+from transports.tls.link import TRANSPORT, FrameLink, TlsLink
 
 logger = logging.getLogger(__name__)
 

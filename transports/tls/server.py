@@ -60,14 +60,8 @@ from transports.core.serving import (
 )
 from transports.core.session import ServerSession
 from transports.core.timer import DeadlineTimer
-from transports.tls.link import (
-    TRANSPORT,
-    FrameLink,
-    TlsLink,
-    accept_tls,
-    auth_failure_reason,
-    peer_node,
-)
+from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node
+from transports.tls.link import TRANSPORT, FrameLink, TlsLink
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,6 @@ from fabric.provenance import Provenance, sign_block
 from transports.core.base import Hit, PullResult
 from transports.core.client_session import ClientSession
 from transports.core.codec import (
-    MAGIC,
-    PREAMBLE,
     VERSION,
     Block,
     Blocks,
@@ -36,6 +34,7 @@ from transports.core.codec import (
     Pull,
     encode,
 )
+from transports.core.encoder import MAGIC, PREAMBLE
 from transports.core.session import GROUP_BYTES, GROUP_PART_MAX, Fetched, ServerSession
 
 TIMEOUT_S = 10.0

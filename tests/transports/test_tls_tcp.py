@@ -34,8 +34,6 @@ from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import uninitialised_bytearray
 from transports.core.certs import init_ca, issue_node, revoke
 from transports.core.codec import (
-    MAGIC,
-    PREAMBLE,
     VERSION,
     Block,
     End,
@@ -50,6 +48,7 @@ from transports.core.codec import (
     Pull,
     encode,
 )
+from transports.core.encoder import MAGIC, PREAMBLE
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import SLOW_STREAK
 from transports.tls import client as tls_client

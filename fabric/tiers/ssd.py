@@ -1,25 +1,5 @@
-"""SSD tier: one file per (block, layer) with a self-describing, digest-checked header.
-
-Layout on disk::
-
-    <root>/<2 hex = key[0]>/<16 hex of key>-<layer>.kvb          a committed block
-    <root>/<2 hex>/.<16 hex>-<layer>.<pid>.<n>.tmp               a write in progress (never read)
-
-    file = header (HEADER_SIZE = 4096 bytes, so the payload starts page-aligned for O_DIRECT)
-         + payload (length bytes)
-
-    header  offset size
-            0      4    magic b"KVFB"
-            4      2    version (1)
-            6      2    header size / 16   (256)
-            8      4    flags (0)
-            12     32   storage key
-            44     4    layer (u32)
-            48     8    payload length (u64)
-            56     32   BLAKE3-256 digest of the payload
-            88     8    created (unix seconds, f64)
-            96     32   BLAKE3-256 of header bytes [0, 96)
-            128    ...  zero padding up to 4096 (checked: any other byte there makes the block corrupt)
+"""SSD tier: one file per (block, layer) with a self-describing, digest-checked header (the file
+format, its names and the folder scan are `fabric.tiers.ssd_format`'s).
 
 A write goes to a temp name in the block's folder, is fdatasync'ed, renamed over the final name,
 and the folder is fsync'ed (`durable`), so a crash leaves either the old state or the whole new
@@ -36,9 +16,6 @@ The in-memory catalog (key -> SsdEntry, ordered least recently seen first) answe
 without I/O and gives eviction its TTL / LRU order: contains / add / discard / touch O(1),
 expired / lru walks O(victims). The catalog is not thread-safe (the Store serialises it under its
 lock); the file methods are, and do no locking.
-
-16 hex digits of the key name a file: two distinct keys of the same layer collide with
-probability ~n^2 / 2^65; a collision is caught by the key check on read and served as a miss.
 """
 
 from __future__ import annotations
@@ -48,8 +25,6 @@ import itertools
 import logging
 import mmap
 import os
-import re
-import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Executor
@@ -61,19 +36,19 @@ import blake3
 from fabric.keys import StorageKey
 from fabric.provenance import Provenance
 from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier, TierStats
+from fabric.tiers.ssd_format import (
+    HEADER_SIZE,
+    SsdScan,
+    decode_header,
+    encode_header,
+    file_name,
+    scan_folder,
+)
 from fabric.tiers.sync import fsync_folder, syncfs, syncfs_supported, try_fsync_folder
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVFB"
-VERSION = 1
-HEADER_SIZE = 4096
 ALIGN = 4096
-_FIELDS = struct.Struct("<4sHHI32sIQ32sd")          # 96 bytes, followed by their BLAKE3 digest
-_CHECKED = _FIELDS.size + 32
-_PADDING = bytes(HEADER_SIZE - _CHECKED)
-_NAME_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.kvb$")
-_TEMP_RE = re.compile(r"^\.[0-9a-f]{16}-\d+\..*\.tmp$")
 # Errors that mean "the filesystem has no room for this write" (EFBIG: RLIMIT_FSIZE or a file-size cap).
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # A batch of at least this many files is made durable with two syncfs calls (fabric.tiers.sync).
@@ -103,60 +78,12 @@ class SsdEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class ScannedFile:
-    path: Path
-    size: int
-
-
-@dataclass(slots=True)
-class SsdScan:
-    """Every file under the root: committed blocks by (16-hex key prefix, layer), temp and foreign files."""
-
-    files: dict[tuple[str, int], ScannedFile] = field(default_factory=dict)
-    temp_files: list[Path] = field(default_factory=list)
-    foreign_files: list[Path] = field(default_factory=list)
-
-
-@dataclass(frozen=True, slots=True)
 class WriteItem:
     key: StorageKey
     layer: int
     payload: memoryview
     digest: bytes
     created_unix: float
-
-
-def file_name(key: bytes, layer: int) -> str:
-    return f"{key.hex()[:16]}-{layer}.kvb"
-
-
-def encode_header(key: bytes, layer: int, length: int, digest: bytes, created_unix: float) -> bytes:
-    fields = _FIELDS.pack(MAGIC, VERSION, HEADER_SIZE // 16, 0, key, layer, length, digest, created_unix)
-    return (fields + blake3.blake3(fields).digest()).ljust(HEADER_SIZE, b"\0")
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    key: bytes
-    layer: int
-    length: int
-    digest: bytes
-    created_unix: float
-
-
-def decode_header(buf: bytes | memoryview, key: StorageKey) -> Header:
-    """Parse and self-check a header; `key` names the block in errors. Raises CorruptBlockError."""
-    if len(buf) < _CHECKED:
-        raise CorruptBlockError(key, f"file shorter than its header ({len(buf)} bytes)")
-    fields = bytes(buf[:_FIELDS.size])
-    if blake3.blake3(fields).digest() != bytes(buf[_FIELDS.size:_CHECKED]):
-        raise CorruptBlockError(key, "header checksum mismatch")
-    if len(buf) >= HEADER_SIZE and buf[_CHECKED:HEADER_SIZE] != _PADDING:
-        raise CorruptBlockError(key, "header padding is not zero")
-    magic, version, size16, _flags, hkey, layer, length, digest, created = _FIELDS.unpack(fields)
-    if magic != MAGIC or version != VERSION or size16 * 16 != HEADER_SIZE:
-        raise CorruptBlockError(key, f"unknown format (magic {magic!r}, version {version})")
-    return Header(hkey, layer, length, digest, created)
 
 
 class SsdTier:
@@ -500,27 +427,6 @@ class SsdTier:
         if got != size:
             raise CorruptBlockError(key, f"short read: {got} of {size} bytes (file shrank while read)")
         return buf
-
-
-def scan_folder(root: Path) -> SsdScan:
-    """Classify every file in the fan-out folders under `root`; changes nothing."""
-    out = SsdScan()
-    for i in range(256):
-        folder = root / f"{i:02x}"
-        if not folder.is_dir():
-            continue
-        with os.scandir(folder) as it:
-            for de in it:
-                if not de.is_file(follow_symlinks=False):
-                    continue
-                match = _NAME_RE.match(de.name)
-                if match:
-                    out.files[(match[1], int(match[2]))] = ScannedFile(Path(de.path), de.stat().st_size)
-                elif _TEMP_RE.match(de.name):
-                    out.temp_files.append(Path(de.path))
-                else:
-                    out.foreign_files.append(Path(de.path))
-    return out
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:

@@ -28,6 +28,7 @@ from typing import Any
 from transports.core.base import BlockSource, Peer
 from transports.core.certs import NodeCredentials
 from transports.core.codec import MissReason
+from transports.core.link import FrameLink
 from transports.rdma.control import (
     CONTROL_LEN,
     CONTROL_MAX,
@@ -44,7 +45,6 @@ from transports.rdma.control import (
 from transports.rdma.device import RdmaDeviceError, _Device, rdma_unavailable_reason
 from transports.rdma.link import TRANSPORT, RdmaLink
 from transports.tls.client import ClientConnection, TlsTcpClient
-from transports.tls.link import FrameLink
 from transports.tls.server import ServerConnection, TlsTcpServer
 
 __all__ = [

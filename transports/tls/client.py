@@ -33,11 +33,12 @@ from transports.core.codec import (
     MissReason,
     ProtocolError,
 )
+from transports.core.link import FrameLink
 from transports.core.metrics import TransportMetrics
 from transports.core.timer import DeadlineTimer
 from transports.core.tracker import MAX_ADDRESSES_PER_PULL
 from transports.tls.handshake import auth_failure_reason, open_tls
-from transports.tls.link import TRANSPORT, FrameLink, TlsLink
+from transports.tls.link import TRANSPORT, TlsLink
 
 logger = logging.getLogger(__name__)
 

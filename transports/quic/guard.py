@@ -9,18 +9,30 @@
     every close, which stalled the loop for tens of seconds after an Initial flood;
   * batches of datagrams for one known connection go to it together.
 
-The handshake deadline and the client-certificate check are the connection's
-(`transports.quic.server`); the serving protocol is there too.
+and, per connection (`GuardedConnection`, the base of the server's connection class):
+
+  * a connection still mid-handshake after `handshake_timeout_s` is closed (the idle timeout is
+    for authenticated connections);
+  * a client the TLS hook refused (no certificate, another CA) is counted and logged at once;
+  * an authenticated node past `max_connections_per_peer` connections is closed "overloaded:".
+
+The serving protocol is `transports.quic.server`'s.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+import logging
+from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
+from aioquic.quic.packet import QuicErrorCode
 
+from transports.core.metrics import TransportMetrics
 from transports.quic.backend import QuicBackend
+from transports.quic.base import TRANSPORT
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's
     from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -28,7 +40,9 @@ if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chose
 else:
     QuicConnectionProtocol = QuicServer = object
 
-__all__ = ["BoundedQuicServer", "CidTable", "GuardOwner"]
+__all__ = ["BoundedQuicServer", "CidTable", "GuardOwner", "GuardedConnection", "HandshakeOwner"]
+
+logger = logging.getLogger("transports.quic")
 
 
 class GuardOwner(Protocol):
@@ -138,3 +152,85 @@ class BoundedQuicServer(QuicServer):
     def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
         cast(CidTable, self._protocols).forget(protocol)
 
+
+class HandshakeOwner(GuardOwner, Protocol):
+    """What a connection's handshake checks read from and count into its server."""
+
+    metrics: TransportMetrics
+    handshake_timeout_s: float
+    max_connections_per_peer: int
+
+    @property
+    def _connections(self) -> Collection[GuardedConnection]: ...
+
+    def _half_open_ended(self, host: str) -> None: ...
+
+    def count_overloaded(self, peer: str, budget: str) -> None: ...
+
+
+class GuardedConnection(QuicConnectionProtocol):
+    """A server connection's handshake: its deadline, the refused-client count and the per-peer
+    connection cap. The subclass sets the attributes below and ends the connection in `_on_terminated`."""
+
+    _server: HandshakeOwner
+    _backend: QuicBackend
+    host: str
+    node: str | None
+    _terminated: bool
+    _refused: bool
+    _half_open: bool
+    _handshake_timer: asyncio.TimerHandle | None
+
+    def _on_terminated(self, event: events.ConnectionTerminated) -> None:
+        raise NotImplementedError
+
+    def _check_refused(self) -> None:
+        """Count and log a refused client as soon as the TLS hook refuses it (not after draining)."""
+        reason = self._backend.auth_failure(self._quic)
+        if reason is None:
+            return
+        self._refused = True
+        close = self._quic._close_event
+        addr = self._backend.remote_address(self._quic)
+        self._server.metrics.auth_failures.labels(TRANSPORT, reason.value).inc()
+        logger.warning("refused QUIC client %s: %s (%s)", addr, reason.value, close.reason_phrase if close else "")
+
+    def _end_half_open(self) -> None:
+        if self._half_open:
+            self._half_open = False
+            self._server._half_open_ended(self.host)
+        if self._handshake_timer is not None:
+            self._handshake_timer.cancel()
+            self._handshake_timer = None
+
+    def _handshake_expired(self) -> None:
+        self._handshake_timer = None
+        if self.node is not None or self._terminated:
+            return
+        logger.info("QUIC handshake from %s not done after %.1f s: closed", self.host,
+                    self._server.handshake_timeout_s)
+        self._quic.close(QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout")
+        self._end_half_open()
+        if self._quic._close_event is not None:
+            self._on_terminated(self._quic._close_event)
+        self.transmit()
+
+    def _on_handshake(self, event: events.HandshakeCompleted) -> None:
+        node = self._backend.peer_node(self._quic)
+        self._end_half_open()
+        if node is None:  # cannot happen with the hook installed; never serve an unknown peer
+            self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
+            return
+        server = self._server
+        if sum(1 for c in server._connections if c.node == node) >= server.max_connections_per_peer:
+            self._refused = True   # authenticated, but over its connection budget: no auth failure
+            server.count_overloaded(node, "connections")
+            logger.warning("refused QUIC connection of %s: already %d connections", node,
+                           server.max_connections_per_peer)
+            self._quic.close(QuicErrorCode.CONNECTION_REFUSED,
+                             reason_phrase=f"overloaded: {node} already has {server.max_connections_per_peer} "
+                                           "connections")
+            return
+        self.node = node
+        self._server.metrics.connections.labels(TRANSPORT, "server").inc()
+        logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)

@@ -11,8 +11,8 @@ TLS-TCP) and bounds what unauthenticated peers can cost:
 
   * Retry (address validation) is on by default, and the connections mid-handshake are capped in
     total and per source address: the gate in `transports.quic.guard` (`BoundedQuicServer`);
-  * a connection still mid-handshake after `handshake_timeout_s` is closed (the idle timeout is
-    for authenticated connections), and a client without a cluster certificate is refused;
+  * a connection still mid-handshake after `handshake_timeout_s` is closed, and a client without
+    a cluster certificate is refused: `GuardedConnection`, also in `transports.quic.guard`;
 
 and what authenticated peers can cost (`budget`): at most `max_connections_per_peer` connections
 per node (the next one is closed with an "overloaded:" reason), PULLs and payload bytes per second
@@ -58,7 +58,7 @@ from transports.quic.base import (
     base_configuration,
     send_frame,
 )
-from transports.quic.guard import BoundedQuicServer
+from transports.quic.guard import BoundedQuicServer, GuardedConnection
 from transports.quic.tls import QuicTlsMaterial
 from transports.quic.udp import udp_socket
 
@@ -83,8 +83,11 @@ class _Stream:
     peer_finished: bool = False
 
 
-class _ServerConnection(QuicConnectionProtocol):
-    """One client connection: sessions per stream, and the pump that sends their answers."""
+class _ServerConnection(GuardedConnection):
+    """One client connection: sessions per stream, and the pump that sends their answers (its
+    handshake checks are `GuardedConnection`'s)."""
+
+    _server: QuicTransportServer
 
     def __init__(self, quic: QuicConnection, stream_handler: Any = None, *,  # aioquic passes a handler
                  server: QuicTransportServer, host: str) -> None:
@@ -135,17 +138,6 @@ class _ServerConnection(QuicConnectionProtocol):
         self._pump()
         super().transmit()
 
-    def _check_refused(self) -> None:
-        """Count and log a refused client as soon as the TLS hook refuses it (not after draining)."""
-        reason = self._backend.auth_failure(self._quic)
-        if reason is None:
-            return
-        self._refused = True
-        close = self._quic._close_event
-        addr = self._backend.remote_address(self._quic)
-        self._server.metrics.auth_failures.labels(TRANSPORT, reason.value).inc()
-        logger.warning("refused QUIC client %s: %s (%s)", addr, reason.value, close.reason_phrase if close else "")
-
     def quic_event_received(self, event: events.QuicEvent) -> None:
         ev = self.events
         if isinstance(event, ev.StreamDataReceived):
@@ -160,46 +152,6 @@ class _ServerConnection(QuicConnectionProtocol):
             self._on_terminated(event)
 
     # -- events --------------------------------------------------------------------------------
-
-    def _end_half_open(self) -> None:
-        if self._half_open:
-            self._half_open = False
-            self._server._half_open_ended(self.host)
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-            self._handshake_timer = None
-
-    def _handshake_expired(self) -> None:
-        self._handshake_timer = None
-        if self.node is not None or self._terminated:
-            return
-        logger.info("QUIC handshake from %s not done after %.1f s: closed", self.host,
-                    self._server.handshake_timeout_s)
-        self._quic.close(QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout")
-        self._end_half_open()
-        if self._quic._close_event is not None:
-            self._on_terminated(self._quic._close_event)
-        self.transmit()
-
-    def _on_handshake(self, event: events.HandshakeCompleted) -> None:
-        node = self._backend.peer_node(self._quic)
-        self._end_half_open()
-        if node is None:  # cannot happen with the hook installed; never serve an unknown peer
-            self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
-            return
-        server = self._server
-        if sum(1 for c in server._connections if c.node == node) >= server.max_connections_per_peer:
-            self._refused = True   # authenticated, but over its connection budget: no auth failure
-            server.count_overloaded(node, "connections")
-            logger.warning("refused QUIC connection of %s: already %d connections", node,
-                           server.max_connections_per_peer)
-            self._quic.close(QuicErrorCode.CONNECTION_REFUSED,
-                             reason_phrase=f"overloaded: {node} already has {server.max_connections_per_peer} "
-                                           "connections")
-            return
-        self.node = node
-        self._server.metrics.connections.labels(TRANSPORT, "server").inc()
-        logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)
 
     def _on_terminated(self, event: events.ConnectionTerminated) -> None:
         if self._terminated:

@@ -49,7 +49,6 @@ class Outcome:
     answered: bool = False
 
 
-
 def _refusal(frame: Error) -> MissReason:
     """What a server's ERROR for the whole connection makes of the requests still pending."""
     return MissReason.OVERLOADED if frame.code is ErrorCode.OVERLOADED else MissReason.PEER_ERROR

@@ -43,7 +43,6 @@ def payload_pieces(payload: Payload | tuple[Payload, ...]) -> tuple[Payload, ...
     return payload if isinstance(payload, tuple) else (payload,)
 
 
-
 def check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Exception]) -> int:
     """The number of parts of a BLOCKS frame whose `digests` and `sizes` describe `payload_len`
     bytes; anything inconsistent raises `error`."""
@@ -56,7 +55,6 @@ def check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Exceptio
     if set(map(type, sizes)) != {int} or min(sizes) < 0 or sum(sizes) != payload_len:
         raise error(f"BLOCKS part sizes must be non-negative integers adding up to the {payload_len}-byte payload")
     return num_parts
-
 
 
 def _header(frame: Frame) -> dict[str, Any]:

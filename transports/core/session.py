@@ -91,7 +91,6 @@ class ServedStats:
     misses: dict[MissReason, int] = field(default_factory=dict)
 
 
-
 class ServerSession(SessionBase):
     """The server's side of one connection (or one QUIC stream, `hello=False, one_pull=True`).
 

@@ -15,7 +15,6 @@ class State(enum.Enum):
     CLOSING = "closing"   # the adapter sends what the last call returned, then closes
 
 
-
 class SessionBase:
     """What both sides share: the decoder, the total frame deadline and the close state."""
 

@@ -86,7 +86,6 @@ class CidTable(dict[bytes, QuicConnectionProtocol]):
         self.of.clear()
 
 
-
 class BoundedQuicServer(QuicServer):
     """aioquic's server with the cid table above and caps on connections mid-handshake, in total
     and per source address (see the module docstring)."""

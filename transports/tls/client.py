@@ -1,7 +1,7 @@
 """TLS-TCP client: pulls over one pooled, mutually authenticated connection per peer.
 
-The protocol rules are `ClientSession`'s (session.py); this module dials (TLS 1.3, the server's SAN
-must name the dialled node), keeps PULL_WINDOW PULLs of a pull in flight (the server answers a
+The protocol rules are `ClientSession`'s (client_session.py); this module dials (TLS 1.3, the
+server's SAN must name the dialled node), keeps PULL_WINDOW PULLs of a pull in flight (the server answers a
 connection's PULLs round-robin, so two keep one pull's answers in order), checks digests on the
 loop, receives runs of hits straight into the caller's slots (`into`), and pauses reading while
 over RESULTS_HIGH bytes of results wait for their callers. A pull that races the server's idle

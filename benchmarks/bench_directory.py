@@ -46,7 +46,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, median, print_table
-from cluster.directory import DirectoryShard, NodeAddress, NodeId, leading_runs
+from cluster.directory import DirectoryShard
+from cluster.directory_types import NodeAddress, NodeId, leading_runs
 
 NUM_NODES = 1000
 PROMPT_BLOCKS = 64

@@ -30,7 +30,7 @@ from cluster.cli import CLIError
 from fabric.config import Config, ConfigError, KVConfig
 from fabric.index import BlockMeta, Index, IndexUnavailableError
 from fabric.store import Store, VerifyReport
-from fabric.tiers.ssd import HEADER_SIZE, scan_folder
+from fabric.tiers.ssd_format import HEADER_SIZE, scan_folder
 
 
 def register(sub: Any) -> None:

@@ -36,8 +36,9 @@ import ray
 from cryptography import x509
 
 from cluster.breaker import BreakerState, CircuitBreaker
-from cluster.directory import ApplyOutcome, DirectoryShard, LocateReply, NodeAddress, NodeInfo, shard_of
+from cluster.directory import DirectoryShard
 from cluster.directory_auth import DirectoryGate, Proof
+from cluster.directory_types import ApplyOutcome, LocateReply, NodeAddress, NodeInfo, shard_of
 from cluster.directory_upkeep import ShardUnavailable
 from fabric.config import ClusterConfig
 from transports.core.certs import CA_CERT, CRL, CertificateError, revoked_serials

@@ -33,7 +33,8 @@ from typing import Any, Protocol
 
 import msgpack
 
-from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress
+from cluster.directory import DirectoryShard
+from cluster.directory_types import ApplyOutcome, NodeAddress
 from transports.core.identity import IdentityError, NodeIdentity
 
 logger = logging.getLogger(__name__)

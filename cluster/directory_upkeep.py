@@ -23,8 +23,8 @@ import random
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from typing import Protocol
 
-from cluster.directory import ApplyOutcome, NodeAddress
 from cluster.directory_auth import Proof, ReportSigner
+from cluster.directory_types import ApplyOutcome, NodeAddress
 from cluster.metrics import ClusterMetrics
 from cluster.node_sync import Batch, DirectorySync
 from fabric.config import ClusterConfig

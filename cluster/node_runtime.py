@@ -22,8 +22,8 @@ from pathlib import Path
 import ray
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cluster.directory import NodeAddress
 from cluster.directory_auth import ReportSigner
+from cluster.directory_types import NodeAddress
 from cluster.directory_upkeep import DirectoryUpkeep
 from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import LocalFabric

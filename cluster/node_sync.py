@@ -27,7 +27,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from cluster.directory import ApplyOutcome, shard_of
+from cluster.directory_types import ApplyOutcome, shard_of
 
 
 @dataclass(frozen=True, slots=True)

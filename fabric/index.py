@@ -42,7 +42,8 @@ from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 from fabric.keys import HASH_SIZE, StorageKey
 from fabric.provenance import Provenance
 from fabric.tiers.base import DIGEST_SIZE, Tier
-from fabric.tiers.ssd import HEADER_SIZE, SsdScan, SsdTier
+from fabric.tiers.ssd import SsdTier
+from fabric.tiers.ssd_format import HEADER_SIZE, SsdScan
 
 logger = logging.getLogger(__name__)
 

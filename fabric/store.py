@@ -83,7 +83,8 @@ from fabric.store_core import StoreCore
 from fabric.store_types import CloseReport, Lifecycle, LookupResult, PutResult, StoreClosedError, VerifyReport
 from fabric.store_writes import Writer
 from fabric.tiers.base import Payload, StoredBlock, Tier
-from fabric.tiers.ssd import SsdEntry, SsdTier
+from fabric.tiers.ssd import SsdTier
+from fabric.tiers.ssd_catalog import SsdEntry
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,8 @@ from fabric.store_types import LookupResult, Pending, PutResult, StoreCounters
 from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier
 from fabric.tiers.device import DeviceTier
 from fabric.tiers.ram import Evicted, RamTier
-from fabric.tiers.ssd import SsdEntry, SsdTier
+from fabric.tiers.ssd import SsdTier
+from fabric.tiers.ssd_catalog import SsdEntry
 
 logger = logging.getLogger(__name__)
 

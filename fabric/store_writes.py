@@ -27,7 +27,9 @@ from fabric.provenance import Provenance
 from fabric.store_core import StoreCore
 from fabric.store_types import Pending, PutResult
 from fabric.tiers.base import Payload, Tier, as_bytes_view, digest_of
-from fabric.tiers.ssd import HEADER_SIZE, NO_SPACE_ERRNOS, SsdEntry, WriteItem
+from fabric.tiers.ssd import NO_SPACE_ERRNOS, WriteItem
+from fabric.tiers.ssd_catalog import SsdEntry
+from fabric.tiers.ssd_format import HEADER_SIZE
 
 logger = logging.getLogger(__name__)
 UNSIGNED_PRODUCER = "unsigned"   # the producer label of a block without a provenance record

@@ -17,7 +17,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric, SummaryMetricFamily
 from prometheus_client.registry import Collector
 
-from cluster.engines.block_manager import BlockManager, RequestId, SeqState
+from cluster.engines.block_manager import BlockManager, RequestId
+from cluster.engines.sequence import SeqState
 from fabric.latency import LatencyRecorder, LatencyStats
 
 

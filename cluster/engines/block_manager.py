@@ -1,4 +1,5 @@
-"""Engine-facing block manager: sequences, prefix matching and events over a `BlockPool`.
+"""Engine-facing block manager: sequences (`cluster.engines.sequence`), prefix matching and events
+over a `BlockPool`.
 
 The semantics are nano-vllm's (chained block hashes, hits verified against the block's tokens,
 can_allocate / allocate, can_append / may_append, deallocate), plus per-request reservations,
@@ -22,67 +23,17 @@ Out of blocks is a return value (`False`). Not thread-safe: the owner serialises
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from cluster.engines.block_pool import BlockPool, BlockState, RequestId
+from cluster.engines.sequence import SeqState, le_bytes
 from fabric.events import BlockEvent, BlockEvicted, BlockStored
 from fabric.keys import BlockHash, Namespace, chain_hash
 
-__all__ = ["BlockManager", "BlockManagerStats", "BlockState", "ChainHashFn", "RequestId", "SeqState"]
+__all__ = ["BlockManager", "BlockManagerStats", "BlockState", "ChainHashFn", "RequestId"]
 
 ChainHashFn = Callable[[bytes, bytes], BlockHash]
-
-if array("I").itemsize != 4:  # pragma: no cover - every supported platform has a 32-bit C int
-    raise ImportError("cluster.engines.block_manager needs array('I') to hold 32-bit token ids")
-_LITTLE_ENDIAN = sys.byteorder == "little"
-
-
-def _le_bytes(tokens: array[int]) -> bytes:
-    """Token ids as little-endian u32 bytes, the encoding fabric.keys hashes."""
-    if _LITTLE_ENDIAN:
-        return tokens.tobytes()
-    swapped = array("I", tokens)  # pragma: no cover - big-endian hosts
-    swapped.byteswap()  # pragma: no cover
-    return swapped.tobytes()  # pragma: no cover
-
-
-class SeqState:
-    """One sequence as the block manager sees it.
-
-    `token_ids` holds every token whose KV the sequence needs (prompt and generated so far);
-    append the next token, then call `may_append`. `block_table[i]` is the device block of
-    tokens [i*block_size, (i+1)*block_size). `num_cached_tokens` is the prefix `allocate`
-    found cached: the engine can skip prefill for those (never the last token). `request_id` ties
-    the sequence to a reservation; `namespace` overrides the manager's (e.g. another tenant salt,
-    same KV shape).
-    """
-
-    __slots__ = ("block_table", "namespace", "num_cached_tokens", "request_id", "seq_id", "token_ids")
-
-    def __init__(self, seq_id: int, token_ids: Iterable[int], *, request_id: RequestId | None = None,
-                 namespace: Namespace | None = None) -> None:
-        try:
-            tokens = array("I", token_ids)
-        except OverflowError:
-            raise ValueError("token ids must lie in [0, 2**32)") from None
-        self.seq_id = seq_id
-        self.token_ids: array[int] = tokens
-        self.block_table: list[int] = []
-        self.num_cached_tokens = 0
-        self.request_id = request_id
-        self.namespace = namespace
-
-    def __len__(self) -> int:
-        return len(self.token_ids)
-
-    def append_token(self, token_id: int) -> None:
-        try:
-            self.token_ids.append(token_id)
-        except OverflowError:
-            raise ValueError(f"token id {token_id} does not fit in a u32") from None
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,7 +129,7 @@ class BlockManager:
         """Tokens of the longest prefix whose full blocks are cached here (verified); no state change."""
         seq = SeqState(-1, token_ids, namespace=namespace)
         num_full = len(seq.token_ids) // self._block_size
-        hits, _, _ = self._walk(self._root_for(seq), _le_bytes(seq.token_ids), num_full)
+        hits, _, _ = self._walk(self._root_for(seq), le_bytes(seq.token_ids), num_full)
         return len(hits) * self._block_size
 
     def _walk(self, parent: BlockHash, data: bytes, max_blocks: int
@@ -232,7 +183,7 @@ class BlockManager:
         parent = self._root_for(seq)
         if num_needed > pool.capacity(seq.request_id):
             return False
-        data = _le_bytes(seq.token_ids)
+        data = le_bytes(seq.token_ids)
         num_full = num_tokens // bs
         max_hits = (num_tokens - 1) // bs if num_tokens else 0  # never the last token's block
         hits, parent, miss_hash = self._walk(parent, data, max_hits)
@@ -294,7 +245,7 @@ class BlockManager:
         parent = hashes[table[first - 1]] if first else self._root_for(seq)
         if parent is None:
             raise RuntimeError(f"block {table[first - 1]} of sequence {seq.seq_id} lost its hash")
-        data = _le_bytes(seq.token_ids[first * bs:num_full * bs])
+        data = le_bytes(seq.token_ids[first * bs:num_full * bs])
         stride = 4 * bs
         stored = _StoredRuns(parent)
         for k in range(num_full - first):

@@ -21,8 +21,9 @@ import numpy as np
 import torch
 
 from cluster.api import Fabric
-from cluster.engines.block_manager import BlockManager, SeqState
+from cluster.engines.block_manager import BlockManager
 from cluster.engines.kv_pool import StorageType, TokenToKVPool
+from cluster.engines.sequence import SeqState
 from cluster.engines.tiny_llama import TinyLlama
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store

@@ -1,25 +1,5 @@
-"""SSD tier: one file per (block, layer) with a self-describing, digest-checked header.
-
-Layout on disk::
-
-    <root>/<2 hex = key[0]>/<16 hex of key>-<layer>.kvb          a committed block
-    <root>/<2 hex>/.<16 hex>-<layer>.<pid>.<n>.tmp               a write in progress (never read)
-
-    file = header (HEADER_SIZE = 4096 bytes, so the payload starts page-aligned for O_DIRECT)
-         + payload (length bytes)
-
-    header  offset size
-            0      4    magic b"KVFB"
-            4      2    version (1)
-            6      2    header size / 16   (256)
-            8      4    flags (0)
-            12     32   storage key
-            44     4    layer (u32)
-            48     8    payload length (u64)
-            56     32   BLAKE3-256 digest of the payload
-            88     8    created (unix seconds, f64)
-            96     32   BLAKE3-256 of header bytes [0, 96)
-            128    ...  zero padding up to 4096 (checked: any other byte there makes the block corrupt)
+"""SSD tier: one file per (block, layer) with a self-describing, digest-checked header (the file
+format, its names and the folder scan are `fabric.tiers.ssd_format`'s).
 
 A write goes to a temp name in the block's folder, is fdatasync'ed, renamed over the final name,
 and the folder is fsync'ed (`durable`), so a crash leaves either the old state or the whole new
@@ -32,13 +12,8 @@ anonymous memory when the filesystem allows it (probed at open; otherwise a log 
 buffered reads followed by posix_fadvise(DONTNEED)), so the SSD tier never doubles as a second,
 unaccounted page-cache tier; writes drop their pages after the sync for the same reason.
 
-The in-memory catalog (key -> SsdEntry, ordered least recently seen first) answers `contains`
-without I/O and gives eviction its TTL / LRU order: contains / add / discard / touch O(1),
-expired / lru walks O(victims). The catalog is not thread-safe (the Store serialises it under its
-lock); the file methods are, and do no locking.
-
-16 hex digits of the key name a file: two distinct keys of the same layer collide with
-probability ~n^2 / 2^65; a collision is caught by the key check on read and served as a miss.
+The in-memory catalog is `fabric.tiers.ssd_catalog.SsdCatalog`, not thread-safe (the Store
+serialises it under its lock); the file methods here are, and do no locking.
 """
 
 from __future__ import annotations
@@ -48,73 +23,33 @@ import itertools
 import logging
 import mmap
 import os
-import re
-import struct
-from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import blake3
 
 from fabric.keys import StorageKey
-from fabric.provenance import Provenance
-from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier, TierStats
+from fabric.tiers.base import CorruptBlockError, StoredBlock, Tier
+from fabric.tiers.ssd_catalog import SsdCatalog
+from fabric.tiers.ssd_format import (
+    HEADER_SIZE,
+    SsdScan,
+    decode_header,
+    encode_header,
+    file_name,
+    scan_folder,
+)
 from fabric.tiers.sync import fsync_folder, syncfs, syncfs_supported, try_fsync_folder
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"KVFB"
-VERSION = 1
-HEADER_SIZE = 4096
 ALIGN = 4096
-_FIELDS = struct.Struct("<4sHHI32sIQ32sd")          # 96 bytes, followed by their BLAKE3 digest
-_CHECKED = _FIELDS.size + 32
-_PADDING = bytes(HEADER_SIZE - _CHECKED)
-_NAME_RE = re.compile(r"^([0-9a-f]{16})-(\d+)\.kvb$")
-_TEMP_RE = re.compile(r"^\.[0-9a-f]{16}-\d+\..*\.tmp$")
 # Errors that mean "the filesystem has no room for this write" (EFBIG: RLIMIT_FSIZE or a file-size cap).
 NO_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # A batch of at least this many files is made durable with two syncfs calls (fabric.tiers.sync).
 GROUP_SYNC_MIN = 16
-
-
-@dataclass(slots=True)
-class SsdEntry:
-    """What the catalog knows of one committed block (mirrors its index row)."""
-
-    layer: int
-    num_bytes: int
-    digest: bytes
-    model: str
-    created_unix: float
-    last_seen_unix: float
-    block_hash: bytes = b""     # b"" for a block loaded from a row older than the hash field
-    provenance: Provenance | None = None   # from the index row; None: unsigned (or a row older than it)
-    row_seen_unix: float = field(init=False)   # the last_seen_unix its index row holds
-
-    def __post_init__(self) -> None:
-        self.row_seen_unix = self.last_seen_unix
-
-    @property
-    def file_bytes(self) -> int:
-        return HEADER_SIZE + self.num_bytes
-
-
-@dataclass(frozen=True, slots=True)
-class ScannedFile:
-    path: Path
-    size: int
-
-
-@dataclass(slots=True)
-class SsdScan:
-    """Every file under the root: committed blocks by (16-hex key prefix, layer), temp and foreign files."""
-
-    files: dict[tuple[str, int], ScannedFile] = field(default_factory=dict)
-    temp_files: list[Path] = field(default_factory=list)
-    foreign_files: list[Path] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,40 +61,7 @@ class WriteItem:
     created_unix: float
 
 
-def file_name(key: bytes, layer: int) -> str:
-    return f"{key.hex()[:16]}-{layer}.kvb"
-
-
-def encode_header(key: bytes, layer: int, length: int, digest: bytes, created_unix: float) -> bytes:
-    fields = _FIELDS.pack(MAGIC, VERSION, HEADER_SIZE // 16, 0, key, layer, length, digest, created_unix)
-    return (fields + blake3.blake3(fields).digest()).ljust(HEADER_SIZE, b"\0")
-
-
-@dataclass(frozen=True, slots=True)
-class Header:
-    key: bytes
-    layer: int
-    length: int
-    digest: bytes
-    created_unix: float
-
-
-def decode_header(buf: bytes | memoryview, key: StorageKey) -> Header:
-    """Parse and self-check a header; `key` names the block in errors. Raises CorruptBlockError."""
-    if len(buf) < _CHECKED:
-        raise CorruptBlockError(key, f"file shorter than its header ({len(buf)} bytes)")
-    fields = bytes(buf[:_FIELDS.size])
-    if blake3.blake3(fields).digest() != bytes(buf[_FIELDS.size:_CHECKED]):
-        raise CorruptBlockError(key, "header checksum mismatch")
-    if len(buf) >= HEADER_SIZE and buf[_CHECKED:HEADER_SIZE] != _PADDING:
-        raise CorruptBlockError(key, "header padding is not zero")
-    magic, version, size16, _flags, hkey, layer, length, digest, created = _FIELDS.unpack(fields)
-    if magic != MAGIC or version != VERSION or size16 * 16 != HEADER_SIZE:
-        raise CorruptBlockError(key, f"unknown format (magic {magic!r}, version {version})")
-    return Header(hkey, layer, length, digest, created)
-
-
-class SsdTier:
+class SsdTier(SsdCatalog):
     """Block files under `root` plus their in-memory catalog. See the module docstring."""
 
     tier = Tier.SSD
@@ -170,111 +72,10 @@ class SsdTier:
         self.capacity_bytes = capacity_bytes
         self.capacity_blocks = capacity_blocks     # distinct block hashes at most (0: bytes only)
         self.durable = durable
-        self._catalog: OrderedDict[StorageKey, SsdEntry] = OrderedDict()
-        self._layers: dict[bytes, int] = {}        # block hash -> its (block, layer) files here
-        self._used = 0
+        self._init_catalog()
         self._temp_ids = itertools.count()
         self._make_folders()
         self.o_direct = o_direct and self._probe_o_direct()
-
-    # ---- catalog (caller holds the Store lock) -------------------------------------------------
-
-    @property
-    def used_bytes(self) -> int:
-        return self._used
-
-    @property
-    def num_blocks(self) -> int:
-        """(block, layer) files."""
-        return len(self._catalog)
-
-    @property
-    def num_held_blocks(self) -> int:
-        """Distinct blocks with at least one layer here (a row without a hash counts alone)."""
-        return len(self._layers)
-
-    def holds_block(self, block: bytes) -> bool:
-        return block in self._layers
-
-    def has_block_room(self, block: bytes, num_new: int = 0) -> bool:
-        """Whether `block` may add a layer here under capacity_blocks, with `num_new` other new
-        blocks already admitted."""
-        return (not self.capacity_blocks or block in self._layers
-                or len(self._layers) + num_new < self.capacity_blocks)
-
-    def contains(self, key: StorageKey) -> bool:
-        return key in self._catalog
-
-    def entry(self, key: StorageKey) -> SsdEntry | None:
-        return self._catalog.get(key)
-
-    def add(self, key: StorageKey, entry: SsdEntry) -> None:
-        """Record a committed file (replacing an older entry of the same key) as most recently seen."""
-        self.discard(key)
-        self._catalog[key] = entry
-        self._used += entry.file_bytes
-        block = entry.block_hash or key
-        self._layers[block] = self._layers.get(block, 0) + 1
-
-    def load(self, entries: Iterable[tuple[StorageKey, SsdEntry]]) -> None:
-        """Fill the catalog from the index at open, least recently seen first."""
-        for key, entry in sorted(entries, key=lambda kv: kv[1].last_seen_unix):
-            self.add(key, entry)
-
-    def discard(self, key: StorageKey) -> SsdEntry | None:
-        entry = self._catalog.pop(key, None)
-        if entry is not None:
-            self._used -= entry.file_bytes
-            block = entry.block_hash or key
-            left = self._layers[block] - 1
-            if left:
-                self._layers[block] = left
-            else:
-                del self._layers[block]
-        return entry
-
-    def touch(self, key: StorageKey, now_unix: float) -> SsdEntry | None:
-        """Mark `key` seen at `now_unix` (most recent in the LRU order); its entry, or None."""
-        entry = self._catalog.get(key)
-        if entry is not None:
-            entry.last_seen_unix = max(entry.last_seen_unix, now_unix)
-            self._catalog.move_to_end(key)
-        return entry
-
-    def expired(self, cutoff_unix: float) -> list[StorageKey]:
-        """Keys last seen before `cutoff_unix` (oldest first)."""
-        out: list[StorageKey] = []
-        for key, entry in self._catalog.items():
-            if entry.last_seen_unix >= cutoff_unix:
-                break
-            out.append(key)
-        return out
-
-    def least_recent(self, num_bytes: int, skip: frozenset[StorageKey] = frozenset(),
-                     num_blocks: int = 0) -> list[StorageKey]:
-        """Least recently seen keys whose files add up to at least `num_bytes` and take at least
-        `num_blocks` blocks out entirely (a block's layers are seen together, so they sit side by side)."""
-        out: list[StorageKey] = []
-        freed = 0
-        left: dict[bytes, int] = {}
-        blocks_freed = 0
-        for key, entry in self._catalog.items():
-            if freed >= num_bytes and blocks_freed >= num_blocks:
-                break
-            if key in skip:
-                continue
-            out.append(key)
-            freed += entry.file_bytes
-            block = entry.block_hash or key
-            left[block] = left.get(block, self._layers[block]) - 1
-            blocks_freed += not left[block]
-        return out
-
-    def items(self) -> list[tuple[StorageKey, SsdEntry]]:
-        return list(self._catalog.items())
-
-    def stats(self) -> TierStats:
-        return TierStats(len(self._catalog), self._used, self.capacity_bytes)
 
     # ---- protocol conveniences (catalog + file; single-threaded users such as tests and the CLI) ----
 
@@ -500,27 +301,6 @@ class SsdTier:
         if got != size:
             raise CorruptBlockError(key, f"short read: {got} of {size} bytes (file shrank while read)")
         return buf
-
-
-def scan_folder(root: Path) -> SsdScan:
-    """Classify every file in the fan-out folders under `root`; changes nothing."""
-    out = SsdScan()
-    for i in range(256):
-        folder = root / f"{i:02x}"
-        if not folder.is_dir():
-            continue
-        with os.scandir(folder) as it:
-            for de in it:
-                if not de.is_file(follow_symlinks=False):
-                    continue
-                match = _NAME_RE.match(de.name)
-                if match:
-                    out.files[(match[1], int(match[2]))] = ScannedFile(Path(de.path), de.stat().st_size)
-                elif _TEMP_RE.match(de.name):
-                    out.temp_files.append(Path(de.path))
-                else:
-                    out.foreign_files.append(Path(de.path))
-    return out
 
 
 def _write_all(fd: int, buffers: list[bytes | memoryview]) -> None:

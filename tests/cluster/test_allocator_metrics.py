@@ -6,7 +6,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from cluster.engines.allocator_metrics import AllocatorMetrics
-from cluster.engines.block_manager import BlockManager, SeqState
+from cluster.engines.block_manager import BlockManager
+from cluster.engines.sequence import SeqState
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 

@@ -13,7 +13,8 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from cluster.engines.block_manager import BlockManager, BlockState, SeqState
+from cluster.engines.block_manager import BlockManager, BlockState
+from cluster.engines.sequence import SeqState
 from fabric.events import BlockEvicted, BlockStored
 from fabric.keys import BlockHash, Namespace, block_hashes, chain_hash, tokens_to_bytes
 from fabric.layout import KVLayout

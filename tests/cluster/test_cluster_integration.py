@@ -19,9 +19,9 @@ from cryptography import x509
 
 from cluster.api import Where, payload_shape
 from cluster.client import FabricClient, FabricUnavailableError
-from cluster.directory import ApplyOutcome, NodeAddress, shard_of
 from cluster.directory_actor import DirectoryClient, shard_actor_name
 from cluster.directory_auth import ReportSigner
+from cluster.directory_types import ApplyOutcome, NodeAddress, shard_of
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_name_for
 from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig

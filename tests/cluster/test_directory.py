@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress, shard_of
+from cluster.directory import DirectoryShard
+from cluster.directory_types import ApplyOutcome, NodeAddress, shard_of
 
 ADDR = NodeAddress("127.0.0.1", 7000, "tls-tcp")
 ADDR2 = NodeAddress("127.0.0.1", 7001, "quic")

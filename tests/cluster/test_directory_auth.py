@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress
+from cluster.directory import DirectoryShard
 from cluster.directory_auth import DirectoryGate, Proof, ReportSigner
+from cluster.directory_types import ApplyOutcome, NodeAddress
 from transports.core.certs import init_ca, issue_node
 from transports.core.identity import NodeSigner, TrustAnchor
 

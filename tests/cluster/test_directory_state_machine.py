@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
-from cluster.directory import DIGESTS_KEPT, ApplyOutcome, DirectoryShard, NodeAddress, batch_digest
+from cluster.directory import DIGESTS_KEPT, DirectoryShard
+from cluster.directory_types import ApplyOutcome, NodeAddress, batch_digest
 
 LEASE = 5.0
 NODES = ["n0", "n1", "n2"]

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress, shard_of
+from cluster.directory import DirectoryShard
 from cluster.directory_auth import DirectoryGate, Proof, ReportSigner
+from cluster.directory_types import ApplyOutcome, NodeAddress, shard_of
 from cluster.directory_upkeep import DirectoryUpkeep, ShardUnavailable
 from cluster.metrics import ClusterMetrics
 from fabric.config import ClusterConfig

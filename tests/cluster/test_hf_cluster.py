@@ -26,7 +26,7 @@ from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import node_name_for
 from fabric.config import ClusterConfig, Config, KVConfig
 from fabric.keys import BlockAddress, block_hashes
-from fabric.tiers.ssd import HEADER_SIZE
+from fabric.tiers.ssd_format import HEADER_SIZE
 
 BLOCK = 16
 VOCAB = 512

@@ -19,7 +19,7 @@ from cluster.local import LocalFabric
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, block_hashes
 from fabric.store import Store
-from fabric.tiers.ssd import HEADER_SIZE
+from fabric.tiers.ssd_format import HEADER_SIZE
 
 VOCAB = 512
 SYSTEM_TOKENS = 150

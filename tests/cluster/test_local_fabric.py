@@ -112,7 +112,7 @@ def test_a_peek_at_a_prompt_does_not_save_it_from_eviction(tmp_path: Path, peek:
     the least recently seen). Prompt A was stored first: a peek leaves it first in line, a lookup
     (an access) moves it behind B."""
     from fabric.keys import block_hashes
-    from fabric.tiers.ssd import HEADER_SIZE
+    from fabric.tiers.ssd_format import HEADER_SIZE
     per_file = HEADER_SIZE + NS.layout.bytes_per_block_layer(NS.block_size)
     first, second = list(range(8)), list(range(100, 108))
     with open_store(tmp_path, write_through=True, ssd_gib=12 * per_file / (1 << 30)) as store:

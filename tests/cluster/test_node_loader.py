@@ -21,8 +21,9 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from cluster.api import LoadReply, Where, payload_shape
-from cluster.directory import DirectoryShard, NodeAddress
+from cluster.directory import DirectoryShard
 from cluster.directory_actor import Located
+from cluster.directory_types import NodeAddress
 from cluster.local import LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.node_loader import NodeLoader

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import random
 
-from cluster.directory import ApplyOutcome, DirectoryShard, NodeAddress
+from cluster.directory import DirectoryShard
+from cluster.directory_types import ApplyOutcome, NodeAddress
 from cluster.node_sync import DirectorySync
 
 ADDR = NodeAddress("127.0.0.1", 1, "tls-tcp")

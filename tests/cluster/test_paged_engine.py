@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engines.block_manager import SeqState
 from cluster.engines.paged import OutOfBlocks, PagedEngine
+from cluster.engines.sequence import SeqState
 from cluster.engines.tiny_llama import TinyLlama, TinyLlamaConfig
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, block_hashes

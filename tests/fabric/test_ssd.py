@@ -13,7 +13,9 @@ import pytest
 
 from fabric.keys import StorageKey
 from fabric.tiers.base import CorruptBlockError, Tier, digest_of
-from fabric.tiers.ssd import HEADER_SIZE, SsdEntry, SsdTier, WriteItem
+from fabric.tiers.ssd import SsdTier, WriteItem
+from fabric.tiers.ssd_catalog import SsdEntry
+from fabric.tiers.ssd_format import HEADER_SIZE
 
 
 def key(i: int) -> StorageKey:

@@ -21,7 +21,7 @@ from fabric.store import PutResult, Store
 from fabric.store_core import LAST_SEEN_RESOLUTION_S
 from fabric.tiers.base import Tier
 from fabric.tiers.device import UnknownEventError
-from fabric.tiers.ssd import HEADER_SIZE
+from fabric.tiers.ssd_format import HEADER_SIZE
 
 MIB = 1 << 20
 GIB = 1 << 30

@@ -24,7 +24,7 @@ import pytest
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import PutResult, Store, StoreClosedError
-from fabric.tiers.ssd import HEADER_SIZE
+from fabric.tiers.ssd_format import HEADER_SIZE
 
 KIB = 1 << 10
 GIB = 1 << 30

@@ -14,9 +14,6 @@ from hypothesis import strategies as st
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block, sign_run
 from transports.core.codec import (
-    MAGIC,
-    PREAMBLE,
-    PREAMBLE_SIZE,
     VERSION,
     Block,
     Blocks,
@@ -35,6 +32,7 @@ from transports.core.codec import (
     encode,
     encode_many,
 )
+from transports.core.encoder import MAGIC, PREAMBLE, PREAMBLE_SIZE
 
 hashes = st.binary(min_size=32, max_size=32).map(BlockHash)
 addresses = st.builds(BlockAddress, hashes, st.integers(0, 2**32 - 1))

@@ -61,7 +61,7 @@ def test_a_long_pull_delivers_its_first_addresses_first(tmp_path: Path, cert_dir
     from prometheus_client import CollectorRegistry
 
     from transports.core.metrics import TransportMetrics
-    from transports.core.session import MAX_ADDRESSES_PER_PULL
+    from transports.core.tracker import MAX_ADDRESSES_PER_PULL
 
     n, size = 4 * MAX_ADDRESSES_PER_PULL, 8 * 1024
     payloads = {BlockAddress(BlockHash(os.urandom(32)), 0): os.urandom(size) for _ in range(n)}

@@ -38,8 +38,6 @@ from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import BlockSource, Hit, Peer, PullResult
 from transports.core.certs import issue_node
 from transports.core.codec import (
-    MAGIC,
-    PREAMBLE,
     VERSION,
     Block,
     Blocks,
@@ -53,6 +51,7 @@ from transports.core.codec import (
     Pull,
     encode,
 )
+from transports.core.encoder import MAGIC, PREAMBLE
 from transports.core.metrics import TransportMetrics
 from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer, QuicTuning
 

@@ -31,7 +31,7 @@ from transports.rdma.transport import (
     gid_text,
     rdma_unavailable_reason,
 )
-from transports.tls.link import accept_tls, open_tls, tls_send_all
+from transports.tls.handshake import accept_tls, open_tls, tls_send_all
 
 ROCE_GID = bytes.fromhex("fe80" + "00" * 6 + "0a0b0c0d0e0f1011")
 PARAMS = RdmaParams(node="node-a", qp_num=0x1234, psn=0xABCDE, lid=0, gid=ROCE_GID, port_num=1, mtu=4096,

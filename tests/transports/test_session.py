@@ -14,9 +14,8 @@ import pytest
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
 from transports.core.base import Hit, PullResult
+from transports.core.client_session import ClientSession
 from transports.core.codec import (
-    MAGIC,
-    PREAMBLE,
     VERSION,
     Block,
     Blocks,
@@ -35,7 +34,8 @@ from transports.core.codec import (
     Pull,
     encode,
 )
-from transports.core.session import GROUP_BYTES, GROUP_PART_MAX, ClientSession, Fetched, ServerSession
+from transports.core.encoder import MAGIC, PREAMBLE
+from transports.core.session import GROUP_BYTES, GROUP_PART_MAX, Fetched, ServerSession
 
 TIMEOUT_S = 10.0
 

@@ -14,7 +14,8 @@ from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Peer
 from transports.core.codec import Block, End, Frame, FrameDecoder, Miss, MissReason
 from transports.core.metrics import TransportMetrics
-from transports.tls.link import TLS_RECORD, TlsLink, accept_tls, open_tls
+from transports.tls.handshake import accept_tls, open_tls
+from transports.tls.link import TLS_RECORD, TlsLink
 
 
 def _frames() -> list[Frame]:

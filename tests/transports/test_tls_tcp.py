@@ -34,8 +34,6 @@ from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import uninitialised_bytearray
 from transports.core.certs import init_ca, issue_node, revoke
 from transports.core.codec import (
-    MAGIC,
-    PREAMBLE,
     VERSION,
     Block,
     End,
@@ -50,11 +48,13 @@ from transports.core.codec import (
     Pull,
     encode,
 )
+from transports.core.encoder import MAGIC, PREAMBLE
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import SLOW_STREAK
 from transports.tls import client as tls_client
 from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
-from transports.tls.link import READ_BUDGET, TRANSPORT, open_tls
+from transports.tls.handshake import open_tls
+from transports.tls.link import READ_BUDGET, TRANSPORT
 from transports.tls.server import TlsTcpServer
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]

@@ -1,5 +1,6 @@
-"""The kvfabric frame codec, shared by every transport. Sans-I/O: bytes in, frames out (the frame
-types themselves are frames.py's; this module exports them too).
+"""The kvfabric frame codec, shared by every transport, and its decoder. Sans-I/O: bytes in, frames
+out. The frame types are frames.py's, the encoder is encoder.py's and the header checks are
+frame_headers.py's; this module exports them, as the codec's interface.
 
 Wire layout of one frame (all integers little-endian):
 
@@ -28,14 +29,28 @@ stream or connection. Other peers are unaffected. No pickle anywhere.
 from __future__ import annotations
 
 import enum
-import struct
-from collections.abc import Callable, Iterable
-from typing import Any, cast
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 
-from fabric.keys import HASH_SIZE, BlockAddress, BlockHash
-from fabric.provenance import Provenance
+from transports.core.encoder import (
+    DEFAULT_MAX_HEADER,
+    MAGIC,
+    PREAMBLE,
+    PREAMBLE_SIZE,
+    encode,
+    encode_many,
+    encode_parts,
+    payload_pieces,
+)
+from transports.core.frame_headers import (
+    PAYLOAD_TYPES,
+    LocalProtocolError,
+    ProtocolError,
+    build_frame,
+    unpack_map,
+)
 from transports.core.frames import (
     DEFAULT_MAX_PAYLOAD,
     VERSION,
@@ -53,9 +68,9 @@ from transports.core.frames import (
     Payload,
     Pull,
 )
-from transports.core.provenance_tables import KnownRecords, part_records, record_tables
+from transports.core.provenance_tables import KnownRecords
 
-# The frames are defined in frames.py and are part of the codec's interface.
+# The frames (frames.py) and the encoder (encoder.py) are part of the codec's interface.
 __all__ = [
     "DEFAULT_MAX_HEADER",
     "DEFAULT_MAX_PAYLOAD",
@@ -83,251 +98,12 @@ __all__ = [
     "unpack_map",
 ]
 
-MAGIC = b"KVFB"
-PREAMBLE = struct.Struct("<4sBBHIQ")
-PREAMBLE_SIZE = PREAMBLE.size  # 20
-DEFAULT_MAX_HEADER = 64 * 1024
-DIGEST_SIZE = 32
 # Reads smaller than this go through a staging buffer; larger payload remainders are received
 # straight into the payload's own buffer (see FrameDecoder.get_buffer).
 STAGING_SIZE = 256 * 1024
 DIRECT_MIN = 4 * 1024       # a payload rest at least this large is received straight into its buffer
 
-
-class ProtocolError(Exception):
-    """The peer broke the protocol (h11's RemoteProtocolError): bytes that are not a valid frame
-    stream, or valid frames that break the session rules. `code` is what the ERROR frame that
-    answers it carries."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-RemoteProtocolError = ProtocolError
-
-
-class LocalProtocolError(RuntimeError):
-    """We broke the protocol: a transport called a session out of turn (a bug of ours)."""
-
-
 _FRAME_TYPES = {int(t): t for t in FrameType}
-_PAYLOAD_TYPES = (FrameType.BLOCK, FrameType.BLOCKS)
-
-
-def payload_pieces(payload: Payload | tuple[Payload, ...]) -> tuple[Payload, ...]:
-    """The buffers of what `encode_parts` returned as payload, in the order they are sent."""
-    return payload if isinstance(payload, tuple) else (payload,)
-
-
-# ---------------------------------------------------------------------------------------------
-# Encoding
-
-
-def _header(frame: Frame) -> dict[str, Any]:
-    match frame:
-        case Hello(node=node, version=version, max_payload=max_payload):
-            return {"node": node, "version": version, "max_payload": max_payload}
-        case Pull(request_id=rid, addresses=addrs, namespace=ns):
-            header = {"rid": rid, "addrs": [[a.hash, a.layer] for a in addrs]}
-            return header | {"ns": ns} if ns else header
-        case Block(request_id=rid, address=a, digest=digest, provenance=prov):
-            header = {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
-            return header if prov is None else header | record_tables((prov,))
-        case Blocks(request_id=rid, first=first, digests=digests, sizes=sizes, provenances=provs):
-            header = {"rid": rid, "first": first, "digests": digests, "sizes": list(sizes)}
-            return header | record_tables(provs) if any(p is not None for p in provs) else header
-        case Miss(request_id=rid, address=a, reason=reason):
-            return {"rid": rid, "hash": a.hash, "layer": a.layer, "reason": reason.value}
-        case End(request_id=rid):
-            return {"rid": rid}
-        case Error(request_id=rid, code=code, message=message):
-            return {"rid": rid, "code": code.value, "message": message}
-        case Bye(reason=reason):
-            return {"reason": reason}
-    raise TypeError(f"not a frame: {frame!r}")
-
-
-_BLOCK_TYPE = int(FrameType.BLOCK)
-
-
-def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[bytes, Payload | tuple[Payload, ...]]:
-    """Preamble + header as one bytes object, and the payload unchanged (for vectored writes): one
-    buffer, or a BLOCKS frame's tuple of part buffers, to be written in order after the head."""
-    if type(frame) is Block and frame.provenance is None:  # the unsigned data path: the same checks, no matching
-        body = frame.payload
-        size = len(body) if type(body) is bytes else memoryview(body).nbytes
-        a = frame.address
-        header = msgpack.packb({"rid": frame.request_id, "hash": a.hash, "layer": a.layer, "digest": frame.digest},
-                               use_bin_type=True)
-        if len(header) > max_header:
-            raise ValueError(f"BLOCK header is {len(header)} bytes, over the {max_header}-byte limit")
-        if size > max_payload:
-            raise ValueError(f"BLOCK payload is {size} bytes, over the {max_payload}-byte limit")
-        if len(frame.digest) != DIGEST_SIZE:
-            raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
-        return PREAMBLE.pack(MAGIC, VERSION, _BLOCK_TYPE, 0, len(header), size) + header, body
-    header = msgpack.packb(_header(frame), use_bin_type=True)
-    payload: Payload | tuple[Payload, ...] = frame.payload if isinstance(frame, Block | Blocks) else b""
-    piece_sizes = tuple(memoryview(p).nbytes for p in payload_pieces(payload))
-    payload_len = sum(piece_sizes)
-    if len(header) > max_header:
-        raise ValueError(f"{frame.TYPE.name} header is {len(header)} bytes, over the {max_header}-byte limit")
-    if payload_len > max_payload:
-        raise ValueError(f"{frame.TYPE.name} payload is {payload_len} bytes, over the {max_payload}-byte limit")
-    if isinstance(frame, Block) and len(frame.digest) != DIGEST_SIZE:
-        raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
-    if isinstance(frame, Blocks):
-        _check_parts(frame.digests, frame.sizes, payload_len, ValueError)
-        if frame.provenances and len(frame.provenances) != len(frame.sizes):
-            raise ValueError(f"BLOCKS carries {len(frame.provenances)} provenances for {len(frame.sizes)} parts")
-        if isinstance(payload, tuple) and piece_sizes != frame.sizes:
-            raise ValueError("BLOCKS part buffers do not have the sizes the header announces")
-    preamble = PREAMBLE.pack(MAGIC, VERSION, int(frame.TYPE), 0, len(header), payload_len)
-    return preamble + header, payload
-
-
-def encode(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD) -> bytes:
-    """The complete wire bytes of one frame."""
-    head, payload = encode_parts(frame, max_header, max_payload)
-    return b"".join((head, *payload_pieces(payload)))
-
-
-def encode_many(frames: Iterable[Frame]) -> bytes:
-    return b"".join(encode(f) for f in frames)
-
-
-# ---------------------------------------------------------------------------------------------
-# Decoding
-
-
-def unpack_map(data: bytes | bytearray | memoryview, what: str,
-               error: type[ProtocolError] = ProtocolError) -> dict[Any, Any]:
-    """The msgpack map in `data`; anything else (malformed msgpack, another type) raises `error`,
-    whose message names `what`."""
-    try:
-        value = msgpack.unpackb(data, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several unrelated types for malformed input
-        raise error(f"{what} is not valid msgpack: {e}") from None
-    if not isinstance(value, dict):
-        raise error(f"{what} must be a map, got {type(value).__name__}")
-    return value
-
-
-def _field(header: dict[Any, Any], name: str, kind: type | tuple[type, ...], ftype: FrameType) -> Any:
-    if name not in header:
-        raise ProtocolError(f"{ftype.name} header lacks field {name!r}")
-    value = header[name]
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise ProtocolError(f"{ftype.name} header field {name!r} has type {type(value).__name__}")
-    return value
-
-
-def _u64(header: dict[Any, Any], name: str, ftype: FrameType) -> int:
-    value: int = _field(header, name, int, ftype)
-    if not 0 <= value < 2**64:
-        raise ProtocolError(f"{ftype.name} header field {name!r} out of range: {value}")
-    return value
-
-
-def _address(hash_: Any, layer: Any, ftype: FrameType) -> BlockAddress:
-    if not isinstance(hash_, bytes) or len(hash_) != HASH_SIZE:
-        raise ProtocolError(f"{ftype.name} carries a block hash that is not {HASH_SIZE} bytes")
-    if not isinstance(layer, int) or isinstance(layer, bool) or not 0 <= layer < 2**32:
-        raise ProtocolError(f"{ftype.name} carries an invalid layer {layer!r}")
-    return BlockAddress(BlockHash(hash_), layer)
-
-
-def _enum(enum_type: type[enum.StrEnum], value: str, ftype: FrameType) -> Any:
-    try:
-        return enum_type(value)
-    except ValueError:
-        raise ProtocolError(f"{ftype.name} carries unknown {enum_type.__name__} {value!r}") from None
-
-
-def _check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Exception]) -> int:
-    """The number of parts of a BLOCKS frame whose `digests` and `sizes` describe `payload_len`
-    bytes; anything inconsistent raises `error`."""
-    if type(digests) is not bytes or not digests or len(digests) % DIGEST_SIZE:
-        raise error(f"BLOCKS digests must be a non-empty multiple of {DIGEST_SIZE} bytes")
-    num_parts = len(digests) // DIGEST_SIZE
-    if type(sizes) not in (list, tuple) or len(sizes) != num_parts:
-        counted = len(sizes) if type(sizes) in (list, tuple) else "no"
-        raise error(f"BLOCKS carries {num_parts} digests but {counted} sizes")
-    if set(map(type, sizes)) != {int} or min(sizes) < 0 or sum(sizes) != payload_len:
-        raise error(f"BLOCKS part sizes must be non-negative integers adding up to the {payload_len}-byte payload")
-    return num_parts
-
-
-def _records(header: dict[Any, Any], num_parts: int, ftype: FrameType,
-             known: KnownRecords | None) -> tuple[Provenance | None, ...]:
-    try:
-        return part_records(header, num_parts, ftype.name, known)
-    except ValueError as e:
-        raise ProtocolError(str(e)) from None
-
-
-def _build(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
-           known: KnownRecords | None = None) -> Frame:
-    # The data path, a BLOCK unsigned (4 fields) or signed (7: its record's three as well), is
-    # checked in one expression; anything else, or a BLOCK with something wrong, is built (and what
-    # is wrong named) by _build_checked.
-    if ftype is FrameType.BLOCK and ((fields := len(header)) == 4 or (fields == 7 and "pix" in header)):
-        rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
-        if (type(rid) is int and 0 <= rid < 2**64 and type(hash_) is bytes and len(hash_) == HASH_SIZE
-                and type(layer) is int and 0 <= layer < 2**32 and type(digest) is bytes and len(digest) == DIGEST_SIZE):
-            address = BlockAddress(BlockHash(hash_), layer)
-            if fields == 4:
-                return Block(rid, address, digest, payload)
-            return Block(rid, address, digest, payload, _records(header, 1, ftype, known)[0])
-    return _build_checked(ftype, header, payload, known)
-
-
-def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
-                   known: KnownRecords | None = None) -> Frame:
-    if ftype not in _PAYLOAD_TYPES and payload:
-        raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
-    if ftype is FrameType.HELLO:
-        return Hello(_field(header, "node", str, ftype), _u64(header, "version", ftype),
-                     _u64(header, "max_payload", ftype))
-    if ftype is FrameType.PULL:
-        rid = _u64(header, "rid", ftype)
-        raw = _field(header, "addrs", list, ftype)
-        addrs = []
-        for item in raw:
-            if not isinstance(item, list) or len(item) != 2:
-                raise ProtocolError("PULL address must be a [hash, layer] pair")
-            addrs.append(_address(item[0], item[1], ftype))
-        ns = header.get("ns", b"")
-        if not isinstance(ns, bytes) or len(ns) not in (0, HASH_SIZE):
-            raise ProtocolError(f"PULL namespace must be a {HASH_SIZE}-byte root")
-        return Pull(rid, tuple(addrs), ns)
-    if ftype is FrameType.BLOCK:
-        digest = _field(header, "digest", bytes, ftype)
-        if len(digest) != DIGEST_SIZE:
-            raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
-        addr = _address(header.get("hash"), header.get("layer"), ftype)
-        provs = _records(header, 1, ftype, known)
-        return Block(_u64(header, "rid", ftype), addr, digest, payload, provs[0] if provs else None)
-    if ftype is FrameType.BLOCKS:
-        rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
-        digests, sizes = header.get("digests"), header.get("sizes")
-        num_parts = _check_parts(digests, sizes, len(payload), ProtocolError)   # bytes and ints from here on
-        provs = _records(header, num_parts, ftype, known)
-        if not any(p is not None for p in provs):
-            provs = ()
-        return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload, provs)
-    if ftype is FrameType.MISS:
-        addr = _address(header.get("hash"), header.get("layer"), ftype)
-        reason = _enum(MissReason, _field(header, "reason", str, ftype), ftype)
-        return Miss(_u64(header, "rid", ftype), addr, reason)
-    if ftype is FrameType.END:
-        return End(_u64(header, "rid", ftype))
-    if ftype is FrameType.ERROR:
-        code = _enum(ErrorCode, _field(header, "code", str, ftype), ftype)
-        return Error(_u64(header, "rid", ftype), code, _field(header, "message", str, ftype))
-    return Bye(_field(header, "reason", str, ftype))
 
 
 class _State(enum.Enum):
@@ -488,7 +264,7 @@ class FrameDecoder:
         if payload_len > self.max_payload:
             raise ProtocolError(f"{frame_type.name} payload of {payload_len} bytes exceeds the "
                                 f"{self.max_payload}-byte limit")
-        if payload_len and frame_type not in _PAYLOAD_TYPES:
+        if payload_len and frame_type not in PAYLOAD_TYPES:
             raise ProtocolError(f"{frame_type.name} frame must not carry a payload ({payload_len} bytes)")
         self._header_len = header_len
         self._payload_len = payload_len   # its buffer is chosen once the header is known
@@ -534,7 +310,7 @@ class FrameDecoder:
         self._payload, self._payload_view, self.placed_rid = own, memoryview(own), None
 
     def _finish_frame(self) -> Frame:
-        frame = _build(self._ftype, self._header, self._payload if self._payload_len else bytearray(), self._known)
+        frame = build_frame(self._ftype, self._header, self._payload if self._payload_len else bytearray(), self._known)
         self._state = _State.PREAMBLE
         self._header = {}
         # The payload is the frame's now: keep no reference (nor an export that would pin its size).

@@ -1,5 +1,6 @@
 """The frames of the kvfabric pull protocol: one frozen dataclass per frame type, and the enums
-their headers carry. The wire encoding is codec.py's; the rules of who sends what when, session.py's.
+their headers carry. The wire encoding is encoder.py's and codec.py's; the rules of who sends what
+when, session.py's.
 """
 
 from __future__ import annotations

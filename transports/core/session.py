@@ -1,4 +1,5 @@
-"""Connection sessions, sans-I/O: the kvfabric pull protocol, decided once for every transport.
+"""The server's side of a pull connection, sans-I/O, and the kvfabric pull protocol both sides follow
+(the client's side is `transports.core.client_session`), decided once for every transport.
 
     ClientSession                                          ServerSession
     ─────────────                                          ─────────────
@@ -36,15 +37,13 @@ error is kept in `error` for the adapter's metrics. A call out of turn by the ad
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from fabric.keys import BlockAddress
 from fabric.provenance import Provenance
-from transports.core.base import Hit, PullResult, SourceBlock
+from transports.core.base import SourceBlock
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     VERSION,
@@ -56,7 +55,6 @@ from transports.core.codec import (
     ErrorCode,
     Frame,
     FrameDecoder,
-    FrameType,
     Hello,
     LocalProtocolError,
     Miss,
@@ -64,10 +62,10 @@ from transports.core.codec import (
     ProtocolError,
     Pull,
 )
-from transports.core.tracker import MAX_ADDRESSES_PER_PULL, PullTracker, answer_pull, verify
+from transports.core.session_base import SessionBase, State
+from transports.core.tracker import MAX_ADDRESSES_PER_PULL
 
-__all__ = ["MAX_ADDRESSES_PER_PULL", "ClientSession", "Fetched", "Outcome", "PullTracker", "ServedStats",
-           "ServerSession", "State", "answer_pull", "verify"]
+__all__ = ["GROUP_BYTES", "GROUP_PART_MAX", "Fetched", "ServedStats", "ServerSession"]
 
 Fetched = SourceBlock | None | Exception   # what a store read gave: a block, nothing, or a failure
 
@@ -84,22 +82,6 @@ MAX_PARTS = 256   # keeps a BLOCKS header (~36 bytes per part) far below the 64 
 PROVENANCE_HEADER_BUDGET = 32 * 1024
 
 
-class State(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"   # the adapter sends what the last call returned, then closes
-
-
-@dataclass(slots=True)
-class Outcome:
-    """What one client request has given and its caller has not taken yet: results in the order
-    asked (the caller pops them), whether it is done, and whether the server answered it at all
-    (anything but a PEER_GONE miss: a pooled connection that was already gone answers nothing)."""
-
-    results: deque[PullResult] = field(default_factory=deque)
-    done: bool = False
-    answered: bool = False
-
-
 @dataclass(slots=True)
 class ServedStats:
     """Answers made since the adapter last took them (metrics are flushed per batch, not per frame)."""
@@ -109,46 +91,7 @@ class ServedStats:
     misses: dict[MissReason, int] = field(default_factory=dict)
 
 
-class _Session:
-    """What both sides share: the decoder, the total frame deadline and the close state."""
-
-    frame_timeout_s: float
-    idle_timeout_s: float
-
-    def _init_session(self, decoder: FrameDecoder, now: float) -> None:
-        self.decoder = decoder
-        self.state = State.OPEN
-        self.close_reason = MissReason.PEER_GONE
-        self.error: ProtocolError | None = None   # what the peer did wrong, when it did
-        self.frame_started: float | None = None    # first byte of the partly received frame
-        self.idle_since = now
-
-    @property
-    def closing(self) -> bool:
-        return self.state is State.CLOSING
-
-    def _close(self, reason: MissReason) -> None:
-        if self.state is State.OPEN:
-            self.state = State.CLOSING
-            self.close_reason = reason
-
-    def _track_frame(self, num_frames: int, now: float) -> None:
-        """Keep `frame_started`: a frame that is still partial after frames completed in this call
-        began in this call."""
-        if not self.decoder.mid_frame:
-            self.frame_started = None
-        elif num_frames or self.frame_started is None:
-            self.frame_started = now
-
-    def _frame_deadline(self) -> float | None:
-        return None if self.frame_started is None else self.frame_started + self.frame_timeout_s
-
-
-# =============================================================================================
-# Server
-
-
-class ServerSession(_Session):
+class ServerSession(SessionBase):
     """The server's side of one connection (or one QUIC stream, `hello=False, one_pull=True`).
 
     `peer_node` is the node name the peer's verified certificate carries. `require_namespace`: a
@@ -455,232 +398,3 @@ class ServerSession(_Session):
             return []
         self._close(MissReason.TIMEOUT)
         return [Error(self._stream_rid(), ErrorCode.TIMEOUT, str(self.error))]
-
-
-# =============================================================================================
-# Client
-
-
-def _refusal(frame: Error) -> MissReason:
-    """What a server's ERROR for the whole connection makes of the requests still pending."""
-    return MissReason.OVERLOADED if frame.code is ErrorCode.OVERLOADED else MissReason.PEER_ERROR
-
-
-class ClientSession(_Session):
-    """The client's side of one connection (or one QUIC stream, `hello=False`) to `peer_node`."""
-
-    def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0, hello: bool = True,
-                 decoder: FrameDecoder | None = None) -> None:
-        self.node = node
-        self.peer_node = peer_node
-        self.max_payload = max_payload
-        self.frame_timeout_s = frame_timeout_s
-        self.idle_timeout_s = idle_timeout_s
-        self.hello_done = not hello
-        self.requests: dict[int, PullTracker] = {}
-        self.outcomes: dict[int, Outcome] = {}   # per request submitted and not cancelled
-        self.next_id = 1
-        self.last_rx = now
-        self.paused_since: float | None = None
-        self.num_digest_mismatches = 0
-        self._init_session(decoder or FrameDecoder(max_payload=max_payload), now)
-        self.decoder.payload_target = self._payload_target
-
-    def _payload_target(self, ftype: FrameType, header: dict[Any, Any], size: int) -> memoryview | None:
-        # Before HELLO is checked too: a slot is only ever written by a frame for an address of a
-        # live request not answered yet, and counts once its own part is verified.
-        rid = header.get("rid")
-        if type(rid) is not int:   # a malformed header is judged later
-            return None
-        tracker = self.requests.get(rid)
-        if tracker is None:
-            return None
-        if ftype is FrameType.BLOCK:
-            return tracker.place_block(header.get("hash"), header.get("layer"), size)
-        return tracker.place(header.get("first"), header.get("sizes"), size)
-
-    def hello(self) -> list[Frame]:
-        return [Hello(self.node, VERSION, self.max_payload)]
-
-    def submit(self, addresses: Sequence[BlockAddress], now: float,
-               into: memoryview | None = None, namespace: bytes = b"") -> tuple[int, list[Frame]]:
-        """A new request for `addresses` (at most MAX_ADDRESSES_PER_PULL) under `namespace` (a root;
-        b"": none named, see `Pull`): its id and PULL frame.
-
-        `into` (optional): one equal-size slot per address, back to back. Slot-sized hits (BLOCK
-        frames and runs in BLOCKS) are then received straight into their slots (no copy); each such
-        Hit's payload is its slot,
-        written only by that address's verified answer. Unverified slots may hold anything."""
-        if self.state is not State.OPEN:
-            raise LocalProtocolError("submit on a session that is closing")
-        if len(addresses) > MAX_ADDRESSES_PER_PULL:
-            raise LocalProtocolError(f"a PULL holds at most {MAX_ADDRESSES_PER_PULL} addresses")
-        rid = self.next_id
-        self.next_id += 1
-        if not self.requests:
-            self.last_rx = now   # the answer timer starts now
-        self.requests[rid] = PullTracker(rid, addresses, into)
-        self.outcomes[rid] = Outcome()
-        return rid, [Pull(rid, tuple(addresses), namespace)]
-
-    def outcome(self, request_id: int) -> Outcome:
-        """The results of a request submitted and not cancelled (see `Outcome`); every call that
-        returns results also queues them here, so an adapter keeps no copy of them."""
-        return self.outcomes[request_id]
-
-    def cancel(self, request_id: int) -> None:
-        """The caller is done with a request (it took its results, or gave up): its late frames
-        are dropped, its results forgotten, and a payload being received into its slots goes on in
-        a buffer of its own (the caller may reuse them now)."""
-        self.requests.pop(request_id, None)
-        self.outcomes.pop(request_id, None)
-        if self.decoder.placed_rid == request_id:
-            self.decoder.detach_payload()
-
-    # -- input
-    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[tuple[int, list[PullResult], bool]]:
-        """Bytes from the server: (request id, results, request done) per request touched."""
-        return self._guarded(lambda: self.decoder.feed(data), now)
-
-    def receive_frames(self, frames: list[Frame], now: float) -> list[tuple[int, list[PullResult], bool]]:
-        """Frames an adapter decoded with `self.decoder`, after every read (see ServerSession)."""
-        return self._guarded(lambda: frames, now)
-
-    def end_of_stream(self, now: float) -> list[tuple[int, list[PullResult], bool]]:
-        out = self._guarded(self._close_decoder, now)
-        return out + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
-
-    def _record(self, out: list[tuple[int, list[PullResult], bool]]) -> list[tuple[int, list[PullResult], bool]]:
-        """Queue what `out` holds in the requests' outcomes; `out` itself goes back to the adapter
-        (for its metrics and wake-ups)."""
-        outcomes = self.outcomes
-        for rid, results, done in out:
-            outcome = outcomes.get(rid)
-            if outcome is None:
-                continue
-            outcome.results.extend(results)
-            outcome.done = outcome.done or done
-            if not outcome.answered:
-                outcome.answered = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
-        return out
-
-    def _close_decoder(self) -> list[Frame]:
-        self.decoder.close()
-        return []
-
-    def _guarded(self, decode: Callable[[], list[Frame]],
-                 now: float) -> list[tuple[int, list[PullResult], bool]]:
-        if self.state is not State.OPEN:
-            return []
-        self.last_rx = now
-        out: list[tuple[int, list[PullResult], bool]] = []
-        try:
-            frames = decode()
-            self._track_frame(len(frames), now)
-            self._on_frames(frames, out, now)
-        except ProtocolError as e:
-            self.error = e
-            self._close(MissReason.PEER_ERROR)
-        if self.state is not State.OPEN:
-            out += self._lose(self.close_reason)
-        return self._record(out)
-
-    def _on_frames(self, frames: list[Frame], out: list[tuple[int, list[PullResult], bool]], now: float) -> None:
-        requests = self.requests
-        for frame in frames:
-            # The data path: one dict lookup; a run of one request's answers is one entry.
-            if type(frame) is Blocks or type(frame) is Block:
-                rid = frame.request_id
-                tracker = requests.get(rid)
-                if tracker is not None and self.hello_done:
-                    if isinstance(frame, Blocks):
-                        results = tracker.on_blocks(frame)
-                        if out and out[-1][0] == rid and not out[-1][2]:
-                            out[-1][1].extend(results)
-                        else:
-                            out.append((rid, results, False))
-                    elif out and out[-1][0] == rid and not out[-1][2]:
-                        out[-1][1].append(tracker.on_block(frame))
-                    else:
-                        out.append((rid, [tracker.on_block(frame)], False))
-                elif frame.request_id >= self.next_id or not self.hello_done:
-                    raise ProtocolError(f"{frame.TYPE.name} for request {frame.request_id}, which was never sent")
-                continue   # a request we cancelled
-            if not self.hello_done:
-                if isinstance(frame, Error) and frame.request_id == 0:   # refused before HELLO (overloaded)
-                    self._close(_refusal(frame))
-                    return
-                if not isinstance(frame, Hello):
-                    raise ProtocolError(f"server's first frame must be HELLO, got {frame.TYPE.name}")
-                if frame.node != self.peer_node:
-                    raise ProtocolError(f"server HELLO names {frame.node!r}, expected {self.peer_node!r}")
-                self.hello_done = True
-            elif isinstance(frame, Miss | End | Error):
-                rid = frame.request_id
-                tracker = requests.get(rid)
-                if tracker is not None:
-                    results = tracker.on_frame(frame)
-                    if tracker.done:
-                        del requests[rid]
-                        if not requests:
-                            self.idle_since = now
-                    out.append((rid, results, tracker.done))
-                elif isinstance(frame, Error) and rid == 0:
-                    self._close(_refusal(frame))
-                    return
-                elif rid >= self.next_id:
-                    raise ProtocolError(f"{frame.TYPE.name} for request {rid}, which was never sent")
-                # else: a request we cancelled
-            elif isinstance(frame, Bye):
-                self._close(MissReason.PEER_GONE)
-                return
-            else:
-                raise ProtocolError(f"a server may not send {frame.TYPE.name} frames")
-
-    def connection_lost(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
-        """The connection is gone: every pending address becomes a miss for `reason`."""
-        return self._record(self._lose(reason))
-
-    def _lose(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
-        self._close(reason)
-        out = [(rid, tracker.fail(reason), True) for rid, tracker in self.requests.items()]
-        self.requests.clear()
-        return out
-
-    # -- flow control and timers
-    def pause(self, now: float) -> None:
-        """The adapter stopped reading (results wait for the caller): no stall timers meanwhile."""
-        if self.paused_since is None:
-            self.paused_since = now
-
-    def resume(self, now: float) -> None:
-        if self.paused_since is not None:
-            shift = now - self.paused_since
-            self.paused_since = None
-            self.last_rx += shift
-            if self.frame_started is not None:
-                self.frame_started += shift
-
-    def next_deadline(self) -> float | None:
-        if self.state is not State.OPEN or self.paused_since is not None:
-            return None
-        deadlines = [d for d in (self._frame_deadline(),
-                                 self.last_rx + self.frame_timeout_s if self.requests else None,
-                                 None if self.requests else self.idle_since + self.idle_timeout_s / 2)
-                     if d is not None]
-        return min(deadlines, default=None)
-
-    def handle_timer(self, now: float) -> tuple[list[Frame], list[tuple[int, list[PullResult], bool]]]:
-        """(frames to send, results): a stalled server ends its requests in TIMEOUT misses; an idle
-        connection says BYE."""
-        if self.state is not State.OPEN or self.paused_since is not None:
-            return [], []
-        deadline = self._frame_deadline()
-        if (deadline is not None and now >= deadline) or (self.requests and now >= self.last_rx + self.frame_timeout_s):
-            self.error = ProtocolError(f"server stalled for {self.frame_timeout_s:.1f} s", ErrorCode.TIMEOUT)
-            return [], self.connection_lost(MissReason.TIMEOUT)
-        if not self.requests and now >= self.idle_since + self.idle_timeout_s / 2:
-            self._close(MissReason.PEER_GONE)
-            return [Bye("idle")], []
-        return [], []

@@ -21,7 +21,6 @@ import blake3
 from fabric.keys import BlockAddress
 from transports.core.base import BlockSource, Hit, PullResult
 from transports.core.codec import (
-    DIGEST_SIZE,
     Block,
     Blocks,
     End,
@@ -34,6 +33,7 @@ from transports.core.codec import (
     Pull,
     payload_pieces,
 )
+from transports.core.encoder import DIGEST_SIZE
 
 # One PULL header holds ~40 bytes per address; 1024 keeps it (~41 KiB) under the codec's 64 KiB
 # header limit. Transports split longer requests into several PULLs.

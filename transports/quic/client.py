@@ -34,9 +34,9 @@ from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import Peer, PullResult
 from transports.core.certs import CertificateError, NodeCredentials
+from transports.core.client_session import ClientSession, Outcome
 from transports.core.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
 from transports.core.metrics import TransportMetrics
-from transports.core.session import ClientSession, Outcome
 from transports.core.timer import DeadlineTimer
 from transports.quic.backend import QuicBackend, resolve
 from transports.quic.base import (

@@ -9,17 +9,10 @@ is a MISS with its reason, never a dropped stream). This module moves stream byt
 store (on the loop while reads are fast, in a thread pool after SLOW_STREAK slow ones, like
 TLS-TCP) and bounds what unauthenticated peers can cost:
 
-  * Retry (address validation) is on by default: an Initial without a valid token gets a Retry
-    and creates no connection state, so spoofed floods cost one stateless reply each;
-  * at most `max_half_open` connections may be mid-handshake, and at most
-    `max_half_open_per_address` from one source address: past the total every new Initial is
-    dropped (a client retransmits it); under it an Initial without a token always gets its Retry,
-    and only one that would make a connection (with a valid token, or any without Retry) counts
-    against its address's share, so one address cannot lock the others out;
-  * a connection still mid-handshake after `handshake_timeout_s` is closed (the idle timeout is
-    for authenticated connections);
-  * the connection-id table is indexed by connection (`_CidTable`): aioquic scans the whole table
-    on every close, which stalled the loop for tens of seconds after an Initial flood.
+  * Retry (address validation) is on by default, and the connections mid-handshake are capped in
+    total and per source address: the gate in `transports.quic.guard` (`BoundedQuicServer`);
+  * a connection still mid-handshake after `handshake_timeout_s` is closed, and a client without
+    a cluster certificate is refused: `GuardedConnection`, also in `transports.quic.guard`;
 
 and what authenticated peers can cost (`budget`): at most `max_connections_per_peer` connections
 per node (the next one is closed with an "overloaded:" reason), PULLs and payload bytes per second
@@ -65,6 +58,7 @@ from transports.quic.base import (
     base_configuration,
     send_frame,
 )
+from transports.quic.guard import BoundedQuicServer, GuardedConnection
 from transports.quic.tls import QuicTlsMaterial
 from transports.quic.udp import udp_socket
 
@@ -89,8 +83,11 @@ class _Stream:
     peer_finished: bool = False
 
 
-class _ServerConnection(QuicConnectionProtocol):
-    """One client connection: sessions per stream, and the pump that sends their answers."""
+class _ServerConnection(GuardedConnection):
+    """One client connection: sessions per stream, and the pump that sends their answers (its
+    handshake checks are `GuardedConnection`'s)."""
+
+    _server: QuicTransportServer
 
     def __init__(self, quic: QuicConnection, stream_handler: Any = None, *,  # aioquic passes a handler
                  server: QuicTransportServer, host: str) -> None:
@@ -119,7 +116,7 @@ class _ServerConnection(QuicConnectionProtocol):
         self.datagrams_received([cast(bytes, data)], addr)
 
     def datagrams_received(self, data: list[bytes], addr: Any) -> None:
-        """Datagrams of this connection, one or a batch (see `_BoundedQuicServer.datagrams_received`):
+        """Datagrams of this connection, one or a batch (see `BoundedQuicServer.datagrams_received`):
         handed to the library at once once authenticated, events processed once per batch."""
         now = self._loop.time()
         if now < self._throttled_until:   # as a full link would: the peer's loss recovery slows it down
@@ -141,17 +138,6 @@ class _ServerConnection(QuicConnectionProtocol):
         self._pump()
         super().transmit()
 
-    def _check_refused(self) -> None:
-        """Count and log a refused client as soon as the TLS hook refuses it (not after draining)."""
-        reason = self._backend.auth_failure(self._quic)
-        if reason is None:
-            return
-        self._refused = True
-        close = self._quic._close_event
-        addr = self._backend.remote_address(self._quic)
-        self._server.metrics.auth_failures.labels(TRANSPORT, reason.value).inc()
-        logger.warning("refused QUIC client %s: %s (%s)", addr, reason.value, close.reason_phrase if close else "")
-
     def quic_event_received(self, event: events.QuicEvent) -> None:
         ev = self.events
         if isinstance(event, ev.StreamDataReceived):
@@ -166,46 +152,6 @@ class _ServerConnection(QuicConnectionProtocol):
             self._on_terminated(event)
 
     # -- events --------------------------------------------------------------------------------
-
-    def _end_half_open(self) -> None:
-        if self._half_open:
-            self._half_open = False
-            self._server._half_open_ended(self.host)
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-            self._handshake_timer = None
-
-    def _handshake_expired(self) -> None:
-        self._handshake_timer = None
-        if self.node is not None or self._terminated:
-            return
-        logger.info("QUIC handshake from %s not done after %.1f s: closed", self.host,
-                    self._server.handshake_timeout_s)
-        self._quic.close(QuicErrorCode.CONNECTION_REFUSED, reason_phrase="handshake timeout")
-        self._end_half_open()
-        if self._quic._close_event is not None:
-            self._on_terminated(self._quic._close_event)
-        self.transmit()
-
-    def _on_handshake(self, event: events.HandshakeCompleted) -> None:
-        node = self._backend.peer_node(self._quic)
-        self._end_half_open()
-        if node is None:  # cannot happen with the hook installed; never serve an unknown peer
-            self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
-            return
-        server = self._server
-        if sum(1 for c in server._connections if c.node == node) >= server.max_connections_per_peer:
-            self._refused = True   # authenticated, but over its connection budget: no auth failure
-            server.count_overloaded(node, "connections")
-            logger.warning("refused QUIC connection of %s: already %d connections", node,
-                           server.max_connections_per_peer)
-            self._quic.close(QuicErrorCode.CONNECTION_REFUSED,
-                             reason_phrase=f"overloaded: {node} already has {server.max_connections_per_peer} "
-                                           "connections")
-            return
-        self.node = node
-        self._server.metrics.connections.labels(TRANSPORT, "server").inc()
-        logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)
 
     def _on_terminated(self, event: events.ConnectionTerminated) -> None:
         if self._terminated:
@@ -394,104 +340,11 @@ class _ServerConnection(QuicConnectionProtocol):
         return soonest
 
 
-class _CidTable(dict[bytes, QuicConnectionProtocol]):
-    """aioquic's connection-id → connection table, also indexed by connection, so that forgetting
-    a closed connection costs O(its ids) instead of a scan of every id of every connection."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.of: dict[QuicConnectionProtocol, set[bytes]] = {}
-
-    def __setitem__(self, cid: bytes, protocol: QuicConnectionProtocol) -> None:
-        super().__setitem__(cid, protocol)
-        self.of.setdefault(protocol, set()).add(cid)
-
-    def __delitem__(self, cid: bytes) -> None:
-        protocol = self[cid]
-        super().__delitem__(cid)
-        cids = self.of.get(protocol)
-        if cids is not None:
-            cids.discard(cid)
-
-    def forget(self, protocol: QuicConnectionProtocol) -> None:
-        for cid in self.of.pop(protocol, ()):
-            if self.get(cid) is protocol:
-                super().__delitem__(cid)
-
-    def clear(self) -> None:
-        super().clear()
-        self.of.clear()
-
-
-class _BoundedQuicServer(QuicServer):
-    """aioquic's server with the cid table above and caps on connections mid-handshake, in total
-    and per source address (see the module docstring)."""
-
-    def __init__(self, *, owner: QuicTransportServer, **kw: Any) -> None:
-        super().__init__(create_protocol=self._new_connection, **kw)
-        self._owner = owner
-        self._protocols = _CidTable()
-        self._source = ""   # the address of the datagram being handled
-
-    def _new_connection(self, quic: QuicConnection, stream_handler: Any = None) -> _ServerConnection:
-        return cast(_ServerConnection, _classes(self._owner.backend)[0](quic, stream_handler, server=self._owner,
-                                                                        host=self._source))
-
-    def datagram_received(self, data: bytes | str, addr: Any) -> None:
-        owner = self._owner
-        kind = self._new_initial(cast(bytes, data))
-        if kind is not None:
-            host = str(addr[0])
-            if owner.num_half_open >= owner.max_half_open or (
-                    kind == "connects" and owner.half_open_of(host) >= owner.max_half_open_per_address):
-                owner.num_dropped_initials += 1
-                return
-            self._source = host
-        super().datagram_received(data, addr)
-
-    def datagrams_received(self, data: list[bytes], addr: Any) -> None:
-        """A GRO / recvmmsg batch from one address: runs of short-header datagrams for the same known
-        connection go to it together; anything else (Initials, handshakes, unknown ids) takes the
-        one-datagram path above, with its checks."""
-        cid_length = self._configuration.connection_id_length
-        run: list[bytes] = []
-        receiver: QuicConnectionProtocol | None = None
-        for datagram in data:
-            short = bool(datagram) and not datagram[0] & 0x80
-            protocol = self._protocols.get(datagram[1:1 + cid_length]) if short else None
-            if protocol is not None and protocol is receiver:
-                run.append(datagram)
-                continue
-            if receiver is not None:
-                receiver.datagrams_received(run, addr)  # type: ignore[attr-defined]
-                receiver, run = None, []
-            if protocol is None:
-                self.datagram_received(datagram, addr)
-            else:
-                receiver, run = protocol, [datagram]
-        if receiver is not None:
-            receiver.datagrams_received(run, addr)  # type: ignore[attr-defined]
-
-    def _new_initial(self, data: bytes) -> str | None:
-        """None unless `data` is an Initial of a new connection; then "retry" if it only gets a
-        (stateless) Retry, "connects" if it would make a connection."""
-        header = self._owner.backend.initial_header(data, self._configuration.connection_id_length)
-        if header is None:
-            return None
-        is_initial, destination_cid, token = header
-        if not is_initial or destination_cid in self._protocols:
-            return None
-        return "retry" if self._retry is not None and not token else "connects"
-
-    def _connection_terminated(self, protocol: QuicConnectionProtocol) -> None:
-        cast(_CidTable, self._protocols).forget(protocol)
-
-
 @cache
 def _classes(backend: QuicBackend) -> tuple[type, type]:
     """The connection and server classes over `backend`'s asyncio protocol and server."""
     return (type(f"ServerConnection[{backend.name}]", (_ServerConnection, backend.protocol_base), {}),
-            type(f"QuicServer[{backend.name}]", (_BoundedQuicServer, backend.server_base), {}))
+            type(f"QuicServer[{backend.name}]", (BoundedQuicServer, backend.server_base), {}))
 
 
 class QuicTransportServer(ServingServer):
@@ -567,6 +420,9 @@ class QuicTransportServer(ServingServer):
         else:
             del self._half_open[host]
 
+    def _connect(self, quic: QuicConnection, host: str) -> _ServerConnection:
+        return cast(_ServerConnection, _classes(self.backend)[0](quic, None, server=self, host=host))
+
     @property
     def num_connections(self) -> int:
         return sum(1 for c in self._connections if c.node is not None)
@@ -580,8 +436,8 @@ class QuicTransportServer(ServingServer):
         if self._server is not None:
             raise RuntimeError("QUIC server already started")
         # Each connection takes its TLS material from self.tls when its handshake starts.
-        server = cast(_BoundedQuicServer, _classes(self.backend)[1](
-            owner=self, configuration=self.tls.current().configuration, retry=self.retry))
+        server = cast(BoundedQuicServer, _classes(self.backend)[1](
+            owner=self, connect=self._connect, configuration=self.tls.current().configuration, retry=self.retry))
         sock = udp_socket(self.host, self.port, self.tuning.socket_buffer)
         self.host, self.port = sock.getsockname()[:2]
         await self.backend.endpoint(sock, server)

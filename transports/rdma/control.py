@@ -25,7 +25,7 @@ from typing import Any
 import msgpack
 
 from transports.core.codec import ProtocolError, unpack_map
-from transports.tls.link import tls_recv, tls_send_all
+from transports.tls.handshake import tls_recv, tls_send_all
 
 CONTROL_MAX = 64 * 1024
 CONTROL_LEN = struct.Struct("<I")

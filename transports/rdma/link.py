@@ -34,11 +34,11 @@ from transports.core.codec import (
     encode_parts,
     payload_pieces,
 )
+from transports.core.link import LinkBase
 from transports.core.metrics import TransportMetrics
 from transports.core.slabs import Extent
 from transports.rdma.control import MTU_CODES, ControlError, RdmaParams, gid_text
 from transports.rdma.device import RdmaDeviceError, _Device, _RegisteredSlabs
-from transports.tls.link import LinkBase
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """RDMA transport (pyverbs, optional extra `rdma`): the kvfabric codec over RC queue pairs.
 
     client                                        server
-    TLS 1.3 control connection: `tls.link.open_tls`, the same certificates and checks as TLS-TCP
+    TLS 1.3 control connection: `tls.handshake.open_tls`, the same certificates and checks as TLS-TCP
     RC QP created (INIT), receive slots posted
     {"type": "rdma_params", …client}  ───────►    QP created, slots posted, QP → RTR → RTS
                                       ◄───────    {"type": "rdma_params", …server}
@@ -28,6 +28,7 @@ from typing import Any
 from transports.core.base import BlockSource, Peer
 from transports.core.certs import NodeCredentials
 from transports.core.codec import MissReason
+from transports.core.link import FrameLink
 from transports.rdma.control import (
     CONTROL_LEN,
     CONTROL_MAX,
@@ -44,7 +45,6 @@ from transports.rdma.control import (
 from transports.rdma.device import RdmaDeviceError, _Device, rdma_unavailable_reason
 from transports.rdma.link import TRANSPORT, RdmaLink
 from transports.tls.client import ClientConnection, TlsTcpClient
-from transports.tls.link import FrameLink
 from transports.tls.server import ServerConnection, TlsTcpServer
 
 __all__ = [

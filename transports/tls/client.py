@@ -1,7 +1,7 @@
 """TLS-TCP client: pulls over one pooled, mutually authenticated connection per peer.
 
-The protocol rules are `ClientSession`'s (session.py); this module dials (TLS 1.3, the server's SAN
-must name the dialled node), keeps PULL_WINDOW PULLs of a pull in flight (the server answers a
+The protocol rules are `ClientSession`'s (client_session.py); this module dials (TLS 1.3, the
+server's SAN must name the dialled node), keeps PULL_WINDOW PULLs of a pull in flight (the server answers a
 connection's PULLs round-robin, so two keep one pull's answers in order), checks digests on the
 loop, receives runs of hits straight into the caller's slots (`into`), and pauses reading while
 over RESULTS_HIGH bytes of results wait for their callers. A pull that races the server's idle
@@ -23,6 +23,7 @@ from fabric.keys import BlockAddress
 from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import tune_allocator, uninitialised_bytearray
 from transports.core.certs import NodeCredentials
+from transports.core.client_session import ClientSession, Outcome
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
@@ -32,16 +33,12 @@ from transports.core.codec import (
     MissReason,
     ProtocolError,
 )
+from transports.core.link import FrameLink
 from transports.core.metrics import TransportMetrics
-from transports.core.session import MAX_ADDRESSES_PER_PULL, ClientSession, Outcome
 from transports.core.timer import DeadlineTimer
-from transports.tls.link import (
-    TRANSPORT,
-    FrameLink,
-    TlsLink,
-    auth_failure_reason,
-    open_tls,
-)
+from transports.core.tracker import MAX_ADDRESSES_PER_PULL
+from transports.tls.handshake import auth_failure_reason, open_tls
+from transports.tls.link import TRANSPORT, TlsLink
 
 logger = logging.getLogger(__name__)
 

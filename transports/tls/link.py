@@ -22,30 +22,20 @@ Invariants:
 Reading costs O(1) Python calls per 16 KiB TLS record; writing O(1) per frame plus one per
 would-block.
 
-`open_tls` / `accept_tls` run the mutual TLS handshake (node certificates from the cluster CA,
-the client checks that the server's SAN names the dialled node); the RDMA control channel uses
-them too.
+The mutual TLS handshake that makes the SSLSocket is `transports.tls.handshake`.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import cast
 
-from cryptography import x509
-
-from transports.core.base import Peer
-from transports.core.certs import CertificateError, NodeCredentials, node_name_of
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     DIRECT_MIN,
-    Error,
-    ErrorCode,
     Frame,
     FrameDecoder,
     MissReason,
@@ -53,15 +43,18 @@ from transports.core.codec import (
     encode_parts,
     payload_pieces,
 )
+from transports.core.link import WRITE_HIGH, LinkBase
 from transports.core.metrics import TransportMetrics
+from transports.tls.handshake import auth_failure_reason
 
 logger = logging.getLogger(__name__)
 
 TRANSPORT = "tls-tcp"   # the metrics label of TLS-TCP (server and client)
 
 READ_BUDGET = 4 * 1024 * 1024   # bytes read per loop callback before other tasks get a turn
-WRITE_HIGH = 8 * 1024 * 1024    # drain() waits while more than this is queued for sending
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
+
+
 def openssl_calls(sock: ssl.SSLSocket) -> tuple[Callable[[int, memoryview], int], Callable[[memoryview], int]]:
     """`read(len, buffer) -> count` and `write(data) -> count` of the OpenSSL connection under `sock`.
 
@@ -75,242 +68,6 @@ def openssl_calls(sock: ssl.SSLSocket) -> tuple[Callable[[int, memoryview], int]
     if raw is None:
         return cast(Callable[[int, memoryview], int], sock.read), sock.send
     return raw.read, raw.write
-
-
-async def _wait_fd(sock: socket.socket, writable: bool) -> None:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-    fd = sock.fileno()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    if writable:
-        loop.add_writer(fd, ready)
-    else:
-        loop.add_reader(fd, ready)
-    try:
-        await fut
-    finally:
-        (loop.remove_writer if writable else loop.remove_reader)(fd)
-
-
-async def _tls_handshake(sock: ssl.SSLSocket) -> None:
-    while True:
-        try:
-            sock.do_handshake()
-            return
-        except ssl.SSLWantReadError:
-            await _wait_fd(sock, writable=False)
-        except ssl.SSLWantWriteError:
-            await _wait_fd(sock, writable=True)
-
-
-async def tls_send_all(sock: ssl.SSLSocket, data: bytes) -> None:
-    """Send all of `data` on a non-blocking SSLSocket (small control messages, not bulk frames)."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[sock.send(view):]
-        except ssl.SSLWantWriteError:
-            await _wait_fd(sock, writable=True)
-        except ssl.SSLWantReadError:
-            await _wait_fd(sock, writable=False)
-
-
-async def tls_recv(sock: ssl.SSLSocket, max_bytes: int = 65536) -> bytes:
-    """Some bytes from a non-blocking SSLSocket; b"" when the peer closed the connection."""
-    while True:
-        try:
-            return sock.recv(max_bytes)
-        except ssl.SSLWantReadError:
-            await _wait_fd(sock, writable=False)
-        except ssl.SSLWantWriteError:
-            await _wait_fd(sock, writable=True)
-
-
-def _tune(sock: socket.socket) -> None:
-    # Socket buffer sizes are left to TCP autotuning: setting SO_SNDBUF / SO_RCVBUF switches it
-    # off and is capped by net.core.[wr]mem_max (208 KiB by default).
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-def auth_failure_reason(err: ssl.SSLError) -> str:
-    """A short metric label for why a TLS handshake failed: our own verification of the peer's
-    certificate, or the alert with which the peer refused ours."""
-    if isinstance(err, ssl.SSLCertVerificationError):
-        if err.verify_code == 10:  # X509_V_ERR_CERT_HAS_EXPIRED
-            return "expired"
-        if err.verify_code == 62:  # X509_V_ERR_HOSTNAME_MISMATCH
-            return "wrong_name"
-        if err.verify_code == 23:  # X509_V_ERR_CERT_REVOKED: on the CA's revocation list (crl.pem)
-            return "revoked"
-        if err.verify_code == 12:  # X509_V_ERR_CRL_HAS_EXPIRED: the operator must publish a fresh crl.pem
-            return "crl_expired"
-        return "untrusted"
-    text = f"{err.reason or ''} {err}".upper()
-    for needles, reason in ((("NO_CERTIFICATE", "DID_NOT_RETURN_A_CERTIFICATE", "CERTIFICATE_REQUIRED"),
-                             "no_certificate"),
-                            (("CERTIFICATE_EXPIRED",), "expired"),
-                            (("CERTIFICATE_REVOKED",), "revoked"),
-                            # a certificate whose key is not the one that signed the handshake
-                            (("KEY_VALUES_MISMATCH", "BAD_SIGNATURE", "DECRYPT_ERROR"), "key_mismatch"),
-                            (("UNKNOWN_CA", "BAD_CERTIFICATE", "CERTIFICATE_UNKNOWN", "UNSUPPORTED_CERTIFICATE"),
-                             "untrusted")):
-        if any(n in text for n in needles):
-            return reason
-    return "handshake"
-
-
-def peer_node(sock: ssl.SSLSocket) -> str:
-    """The node name in the verified peer certificate of a completed handshake."""
-    der = sock.getpeercert(binary_form=True)
-    if der is None:
-        raise CertificateError("peer presented no certificate")
-    return node_name_of(x509.load_der_x509_certificate(der))
-
-
-async def open_tls(peer: Peer, credentials: NodeCredentials, timeout_s: float) -> ssl.SSLSocket:
-    """Dial `peer` and finish a mutual TLS 1.3 handshake; the server's SAN must name `peer.node`.
-
-    Raises OSError (unreachable), TimeoutError, or ssl.SSLError (refused certificate)."""
-    loop = asyncio.get_running_loop()
-    infos = await loop.getaddrinfo(peer.host, peer.port, type=socket.SOCK_STREAM)
-    family, _, _, _, addr = infos[0]
-    raw = socket.socket(family, socket.SOCK_STREAM)
-    raw.setblocking(False)
-    try:
-        _tune(raw)
-        async with asyncio.timeout(timeout_s):
-            await loop.sock_connect(raw, addr)
-            sock = credentials.ssl_context(server=False).wrap_socket(
-                raw, server_hostname=peer.node, do_handshake_on_connect=False)
-            try:
-                await _tls_handshake(sock)
-            except BaseException:
-                sock.close()
-                raise
-        return sock
-    except BaseException:
-        raw.close()
-        raise
-
-
-async def accept_tls(raw: socket.socket, credentials: NodeCredentials, timeout_s: float) -> ssl.SSLSocket:
-    """Server side of `open_tls`: the client must present a certificate from the cluster CA."""
-    raw.setblocking(False)
-    _tune(raw)
-    # A fresh context per connection picks up rotated certificates; open connections keep theirs.
-    sock = credentials.ssl_context(server=True).wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
-    try:
-        async with asyncio.timeout(timeout_s):
-            await _tls_handshake(sock)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-class FrameLink(Protocol):
-    """What a transport's connection logic needs from a link: TLS here, RDMA in `rdma.py`."""
-
-    closed: bool
-    last_rx: float
-    last_tx: float
-    frame_timeout_s: float
-
-    def start(self) -> None: ...
-    def pause_reading(self) -> None: ...
-    def resume_reading(self) -> None: ...
-    @property
-    def mid_frame(self) -> bool: ...
-    @property
-    def write_pending(self) -> bool: ...
-    def send(self, frame: Frame) -> None: ...
-    def send_many(self, frames: list[Frame]) -> None: ...
-    async def drain(self) -> None: ...
-    def protocol_error(self, err: ProtocolError) -> None: ...
-    def close_after_flush(self, reason: MissReason, why: str, timeout_s: float = 1.0) -> None: ...
-    def close(self, reason: MissReason, why: str) -> None: ...
-
-
-class LinkBase:
-    """What every frame link shares: the protocol-error boundary, close-after-flush, and the
-    `_drained` / `_empty` events its send queue drives. Subclasses own the bytes (TLS socket,
-    RDMA queue pair) and implement `send`, `pause_reading`, `close`, `_queued_bytes`."""
-
-    transport: str
-    closed: bool
-
-    def _init_link(self, transport: str, metrics: TransportMetrics, write_high: int = WRITE_HIGH) -> None:
-        self._loop = asyncio.get_running_loop()
-        self.write_high = write_high
-        self.transport = transport  # the metrics label
-        self._metrics = metrics
-        self._drained = asyncio.Event()   # set while the queue is at or below write_high
-        self._drained.set()
-        self._empty = asyncio.Event()     # set while nothing is queued
-        self._empty.set()
-        self._closers: set[asyncio.Task[None]] = set()
-        self.closed = False
-        self.last_rx = self.last_tx = self._loop.time()
-
-    def send(self, frame: Frame) -> None:
-        raise NotImplementedError
-
-    def send_many(self, frames: list[Frame]) -> None:
-        for frame in frames:
-            self.send(frame)
-
-    def pause_reading(self) -> None:
-        raise NotImplementedError
-
-    def close(self, reason: MissReason, why: str) -> None:
-        raise NotImplementedError
-
-    def _queued_bytes(self) -> int:
-        raise NotImplementedError
-
-    @property
-    def write_pending(self) -> bool:
-        return self._queued_bytes() > 0
-
-    async def drain(self) -> None:
-        """Wait until the send queue is at most `write_high` (or the link closed)."""
-        while self._queued_bytes() > self.write_high and not self.closed:
-            self._drained.clear()
-            await self._drained.wait()
-
-    def protocol_error(self, err: ProtocolError) -> None:
-        """The boundary for a misbehaving peer: answer ERROR if we still can, then close."""
-        if self.closed:
-            return
-        logger.warning("protocol error from %s peer, closing the connection: %s", self.transport, err)
-        self._metrics.protocol_errors.labels(self.transport).inc()
-        self.pause_reading()
-        self.send(Error(0, ErrorCode.PROTOCOL, str(err)[:500]))
-        self.close_after_flush(MissReason.PEER_ERROR, str(err))
-
-    def close_after_flush(self, reason: MissReason, why: str, timeout_s: float = 1.0) -> None:
-        """Stop reading now; close once the send queue is empty (or after `timeout_s`)."""
-        self.pause_reading()
-        if not self.write_pending:
-            self.close(reason, why)
-            return
-
-        async def wait_then_close() -> None:
-            try:
-                async with asyncio.timeout(timeout_s):
-                    await self._empty.wait()
-            except TimeoutError:
-                logger.debug("%s peer did not take the last frames within %.1f s", self.transport, timeout_s)
-            finally:
-                self.close(reason, why)
-
-        task = self._loop.create_task(wait_then_close())
-        self._closers.add(task)
-        task.add_done_callback(self._closers.discard)
 
 
 class TlsLink(LinkBase):

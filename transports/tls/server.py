@@ -49,6 +49,7 @@ from transports.core.codec import (
     MissReason,
     ProtocolError,
 )
+from transports.core.link import FrameLink
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import (
     BATCH_BYTES,
@@ -60,14 +61,8 @@ from transports.core.serving import (
 )
 from transports.core.session import ServerSession
 from transports.core.timer import DeadlineTimer
-from transports.tls.link import (
-    TRANSPORT,
-    FrameLink,
-    TlsLink,
-    accept_tls,
-    auth_failure_reason,
-    peer_node,
-)
+from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node
+from transports.tls.link import TRANSPORT, TlsLink
 
 logger = logging.getLogger(__name__)
 

@@ -84,6 +84,7 @@ class NodeRuntime:
         tmetrics = TransportMetrics(self.registry)
         self.server: TransportServer = create_server(transport, self.kv_store, metrics=tmetrics)
         self.server.require_pull_namespace = cfg.tenancy.required   # docs/tenants.md
+        self.server.tenant_roots = self.tenancy.tenants_of_root
         host, port = await self.server.start()
         if host in ("0.0.0.0", "::"):
             host = os.environ.get(ADVERTISE_HOST_ENV) or ray.util.get_node_ip_address()

@@ -30,6 +30,8 @@ from transports.core.tenant_tokens import TenantError, TenantVerifier, tenants_o
 
 logger = logging.getLogger(__name__)
 
+MAX_ROOTS = 65536   # namespace roots remembered for the transport's per-peer tenant check
+
 
 class TenantRefusedError(PermissionError):
     """The call's tenant token was missing, invalid, or names a tenant this node does not serve."""
@@ -47,6 +49,9 @@ class TenantGate:
                                 ["reason"], registry=registry)
         # salt -> the tenants whose namespace it makes (one per tenant or shared group seen here)
         self._tenants_by_salt: dict[bytes, frozenset[str]] = {self.policy.salt(None): frozenset()}
+        # namespace root -> its tenants, for every namespace bound here (the transport server asks it
+        # which tenants a PULL's root belongs to: a peer restricted to tenants reads only theirs)
+        self._tenants_by_root: dict[bytes, frozenset[str]] = {}
 
     def bind(self, ns: Namespace, token: bytes | None) -> Namespace:
         """`ns` with the salt of the tenant `token` proves (None: the anonymous tenant); raises
@@ -65,7 +70,17 @@ class TenantGate:
         salt = self.policy.salt(tenant)
         if tenant is not None and salt not in self._tenants_by_salt:
             self._tenants_by_salt[salt] = self.policy.members(tenant)
-        return ns if ns.tenant_salt == salt else dataclasses.replace(ns, tenant_salt=salt)
+        bound = ns if ns.tenant_salt == salt else dataclasses.replace(ns, tenant_salt=salt)
+        if bound.root not in self._tenants_by_root:
+            if len(self._tenants_by_root) >= MAX_ROOTS:   # oldest first; a forgotten root is refused, not leaked
+                del self._tenants_by_root[next(iter(self._tenants_by_root))]
+            self._tenants_by_root[bound.root] = self._tenants_by_salt[salt]
+        return bound
+
+    def tenants_of_root(self, root: bytes) -> frozenset[str] | None:
+        """The tenants whose namespace `root` is, for a namespace bound on this node since it started
+        (empty: the anonymous tenant's; None: not bound here)."""
+        return self._tenants_by_root.get(root)
 
     def tenants_of(self, ns: Namespace) -> frozenset[str] | None:
         """The tenants whose namespace `ns` (as `bind` returned it) is: a block in it counts only if

@@ -89,3 +89,14 @@ def test_a_bound_namespace_names_the_tenants_its_producers_must_serve(ca: Path) 
     assert gate.tenants_of(gate.bind(NS, _token(ca, "initech"))) == {"initech"}
     assert gate.tenants_of(gate.bind(NS, None)) == frozenset()
     assert gate.tenants_of(Namespace("m", NS.layout, 16, tenant_salt=b"never bound here")) is None
+
+
+def test_the_transport_learns_each_bound_roots_tenants(ca: Path) -> None:
+    """What the transport server asks before it serves a peer restricted to tenants."""
+    gate, _ = _gate(ca, shared=[["acme", "globex"]])
+    acme, initech, anonymous = (gate.bind(NS, _token(ca, "acme")), gate.bind(NS, _token(ca, "initech")),
+                                gate.bind(NS, None))
+    assert gate.tenants_of_root(acme.root) == {"acme", "globex"}
+    assert gate.tenants_of_root(initech.root) == {"initech"}
+    assert gate.tenants_of_root(anonymous.root) == frozenset()
+    assert gate.tenants_of_root(Namespace("m", NS.layout, 16, tenant_salt=b"never bound here").root) is None

@@ -22,7 +22,7 @@ from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
 from fabric.store import Store
 from transports.core.base import Hit, Peer, PullResult
-from transports.core.certs import CredentialFiles, NodeCredentials
+from transports.core.certs import CredentialFiles, NodeCredentials, issue_node
 from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.provenance_check import ProvenanceVerifier
 from transports.quic.base import ALPN
@@ -211,5 +211,41 @@ def check_namespaced_pull(cert_dir: Path, root: Path, serving: Callable[..., Any
     for hits in ("own", "unnamed", "still"):
         assert [bytes(r.payload) for r in got[hits] if isinstance(r, Hit)] == expected, hits
     for misses in ("foreign", "refused"):
+        assert [r.address for r in got[misses]] == list(got["payloads"]), misses
+        assert not any(isinstance(r, Hit) for r in got[misses]), misses
+
+
+def check_tenant_restricted_pull(cert_dir: Path, root: Path, serving: Callable[..., Any],
+                                 client_of: Callable[..., Any]) -> None:
+    """A node certificate restricted to tenants reads only its tenants' roots: the server knows
+    SIGNED_NAMESPACE as tenant acme's, so a puller restricted to acme gets every layer, one
+    restricted to globex gets misses at the very addresses, an unrestricted node gets every layer,
+    and a server that does not know its roots refuses restricted pullers (never another tenant's
+    bytes for want of knowing)."""
+    issue_node(cert_dir, "puller-acme", tenants=("acme",))
+    issue_node(cert_dir, "puller-globex", tenants=("globex",))
+
+    async def main() -> dict[str, list[PullResult] | dict[BlockAddress, bytes]]:
+        got: dict[str, list[PullResult] | dict[BlockAddress, bytes]] = {}
+        with signed_store(root, cert_dir, "node-b") as (store, payloads, _):
+            got["payloads"] = payloads
+            async with serving(cert_dir, store) as (server, peer):
+                server.tenant_roots = {SIGNED_NAMESPACE: frozenset({"acme"})}.get
+                for name in ("puller-acme", "puller-globex", "client-1"):
+                    async with client_of(cert_dir, name) as client:
+                        got[name] = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                await wait_until(lambda: server.metrics.registry.get_sample_value(
+                    "kvfabric_unauthorised_pulls_total",
+                    {"transport": server.transport, "peer": "puller-globex"}) is not None)
+                server.tenant_roots = None
+                async with client_of(cert_dir, "puller-acme") as client:
+                    got["unknown"] = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+        return got
+
+    got = run(main())
+    expected = list(got["payloads"].values())   # type: ignore[union-attr]
+    for hits in ("puller-acme", "client-1"):
+        assert [bytes(r.payload) for r in got[hits] if isinstance(r, Hit)] == expected, hits
+    for misses in ("puller-globex", "unknown"):
         assert [r.address for r in got[misses]] == list(got["payloads"]), misses
         assert not any(isinstance(r, Hit) for r in got[misses]), misses

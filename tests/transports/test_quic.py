@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import resource
 import shutil
 from collections.abc import AsyncIterator
@@ -23,6 +24,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from support import (
     check_namespaced_pull,
     check_signed_pull,
+    check_tenant_restricted_pull,
     closing,
     creds,
     filled_store,
@@ -537,6 +539,12 @@ def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_pa
 def test_a_pull_under_another_namespace_gets_misses(cert_dir: Path, tmp_path: Path) -> None:
     """A puller that knows a block's address but asks under another namespace root gets no bytes."""
     check_namespaced_pull(cert_dir, tmp_path, serving, client_of)
+
+
+def test_a_node_restricted_to_tenants_reads_only_their_roots(cert_dir: Path, tmp_path: Path,
+                                                             quic_backend: str) -> None:
+    check_tenant_restricted_pull(cert_dir, tmp_path, functools.partial(serving, backend=quic_backend),
+                                 functools.partial(client_of, backend=quic_backend))
 
 
 @pytest.mark.parametrize(("setting", "expected"), [("auto", "qh3"), ("aioquic", "aioquic"), ("qh3", "qh3")])

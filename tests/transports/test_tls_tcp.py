@@ -20,6 +20,7 @@ from cryptography import x509
 from support import (
     check_namespaced_pull,
     check_signed_pull,
+    check_tenant_restricted_pull,
     closing,
     creds,
     filled_store,
@@ -839,3 +840,7 @@ def test_signed_blocks_arrive_with_their_producers_record(cert_dir: Path, tmp_pa
 def test_a_pull_under_another_namespace_gets_misses(cert_dir: Path, tmp_path: Path) -> None:
     """A puller that knows a block's address but asks under another namespace root gets no bytes."""
     check_namespaced_pull(cert_dir, tmp_path, serving, client_of)
+
+
+def test_a_node_restricted_to_tenants_reads_only_their_roots(cert_dir: Path, tmp_path: Path) -> None:
+    check_tenant_restricted_pull(cert_dir, tmp_path, serving, client_of)

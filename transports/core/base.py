@@ -8,7 +8,7 @@ mismatch, peer error) is a `Miss` result, never an exception and never unverifie
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -55,6 +55,9 @@ PullResult = Hit | Miss
 
 class TransportServer(Protocol):
     require_pull_namespace: bool   # True: a PULL that names no namespace root is answered with misses
+    # The tenants whose namespace a root is (None: a root not bound on this node); set by the node.
+    # A peer whose certificate is restricted to tenants reads only roots of one of its tenants.
+    tenant_roots: Callable[[bytes], frozenset[str] | None] | None
 
     async def start(self) -> tuple[str, int]: ...
     async def close(self) -> None: ...

@@ -27,6 +27,10 @@ class TransportMetrics:
                                   "ERROR overloaded, by transport, peer node and the budget it was over "
                                   "(pulls, bytes, connections)", ["transport", "peer", "budget"],
                                   registry=self.registry)
+        self.unauthorised_pulls = Counter("kvfabric_unauthorised_pulls_total", "PULLs answered with misses "
+                                          "because the peer's certificate is restricted to other tenants "
+                                          "than the namespace root's", ["transport", "peer"],
+                                          registry=self.registry)
         self.connections = Gauge("kvfabric_connections", "Open connections", ["transport", "side"],
                                  registry=self.registry)
 

@@ -103,6 +103,10 @@ class ServingServer:
             self.budgets.charge_bytes(session.peer_node, stats.num_bytes, now)
         for reason, count in stats.misses.items():
             metrics.child(metrics.served, self.transport, reason.value).inc(count)
+        if stats.num_unauthorised:
+            metrics.child(metrics.unauthorised_pulls, self.transport, session.peer_node).inc(stats.num_unauthorised)
+            logger.warning("%s peer %s asked under a namespace root its tenants may not read (%d pulls)",
+                           self.transport, session.peer_node, stats.num_unauthorised)
 
 
 def fetch(source: BlockSource, addresses: Sequence[BlockAddress], budget: int,

@@ -89,20 +89,25 @@ class ServedStats:
     num_hits: int = 0
     num_bytes: int = 0
     misses: dict[MissReason, int] = field(default_factory=dict)
+    num_unauthorised: int = 0   # PULLs under a root the peer may not read (answered with misses)
 
 
 class ServerSession(SessionBase):
     """The server's side of one connection (or one QUIC stream, `hello=False, one_pull=True`).
 
     `peer_node` is the node name the peer's verified certificate carries. `require_namespace`: a
-    PULL that names no namespace root is answered with misses (see `Pull`)."""
+    PULL that names no namespace root is answered with misses (see `Pull`). `authorise`: whether the
+    peer may read blocks under a namespace root (None: every root); a PULL under a root it may not
+    read is answered with misses, as if nothing were held there."""
 
     def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  max_inflight: int = 32, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
-                 hello: bool = True, one_pull: bool = False, require_namespace: bool = False) -> None:
+                 hello: bool = True, one_pull: bool = False, require_namespace: bool = False,
+                 authorise: Callable[[bytes], bool] | None = None) -> None:
         self.node = node
         self.peer_node = peer_node
         self.require_namespace = require_namespace
+        self.authorise = authorise
         self.max_payload = max_payload
         self.max_inflight = max_inflight
         self.frame_timeout_s = frame_timeout_s
@@ -272,6 +277,9 @@ class ServerSession(SessionBase):
         run: list[SourceBlock] = []    # consecutive hits not yet framed, starting at address index `start`
         start = run_bytes = run_prov_bytes = 0
         last_prov: Provenance | None = None
+        if self.authorise is not None and not self.authorise(namespace):
+            stats.num_unauthorised += 1
+            fetched = [None] * len(fetched)   # a root this peer may not read: nothing is held there for it
         for i, got in enumerate(fetched):
             reason = MissReason.NOT_FOUND
             if (namespace or self.require_namespace) and got is not None and not isinstance(got, Exception) and \

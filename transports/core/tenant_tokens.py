@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import struct
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,3 +225,21 @@ class TenantVerifier:
             raise TenantError("expired", f"the certificate of tenant {tenant} is not valid yet")
         cert_end = int(cert.not_valid_after_utc.timestamp() * 1000)
         return _Checked(tenant, cert.serial_number, min(token.expires_ms, cert_end))
+
+
+def pull_authoriser(tenant_roots: Callable[[bytes], frozenset[str] | None] | None, peer_tenants: frozenset[str]
+                    ) -> Callable[[bytes], bool] | None:
+    """What a serving node lets a peer read, by namespace root: a peer whose certificate names no
+    tenant serves every tenant and reads every root (None: no check); a peer restricted to tenants
+    reads a root only when the root is bound here to one of them. A root this node has not bound
+    (since it started), the anonymous tenant's root, and every root on a node that does not know its
+    roots (`tenant_roots` None) are refused to a restricted peer: refusing costs a miss, serving
+    would cost another tenant's blocks."""
+    if not peer_tenants:
+        return None
+
+    def authorise(root: bytes) -> bool:
+        tenants = tenant_roots(root) if tenant_roots is not None else None
+        return bool(tenants and tenants & peer_tenants)
+
+    return authorise

@@ -57,6 +57,7 @@ class QuicBackend:
     initial_header: Callable[[bytes, int], tuple[bool, bytes, bytes] | None]  # (is Initial, dcid, token)
     endpoint: Callable[[socket.socket, asyncio.DatagramProtocol], Awaitable[asyncio.DatagramTransport]]
     receive_many: Callable[[Any, list[bytes], Any, float], None]   # a batch of datagrams from one address
+    peer_tenants: Callable[[Any], frozenset[str]]  # an authenticated client's tenant restriction (empty: none)
 
 
 def resolve(name: str) -> QuicBackend:
@@ -128,7 +129,7 @@ def _aioquic() -> QuicBackend:
     return QuicBackend("aioquic", QuicConfiguration, QuicConnection, QuicConnectionProtocol, QuicServer, events,
                        True, cast(Any, quic_tls.install_client_auth), quic_tls.peer_node, quic_tls.auth_failure,
                        quic_tls.server_revoked, queued, can_send, stop_reading, remote_address, initial_header,
-                       endpoint, receive_many)
+                       endpoint, receive_many, quic_tls.peer_tenants)
 
 
 @cache
@@ -181,4 +182,4 @@ def _qh3() -> QuicBackend:
     return QuicBackend("qh3", QuicConfiguration, QuicConnection, QuicConnectionProtocol, QuicServer, events,
                        False, quic_tls_qh3.install_client_auth, quic_tls_qh3.peer_node, quic_tls_qh3.auth_failure,
                        quic_tls_qh3.server_revoked, queued, can_send, stop_reading, remote_address, initial_header,
-                       endpoint, receive_many)
+                       endpoint, receive_many, quic_tls_qh3.peer_tenants)

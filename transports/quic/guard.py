@@ -175,6 +175,7 @@ class GuardedConnection(QuicConnectionProtocol):
     _backend: QuicBackend
     host: str
     node: str | None
+    tenants: frozenset[str]   # the tenants the client's certificate restricts it to (empty: none)
     _terminated: bool
     _refused: bool
     _half_open: bool
@@ -230,6 +231,6 @@ class GuardedConnection(QuicConnectionProtocol):
                              reason_phrase=f"overloaded: {node} already has {server.max_connections_per_peer} "
                                            "connections")
             return
-        self.node = node
+        self.node, self.tenants = node, self._backend.peer_tenants(self._quic)
         self._server.metrics.connections.labels(TRANSPORT, "server").inc()
         logger.info("QUIC connection from node %s (session resumed: %s)", self.node, event.session_resumed)

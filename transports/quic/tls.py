@@ -49,6 +49,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
 from transports.core.certs import CertificateError, NodeCredentials, node_name_of
+from transports.core.tenant_tokens import tenant_names
 from transports.quic.client_auth import AuthFailure, client_auth_allowed
 
 PINNED_AIOQUIC = "1.7.2"
@@ -75,6 +76,7 @@ class _Ticket:
     node: str
     cert_not_after: float  # the client certificate's expiry bounds every ticket chained from it
     expires_at: float
+    tenants: frozenset[str] = frozenset()   # the tenants the client's certificate restricts it to
 
 
 @dataclass(slots=True)
@@ -88,19 +90,20 @@ class TicketStore:
     def __len__(self) -> int:
         return len(self._tickets)
 
-    def add(self, ticket: tls.SessionTicket, node: str, cert_not_after: float, now: float) -> None:
+    def add(self, ticket: tls.SessionTicket, node: str, cert_not_after: float, now: float,
+            tenants: frozenset[str] = frozenset()) -> None:
         self._tickets[ticket.ticket] = _Ticket(ticket, node, cert_not_after,
-                                               min(now + self.lifetime_s, cert_not_after))
+                                               min(now + self.lifetime_s, cert_not_after), tenants)
         while len(self._tickets) > self.capacity:
             self._tickets.popitem(last=False)
 
-    def take(self, ticket_id: bytes, now: float) -> tuple[tls.SessionTicket, str, float] | None:
-        """(ticket, node, certificate expiry), removed from the store (single use); None if unknown
-        or expired."""
+    def take(self, ticket_id: bytes, now: float) -> tuple[tls.SessionTicket, str, float, frozenset[str]] | None:
+        """(ticket, node, certificate expiry, tenants), removed from the store (single use); None if
+        unknown or expired."""
         entry = self._tickets.pop(ticket_id, None)
         if entry is None or now > entry.expires_at:
             return None
-        return entry.ticket, entry.node, entry.cert_not_after
+        return entry.ticket, entry.node, entry.cert_not_after, entry.tenants
 
     def clear(self) -> None:
         self._tickets.clear()
@@ -164,14 +167,16 @@ class ClusterServerContext(tls.Context):
     tickets: TicketStore
     revoked: frozenset[int]
     peer_node: str | None
+    peer_tenants: frozenset[str]           # the tenants the client's certificate restricts it to
     auth_failure: AuthFailure | None
-    _candidate: tuple[str, float] | None  # (node, certificate expiry) of the client being checked
+    _candidate: tuple[str, float, frozenset[str]] | None  # (node, certificate expiry, tenants) being checked
 
     def enforce(self, server_tls: TlsGeneration) -> None:
         self.cluster_ca = server_tls.cluster_ca
         self.tickets = server_tls.tickets
         self.revoked = server_tls.revoked
         self.peer_node = None
+        self.peer_tenants = frozenset()
         self.auth_failure = None
         self._candidate = None
         self._request_client_certificate = True
@@ -203,7 +208,7 @@ class ClusterServerContext(tls.Context):
         if not client_auth_allowed(cert):
             self._refuse(AuthFailure.NOT_A_NODE,
                          tls.AlertBadCertificate("certificate is not valid for client authentication"))
-        self._candidate = (node, cert.not_valid_after_utc.timestamp())
+        self._candidate = (node, cert.not_valid_after_utc.timestamp(), frozenset(tenant_names(cert)))
 
     def _server_handle_certificate_verify(self, input_buf: Buffer) -> None:
         try:
@@ -211,7 +216,7 @@ class ClusterServerContext(tls.Context):
         except tls.Alert as e:
             self._refuse(AuthFailure.HANDSHAKE, e)
         assert self._candidate is not None, "CertificateVerify accepted before a verified Certificate"
-        self.peer_node = self._candidate[0]
+        self.peer_node, self.peer_tenants = self._candidate[0], self._candidate[2]
 
     # -- resumption ----------------------------------------------------------------------------
 
@@ -219,7 +224,7 @@ class ClusterServerContext(tls.Context):
         super()._server_handle_hello(input_buf, initial_buf, handshake_buf)
         if self._session_resumed:
             assert self._candidate is not None, "session resumed without a ticket from our store"
-            self.peer_node = self._candidate[0]
+            self.peer_node, self.peer_tenants = self._candidate[0], self._candidate[2]
             if self.state == tls.State.SERVER_EXPECT_CERTIFICATE:
                 # aioquic sends no CertificateRequest on a PSK handshake but would still wait
                 # for a client Certificate; a resumed client goes straight to Finished.
@@ -229,15 +234,15 @@ class ClusterServerContext(tls.Context):
         found = self.tickets.take(ticket_id, time.time())
         if found is None:
             return None
-        ticket, node, cert_not_after = found
-        self._candidate = (node, cert_not_after)
+        ticket, node, cert_not_after, tenants = found
+        self._candidate = (node, cert_not_after, tenants)
         return ticket
 
     def _issue(self, ticket: tls.SessionTicket) -> None:
         # Called after the client's Finished; a resumed session re-issues under the same identity.
         if self.peer_node is None or self._candidate is None:
             return
-        self.tickets.add(ticket, self.peer_node, self._candidate[1], time.time())
+        self.tickets.add(ticket, self.peer_node, self._candidate[1], time.time(), self._candidate[2])
 
     def _refuse(self, reason: AuthFailure, alert: tls.Alert) -> NoReturn:
         self.auth_failure = reason
@@ -279,6 +284,12 @@ def peer_node(connection: QuicConnection) -> str | None:
     """The authenticated node name of a server connection's client, once its handshake passed."""
     context = getattr(connection, "tls", None)
     return context.peer_node if isinstance(context, ClusterServerContext) else None
+
+
+def peer_tenants(connection: QuicConnection) -> frozenset[str]:
+    """The tenants an authenticated client's certificate restricts it to (empty: every tenant)."""
+    context = getattr(connection, "tls", None)
+    return context.peer_tenants if isinstance(context, ClusterServerContext) else frozenset()
 
 
 def auth_failure(connection: QuicConnection) -> AuthFailure | None:

@@ -33,6 +33,7 @@ from qh3._hazmat import Buffer, SignatureError, verify_with_public_key
 from qh3._hazmat import Certificate as Qh3Certificate
 from qh3.quic.connection import QuicConnection
 
+from transports.core.tenant_tokens import tenant_names
 from transports.quic.client_auth import AuthFailure, ClientRefused, check_client_certificate
 from transports.quic.tls import TlsGeneration
 
@@ -79,21 +80,25 @@ class ClusterServerContext(tls.Context):
     cluster_ca: bytes
     revoked: frozenset[int]
     peer_node: str | None
+    peer_tenants: frozenset[str]           # the tenants the client's certificate restricts it to
     auth_failure: AuthFailure | None
     _stage: int
     _request_into: Any   # the handshake buffer while our first flight is written
     _peer_public: Any
     _candidate: str | None
+    _candidate_tenants: frozenset[str]
 
     def enforce(self, server_tls: TlsGeneration) -> None:
         self.cluster_ca = server_tls.cluster_ca
         self.revoked = server_tls.revoked
         self.peer_node = None
+        self.peer_tenants = frozenset()
         self.auth_failure = None
         self._stage = _EXPECT_CERTIFICATE
         self._request_into = None
         self._peer_public = None
         self._candidate = None
+        self._candidate_tenants = frozenset()
         self._verify_mode = ssl.CERT_REQUIRED  # for readers of the context; the checks are ours
         self._max_early_data = None
         self._alps_supported = False
@@ -167,6 +172,7 @@ class ClusterServerContext(tls.Context):
         except ClientRefused as e:
             self._refuse(e.reason, str(e))
         self._candidate = node
+        self._candidate_tenants = frozenset(tenant_names(cert))
         self._peer_public = Qh3Certificate(entries[0][0]).public_key()
         self._stage = _EXPECT_VERIFY
 
@@ -190,7 +196,7 @@ class ClusterServerContext(tls.Context):
         self._schedule().update_hash(message)
         assert self._dec_key is not None, "handshake keys are set before the client's second flight"
         self._expected_verify_data = self._schedule().finished_verify_data(self._dec_key)
-        self.peer_node = self._candidate
+        self.peer_node, self.peer_tenants = self._candidate, self._candidate_tenants
         self._stage = _EXPECT_FINISHED
 
     def _schedule(self) -> tls.KeySchedule:
@@ -227,6 +233,12 @@ def install_client_auth(connection: QuicConnection, current: Any) -> None:
 def peer_node(connection: QuicConnection) -> str | None:
     context = connection.tls
     return context.peer_node if isinstance(context, ClusterServerContext) else None
+
+
+def peer_tenants(connection: QuicConnection) -> frozenset[str]:
+    """The tenants an authenticated client's certificate restricts it to (empty: every tenant)."""
+    context = connection.tls
+    return context.peer_tenants if isinstance(context, ClusterServerContext) else frozenset()
 
 
 def auth_failure(connection: QuicConnection) -> AuthFailure | None:

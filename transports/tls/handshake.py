@@ -15,8 +15,9 @@ from cryptography import x509
 
 from transports.core.base import Peer
 from transports.core.certs import CertificateError, NodeCredentials, node_name_of
+from transports.core.tenant_tokens import tenant_names
 
-__all__ = ["accept_tls", "auth_failure_reason", "open_tls", "peer_node", "tls_recv", "tls_send_all"]
+__all__ = ["accept_tls", "auth_failure_reason", "open_tls", "peer_node", "peer_tenants", "tls_recv", "tls_send_all"]
 
 
 async def _wait_fd(sock: socket.socket, writable: bool) -> None:
@@ -107,10 +108,19 @@ def auth_failure_reason(err: ssl.SSLError) -> str:
 
 def peer_node(sock: ssl.SSLSocket) -> str:
     """The node name in the verified peer certificate of a completed handshake."""
+    return node_name_of(_peer_certificate(sock))
+
+
+def peer_tenants(sock: ssl.SSLSocket) -> frozenset[str]:
+    """The tenants the verified peer certificate restricts its node to (empty: every tenant)."""
+    return frozenset(tenant_names(_peer_certificate(sock)))
+
+
+def _peer_certificate(sock: ssl.SSLSocket) -> x509.Certificate:
     der = sock.getpeercert(binary_form=True)
     if der is None:
         raise CertificateError("peer presented no certificate")
-    return node_name_of(x509.load_der_x509_certificate(der))
+    return x509.load_der_x509_certificate(der)
 
 
 async def open_tls(peer: Peer, credentials: NodeCredentials, timeout_s: float) -> ssl.SSLSocket:

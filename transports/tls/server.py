@@ -32,6 +32,7 @@ import errno
 import logging
 import socket
 import ssl
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
@@ -60,8 +61,9 @@ from transports.core.serving import (
     payload_bytes,
 )
 from transports.core.session import ServerSession
+from transports.core.tenant_tokens import pull_authoriser
 from transports.core.timer import DeadlineTimer
-from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node
+from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node, peer_tenants
 from transports.tls.link import TRANSPORT, TlsLink
 
 logger = logging.getLogger(__name__)
@@ -74,14 +76,15 @@ class ServerConnection:
 
     link: FrameLink
 
-    def __init__(self, server: TlsTcpServer, node: str) -> None:
+    def __init__(self, server: TlsTcpServer, node: str, tenants: frozenset[str] = frozenset()) -> None:
         self.server = server
         self.node = node
         self._loop = asyncio.get_running_loop()
         self.session = ServerSession(server.node, node, self._loop.time(), max_payload=server.max_payload,
                                      max_inflight=server.max_inflight, frame_timeout_s=server.frame_timeout_s,
                                      idle_timeout_s=server.idle_timeout_s,
-                                     require_namespace=server.require_pull_namespace)
+                                     require_namespace=server.require_pull_namespace,
+                                     authorise=pull_authoriser(server.tenant_roots, tenants))
         self.pump: asyncio.Task[None] | None = None
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
         self.timer = DeadlineTimer(self._expire)
@@ -212,6 +215,7 @@ class TlsTcpServer(ServingServer):
         self.pacer = EgressPacer(send_rate) if send_rate > 0 else None
         # True: PULLs that name no namespace root get misses (connections opened from then on)
         self.require_pull_namespace = False
+        self.tenant_roots: Callable[[bytes], frozenset[str] | None] | None = None   # see TransportServer
         self.metrics = metrics or TransportMetrics()
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-tls-io") if io_threads else None
         self.peak_inflight = 0
@@ -291,7 +295,7 @@ class TlsTcpServer(ServingServer):
             raw.close()
             return
         try:
-            node = peer_node(sock)
+            node, tenants = peer_node(sock), peer_tenants(sock)
         except CertificateError as e:  # a chain from the cluster CA, but no node certificate
             metrics.auth_failures.labels(self.transport, "bad_certificate").inc()
             logger.warning("refused TLS client %s: %s", where, e)
@@ -303,7 +307,7 @@ class TlsTcpServer(ServingServer):
             logger.warning("refused %s from %s: already %d connections", node, where, self.max_connections_per_peer)
             await self._refuse(sock, f"{node} already has {self.max_connections_per_peer} connections")
             return
-        conn = ServerConnection(self, node)
+        conn = ServerConnection(self, node, tenants)
         try:
             conn.attach(await self.open_link(sock, conn))
         except (OSError, TimeoutError, ProtocolError) as e:

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cluster.cli import CLIError
+from cluster.netbed import pid_alive
 from fabric.config import ClusterConfig, Config, ConfigError, kvfabric_home
 from transports.core.certs import CertificateError
 
@@ -299,22 +300,12 @@ def cmd_down(args: argparse.Namespace) -> int:
         logger.warning("could not reach the cluster to stop the fabric cleanly: %s", e)
     if state is not None:
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [pid for pid in state["pids"] if _alive(pid)]
+            alive = [pid for pid in state["pids"] if pid_alive(pid)]
             for pid in alive:
                 os.kill(pid, sig)
             deadline = time.monotonic() + 10
-            while any(_alive(p) for p in alive) and time.monotonic() < deadline:
+            while any(pid_alive(p) for p in alive) and time.monotonic() < deadline:
                 time.sleep(0.1)
         state_file().unlink()
         print(f"local cluster at {state['address']} stopped")
     return 0
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

@@ -246,12 +246,12 @@ class NetBed:
             if self.plan.namespace(i) in existing:
                 pids.update(self.host_pids(i))
         for sig in (signal.SIGTERM, signal.SIGKILL):
-            alive = [p for p in pids if _alive(p)]
+            alive = [p for p in pids if pid_alive(p)]
             for pid in alive:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
             deadline = time.monotonic() + grace_s
-            while any(_alive(p) for p in alive) and time.monotonic() < deadline:
+            while any(pid_alive(p) for p in alive) and time.monotonic() < deadline:
                 time.sleep(0.05)
         for cmd in delete_commands(self.plan):
             _run(cmd, check=False)
@@ -269,7 +269,8 @@ def _warn_delay_once(profile: Profile) -> None:
                    "rate and loss are", profile.name, profile.delay_ms)
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` still runs (a zombie child of ours is reaped and counts as gone)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

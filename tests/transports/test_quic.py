@@ -22,6 +22,7 @@ from aioquic.asyncio.protocol import QuicConnectionProtocol
 from aioquic.asyncio.server import serve
 from aioquic.quic.configuration import QuicConfiguration
 from support import (
+    SIGNED_NAMESPACE,
     check_namespaced_pull,
     check_signed_pull,
     check_tenant_restricted_pull,
@@ -31,6 +32,7 @@ from support import (
     pull_all,
     raw_peer,
     run,
+    signed_store,
     started,
     wait_until,
 )
@@ -298,6 +300,27 @@ def test_reconnect_resumes_the_session_on_aioquic_and_keeps_the_client_identity(
             assert set(server.peer_nodes) == {"client-1"}
 
     run(main())
+
+
+def test_a_resumed_session_keeps_the_pullers_tenant_restriction(cert_dir: Path, tmp_path: Path) -> None:
+    """A ticket carries the tenants of the certificate that earned it: a puller restricted to globex
+    still gets misses under acme's root after it resumes (aioquic: qh3 never resumes)."""
+    issue_node(cert_dir, "puller-globex-r", tenants=("globex",))
+
+    async def main() -> tuple[list[PullResult], list[PullResult], bool]:
+        with signed_store(tmp_path, cert_dir, "node-b") as (store, payloads, _):
+            async with serving(cert_dir, store, backend="aioquic") as (server, peer), \
+                    client_of(cert_dir, "puller-globex-r", backend="aioquic") as client:
+                server.tenant_roots = {SIGNED_NAMESPACE: frozenset({"acme"})}.get
+                first = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                await client.disconnect(peer)
+                again = [r async for r in client.pull(peer, list(payloads), namespace=SIGNED_NAMESPACE)]
+                info = client.connection_info(peer)
+                return first, again, info is not None and info.session_resumed
+
+    first, again, resumed = run(main())
+    assert resumed
+    assert first and again and not any(isinstance(r, Hit) for r in first + again)
 
 
 def test_rotation_keeps_open_connections_and_new_handshakes_use_the_new_certificate(

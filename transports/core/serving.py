@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from fabric.keys import BlockAddress
@@ -16,6 +16,7 @@ from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, Verdict
 from transports.core.metrics import TransportMetrics
 from transports.core.session import Fetched, ServerSession
+from transports.core.tenant_tokens import pull_authoriser
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +67,15 @@ class ServingServer:
     slow_until: float = 0.0   # loop time until which store reads run in the thread pool
     slow_streak: int = 0
     pacer: EgressPacer | None = None   # `[transport] send_rate_mb_s`, when set
+    # True: PULLs that name no namespace root get misses (connections and streams opened from then on)
+    require_pull_namespace: bool = False
+    # The tenants whose namespace a root is (None: not bound here), set by the node: a peer whose
+    # certificate is restricted to tenants reads only their roots (`tenant_tokens.pull_authoriser`).
+    tenant_roots: Callable[[bytes], frozenset[str] | None] | None = None
+
+    def authoriser(self, peer_tenants: frozenset[str]) -> Callable[[bytes], bool] | None:
+        """Which namespace roots a peer restricted to `peer_tenants` may read (None: every root)."""
+        return pull_authoriser(self.tenant_roots, peer_tenants)
 
     def note_fetch(self, slow: bool, now: float) -> None:
         """After SLOW_STREAK slow batches in a row, reads move to the pool for SLOW_SOURCE_HOLD_S."""

@@ -28,7 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import cache
@@ -47,7 +47,6 @@ from transports.core.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
 from transports.core.session import Fetched, ServerSession
-from transports.core.tenant_tokens import pull_authoriser
 from transports.core.timer import DeadlineTimer
 from transports.quic.backend import QuicBackend, resolve
 from transports.quic.base import (
@@ -192,7 +191,7 @@ class _ServerConnection(GuardedConnection):
             session = ServerSession(server.node, self.node, now, max_payload=server.max_payload, max_inflight=1,
                                     frame_timeout_s=server.frame_timeout_s, hello=False, one_pull=True,
                                     require_namespace=server.require_pull_namespace,
-                                    authorise=pull_authoriser(server.tenant_roots, self.tenants))
+                                    authorise=server.authoriser(self.tenants))
             stream = self._streams[stream_id] = _Stream(stream_id, session)
         if stream.session is None:  # closed by us: late bytes
             if end_stream:
@@ -383,8 +382,6 @@ class QuicTransportServer(ServingServer):
         self.handshake_timeout_s = handshake_timeout_s
         self.max_connections_per_peer = max_connections_per_peer
         self.budgets = PeerBudgets(peer_rates)
-        self.require_pull_namespace = False   # True: PULLs that name no namespace root get misses
-        self.tenant_roots: Callable[[bytes], frozenset[str] | None] | None = None   # see TransportServer
         self.num_half_open = 0
         self._half_open: dict[str, int] = {}   # source address -> its connections mid-handshake
         self.num_dropped_initials = 0

@@ -32,7 +32,6 @@ import errno
 import logging
 import socket
 import ssl
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
@@ -61,7 +60,6 @@ from transports.core.serving import (
     payload_bytes,
 )
 from transports.core.session import ServerSession
-from transports.core.tenant_tokens import pull_authoriser
 from transports.core.timer import DeadlineTimer
 from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node, peer_tenants
 from transports.tls.link import TRANSPORT, TlsLink
@@ -84,7 +82,7 @@ class ServerConnection:
                                      max_inflight=server.max_inflight, frame_timeout_s=server.frame_timeout_s,
                                      idle_timeout_s=server.idle_timeout_s,
                                      require_namespace=server.require_pull_namespace,
-                                     authorise=pull_authoriser(server.tenant_roots, tenants))
+                                     authorise=server.authoriser(tenants))
         self.pump: asyncio.Task[None] | None = None
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
         self.timer = DeadlineTimer(self._expire)
@@ -213,9 +211,6 @@ class TlsTcpServer(ServingServer):
         self.max_connections_per_peer = max_connections_per_peer
         self.budgets = PeerBudgets(peer_rates)
         self.pacer = EgressPacer(send_rate) if send_rate > 0 else None
-        # True: PULLs that name no namespace root get misses (connections opened from then on)
-        self.require_pull_namespace = False
-        self.tenant_roots: Callable[[bytes], frozenset[str] | None] | None = None   # see TransportServer
         self.metrics = metrics or TransportMetrics()
         self.executor = ThreadPoolExecutor(io_threads, thread_name_prefix="kvfabric-tls-io") if io_threads else None
         self.peak_inflight = 0

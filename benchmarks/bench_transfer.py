@@ -3,11 +3,13 @@
     .venv/bin/python benchmarks/bench_transfer.py [--quick] [--total-mb 1024] [--rounds 2] [--only M1,M2,...]
 
 Each method moves about `--total-mb` of random payloads as 1 MiB, 256 KiB and 64 KiB blocks (64 MiB of
-distinct blocks, cycled), every server in its own process:
+distinct blocks, cycled), every server in its own process (one for all the kvfabric methods, so that
+each pair below differs only in what it names):
 
     tls_tcp       kvfabric TLS-TCP: PULLs of 16 MiB of blocks, 2 in flight, every payload's BLAKE3 verified
     tls_tcp_provenance  the same with every payload's producer record checked too (benchmarks/
-                  transfer_provenance.py); interleaved with tls_tcp, so the pair is a before/after
+                  transfer_provenance.py): the same bytes from the same server, carrying their records;
+                  interleaved with tls_tcp, so the pair is a before/after
     tls_tcp_into  the same pulls into the caller's array (`pull(..., into=slots)`, as a NodeActor
                   loads): hits land in their slots, one not received there is copied to it
     tls_tcp_copy  the same pulls into the caller's array without `into`: every hit received in a
@@ -30,8 +32,9 @@ distinct blocks, cycled), every server in its own process:
 
 `--only` runs just the methods named (the others' figures are null), e.g. the provenance pair and its
 ceiling: `--only tls_tcp,tls_tcp_provenance,tls_socket_blake3`.
-The socket, TLS-TCP and Redis methods are interleaved round by round; Ray and then QUIC run after them,
-each phase with only its own servers up (warm-up excluded); MB/s = total moved / total time, 1 MB = 10^6 B.
+The socket, TLS-TCP and Redis methods are interleaved round by round, every other round in reverse order;
+Ray and then QUIC run after them, each phase with only its own servers up (warm-up excluded);
+MB/s = total moved / total time, 1 MB = 10^6 B.
 Client and server share this machine's cores, so each method is also charged the CPU both ends spent
 per MiB pulled (1 MiB blocks; the client is this process, the server is read from /proc by PID), and
 BLAKE3 of 1 MiB is timed on its own: what kvfabric's digest check costs the client.
@@ -126,28 +129,11 @@ def address(block_size: int, i: int) -> BlockAddress:
 # -- servers (run as `bench_transfer.py --serve KIND` subprocesses) ------------------------------
 
 
-class _Stored:
-    __slots__ = ("digest", "payload")
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = payload
-        self.digest = blake3.blake3(payload).digest()
-
-
-class _Source:
-    """The kvfabric server's blocks: random payloads of every benchmarked size, digests precomputed."""
-
-    def __init__(self) -> None:
-        self.blocks = {address(size, i): _Stored(p) for size in BLOCK_SIZES.values()
-                       for i, p in enumerate(random_blocks(size))}
-
-    def get_block(self, addr: BlockAddress) -> _Stored | None:
-        return self.blocks.get(addr)
-
-
-async def _serve_kvfabric(cert_dir: Path, signed: bool) -> None:
-    source = SignedSource(NodeSigner(cert_dir / f"{SERVER_NODE}.pem", cert_dir / f"{SERVER_NODE}.key")) \
-        if signed else _Source()
+async def _serve_kvfabric(cert_dir: Path) -> None:
+    """One server for every kvfabric method: each payload at its plain address and, with its
+    producer's record, at its signed one (the same bytes object)."""
+    source = SignedSource(NodeSigner(cert_dir / f"{SERVER_NODE}.pem", cert_dir / f"{SERVER_NODE}.key"),
+                          plain_address=address)
     server = TlsTcpServer(creds(cert_dir, SERVER_NODE), source, "127.0.0.1", 0)
     _, port = await server.start()
     print(f"READY {port}", flush=True)
@@ -225,12 +211,22 @@ def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | No
         client = TlsTcpClient(creds(cert_dir, CLIENT_NODE), tune_malloc=True)  # the process is ours: opt in
         counts = {"moved": 0, "misses": 0, "next": 0}
 
+        loads: dict[int, ProvenanceVerifier] = {}
+
         async def one_pull() -> None:
             first = counts["next"]
             num = batch_blocks(block_size)
             counts["next"] += num
             batch = [name(block_size, (first + i) % num_distinct(block_size)) for i in range(num)]
-            verifier = ProvenanceVerifier(trust)   # per pull: each block's signature is checked in it
+            # Each pass over the distinct blocks is one load of a prompt whose blocks were stored as
+            # one signed run, pulled in several PULLs that share the node's verifier, as a
+            # NodeActor's load does: a fresh verifier per pass, so each pass checks the run's
+            # signature once, and every block's inclusion path and every layer as they arrive.
+            load = first // num_distinct(block_size)
+            if load not in loads:
+                loads.clear()
+                loads[load] = ProvenanceVerifier(trust)
+            verifier = loads[load]
             array = None if dest is None else bytearray(num * block_size)   # the caller's destination
             slots = None if array is None else memoryview(array)
             index = {a: i for i, a in enumerate(batch)}
@@ -308,7 +304,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, metavar="M1,M2,...",
                         help=f"run only these methods (of {', '.join(METHODS)})")
     parser.add_argument("--dir", default=None, help="where to put certificates, Redis and Ray files (removed after)")
-    parser.add_argument("--serve", choices=["kvfabric", "kvfabric-signed", "tcp", "tls"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["kvfabric", "tcp", "tls"], help=argparse.SUPPRESS)
     parser.add_argument("--cert-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     only = tuple(args.only.split(",")) if args.only else METHODS
@@ -318,8 +314,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.serve:
         cert_dir = Path(args.cert_dir)
-        if args.serve in ("kvfabric", "kvfabric-signed"):
-            asyncio.run(_serve_kvfabric(cert_dir, signed=args.serve == "kvfabric-signed"))
+        if args.serve == "kvfabric":
+            asyncio.run(_serve_kvfabric(cert_dir))
         else:
             _serve_socket(cert_dir, use_tls=args.serve == "tls")
         return
@@ -399,18 +395,24 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         stoppers: list[Callable[[], None]] = []
         runs: dict[str, tuple[Run, int]] = {}
         try:
+            kvfabric_server: Server | None = None   # one for every kvfabric method (SignedSource)
             for name, kind in (("tcp_socket", "tcp"), ("tls_socket", "tls"), ("tls_socket_blake3", "tls"),
-                               ("tls_tcp", "kvfabric"), ("tls_tcp_provenance", "kvfabric-signed"),
+                               ("tls_tcp", "kvfabric"), ("tls_tcp_provenance", "kvfabric"),
                                ("tls_tcp_copy", "kvfabric"), ("tls_tcp_into", "kvfabric")):
                 if name not in only:
                     continue
-                server = Server(kind, cert_dir)  # one each: a socket server serves one connection at a time
-                stoppers.append(server.stop)
+                if kind != "kvfabric":   # one each: a socket server serves one connection at a time
+                    server = Server(kind, cert_dir)
+                    stoppers.append(server.stop)
+                    runs[name] = (socket_run(server.port, cert_dir, use_tls=kind == "tls",
+                                             hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
+                    continue
+                if kvfabric_server is None:
+                    kvfabric_server = Server(kind, cert_dir)
+                    stoppers.append(kvfabric_server.stop)
                 dest = {"tls_tcp_copy": "copy", "tls_tcp_into": "into"}.get(name)
-                runs[name] = (kvfabric_run(server.port, cert_dir, signed=kind == "kvfabric-signed", dest=dest)
-                              if kind.startswith("kvfabric")
-                              else socket_run(server.port, cert_dir, use_tls=kind == "tls",
-                                              hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
+                runs[name] = (kvfabric_run(kvfabric_server.port, cert_dir, signed=name == "tls_tcp_provenance",
+                                           dest=dest), kvfabric_server.proc.pid)
             redis_binary = redis_server_binary() if "redis_get" in only else None
             if redis_binary is not None:
                 redis_server = Redis(workdir, redis_binary)
@@ -422,8 +424,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
             quic_names = [name for name in METHODS if name.startswith("quic") and name in only]
             progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + with_ray) + len(quic_names))
             for suffix, size in BLOCK_SIZES.items():
-                for _ in range(rounds):
-                    for name, (run, pid) in runs.items():
+                for r in range(rounds):   # every other round in reverse: neither of a pair always goes first
+                    for name, (run, pid) in (runs.items() if r % 2 == 0 else reversed(runs.items())):
                         timed(name, run, suffix, size, limit, pid)
         finally:
             for stop in reversed(stoppers):

@@ -6,9 +6,10 @@ checking those records costs on its own.
                          LAYERS_PER_BLOCK consecutive payloads are the layers of one block and share
                          one record; RUN_BLOCKS consecutive blocks were stored as one run and share
                          one signature (as `LocalFabric.write_blocks` signs what an engine stores at
-                         once). Each PULL gets a fresh verifier, so every run's signature is checked
-                         once per pull that reaches it (what a load pays), never served from an
-                         earlier pull.
+                         once). Each pass over the distinct blocks is one load (several PULLs sharing
+                         the node's verifier, as a NodeActor loads a prompt) with a fresh verifier:
+                         the run's signature is checked once per load, never served from an
+                         earlier one, and each block's path and each layer as it arrives.
 
 `frame_ms_per_mib` times what records add to a pull's frames on each end, on this process alone.
 `sign_verify_ms_per_mib` times, on this process alone, signing runs of RUN_BLOCKS blocks and
@@ -21,11 +22,12 @@ from __future__ import annotations
 import functools
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import blake3
 
-from benchmarks.transfer_baselines import BLOCK_SIZES, batch_blocks, num_distinct, random_blocks
+from benchmarks.transfer_baselines import BLOCK_SIZES, num_distinct, random_blocks
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_run
 from transports.core.certs import CA_CERT
@@ -52,16 +54,20 @@ def signed_address(block_size: int, i: int) -> BlockAddress:
 class _Signed:
     __slots__ = ("digest", "payload", "provenance")
 
-    def __init__(self, payload: bytes, digest: bytes, provenance: Provenance) -> None:
+    def __init__(self, payload: bytes, digest: bytes, provenance: Provenance | None) -> None:
         self.payload = payload
         self.digest = digest
         self.provenance = provenance
 
 
 class SignedSource:
-    """Random payloads of every benchmarked size, one producer record per block of LAYERS_PER_BLOCK."""
+    """Random payloads of every benchmarked size, one producer record per block of LAYERS_PER_BLOCK.
+    With `plain_address`, each payload is also served unsigned at `plain_address(size, i)`: the very
+    same bytes object, so that a pull of signed blocks and a pull of plain ones from this one server
+    process differ only in the records (not in where the server's payloads happen to lie in memory)."""
 
-    def __init__(self, signer: NodeSigner) -> None:
+    def __init__(self, signer: NodeSigner,
+                 plain_address: Callable[[int, int], BlockAddress] | None = None) -> None:
         self.blocks: dict[BlockAddress, _Signed] = {}
         for size in BLOCK_SIZES.values():
             payloads = random_blocks(size)
@@ -75,6 +81,9 @@ class SignedSource:
                 for start, record in zip(starts, records, strict=True):
                     for i in range(start, min(len(payloads), start + LAYERS_PER_BLOCK)):
                         self.blocks[signed_address(size, i)] = _Signed(payloads[i], digests[i], record)
+            if plain_address is not None:
+                for i, (payload, digest) in enumerate(zip(payloads, digests, strict=True)):
+                    self.blocks[plain_address(size, i)] = _Signed(payload, digest, None)
 
     def get_block(self, addr: BlockAddress) -> _Signed | None:
         return self.blocks.get(addr)
@@ -110,8 +119,8 @@ def frame_ms_per_mib(cert_dir: Path, node: str, block_size: int, passes: int = 7
                      run_blocks: int = RUN_BLOCKS) -> tuple[float, float]:
     """(serve, pull): the CPU per MiB that records add to the frames of a pull of `block_size`
     payloads, in this process alone: the server building BLOCK / BLOCKS headers with record tables,
-    and the client parsing them and checking every payload's record (a fresh verifier per PULL, as
-    the tls_tcp_provenance method), each minus the same work on unsigned frames. Frames are cut as
+    and the client parsing them and checking every payload's record (one fresh verifier for the
+    pass, one load, as the tls_tcp_provenance method), each minus the same work on unsigned frames. Frames are cut as
     a server cuts them; their payloads are left out (they cost the same signed or not). Each figure
     is the fastest of `passes` passes, so that other work on the machine does not count.
     `run_blocks` = 1 gives the cost of records signed block by block."""
@@ -126,7 +135,7 @@ def frame_ms_per_mib(cert_dir: Path, node: str, block_size: int, passes: int = 7
                   for b in range(start, min(num, start + run_blocks * LAYERS_PER_BLOCK), LAYERS_PER_BLOCK)]
         records += sign_run(NAMESPACE, blocks, signer.node, signer.cert_der, signer.sign)
     per_frame = 1 if block_size > GROUP_PART_MAX else GROUP_BYTES // block_size
-    per_pull, mib = batch_blocks(block_size), num * block_size / (1 << 20)
+    mib = num * block_size / (1 << 20)
 
     def frames(signed: bool) -> list[Block | Blocks]:
         out: list[Block | Blocks] = []
@@ -154,11 +163,10 @@ def frame_ms_per_mib(cert_dir: Path, node: str, block_size: int, passes: int = 7
         received = [f for raw in wire for f in decoder.feed(raw)]
         if signed:
             k = 0
+            verifier = ProvenanceVerifier(trust)   # one load: a pass over the distinct blocks
             for frame in received:
                 assert isinstance(frame, Block | Blocks)
                 for digest, record in parts(frame):
-                    if k % per_pull == 0:
-                        verifier = ProvenanceVerifier(trust)
                     address = addresses[k]
                     if verifier.check(record, NAMESPACE, address.hash, address.layer, digest) is not None:
                         raise RuntimeError("a record signed here did not verify")

@@ -131,6 +131,11 @@ class Provenance:
     leaf_index: int = 0
     num_leaves: int = 1
     path: bytes = b""
+    # Derived once per record object (a pure function of the fields above): the encoding that every
+    # frame serving the record carries, and the message its signature covers, which a puller needs
+    # for each block it receives under the record. `dataclasses.replace` starts them over.
+    _encoded: bytes | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
+    _message: bytes | None = dataclasses.field(default=None, init=False, repr=False, compare=False)
 
     @property
     def num_layers(self) -> int:
@@ -152,26 +157,37 @@ class Provenance:
     def message(self) -> bytes:
         """The bytes `signature` must verify over; raises ProvenanceError when the inclusion path
         cannot lead to a run root from this block's position."""
+        if self._message is not None:
+            return self._message
         block = self.block_message()
         if self.num_leaves == 1 and not self.path:
-            return block
-        path = [self.path[i:i + HASH_SIZE] for i in range(0, len(self.path), HASH_SIZE)]
-        root = root_from_path(leaf_hash(block), self.leaf_index, self.num_leaves, path) \
-            if len(self.path) % HASH_SIZE == 0 else None
-        if root is None:
-            raise ProvenanceError(f"inclusion path does not fit block {self.leaf_index} of a run of {self.num_leaves}")
-        return run_message(root, self.num_leaves)
+            message = block
+        else:
+            path = [self.path[i:i + HASH_SIZE] for i in range(0, len(self.path), HASH_SIZE)]
+            root = root_from_path(leaf_hash(block), self.leaf_index, self.num_leaves, path) \
+                if len(self.path) % HASH_SIZE == 0 else None
+            if root is None:
+                raise ProvenanceError(f"inclusion path does not fit block {self.leaf_index} of a run of "
+                                      f"{self.num_leaves}")
+            message = run_message(root, self.num_leaves)
+        object.__setattr__(self, "_message", message)   # frozen: set once, derived from the fields
+        return message
 
     def encode(self) -> bytes:
         """The record without the certificate (see the module docstring)."""
+        if self._encoded is not None:
+            return self._encoded
         name = self.producer.encode()
         run = self.num_leaves != 1 or bool(self.path)
         head = _RECORD.pack(MAGIC, RUN_VERSION if run else VERSION, self.namespace, self.block_hash,
                             self.first_layer, self.num_layers, len(name), len(self.signature))
         if not run:
-            return b"".join((head, self.layer_digests, name, self.signature))
-        return b"".join((head, _RUN.pack(self.leaf_index, self.num_leaves, len(self.path) // HASH_SIZE),
-                         self.layer_digests, name, self.signature, self.path))
+            encoded = b"".join((head, self.layer_digests, name, self.signature))
+        else:
+            encoded = b"".join((head, _RUN.pack(self.leaf_index, self.num_leaves, len(self.path) // HASH_SIZE),
+                                self.layer_digests, name, self.signature, self.path))
+        object.__setattr__(self, "_encoded", encoded)
+        return encoded
 
     @classmethod
     def decode(cls, raw: bytes, cert_der: bytes = b"") -> Provenance:

@@ -96,10 +96,13 @@ def _enum(enum_type: type[enum.StrEnum], value: str, ftype: FrameType) -> Any:
         raise ProtocolError(f"{ftype.name} carries unknown {enum_type.__name__} {value!r}") from None
 
 
+_NAMES = {t: t.name for t in FrameType}   # for messages: Enum.name is a property, slow per frame
+
+
 def _records(header: dict[Any, Any], num_parts: int, ftype: FrameType,
              known: KnownRecords | None) -> tuple[Provenance | None, ...]:
     try:
-        return part_records(header, num_parts, ftype.name, known)
+        return part_records(header, num_parts, _NAMES[ftype], known)
     except ValueError as e:
         raise ProtocolError(str(e)) from None
 

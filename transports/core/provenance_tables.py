@@ -29,20 +29,21 @@ MAX_KNOWN_RECORDS = 64   # a few frames' worth of blocks; the table is emptied w
 def record_tables(provs: Iterable[Provenance | None]) -> dict[str, Any]:
     """The `certs` / `provs` / `pix` header fields for parts with these records."""
     certs: dict[bytes, int] = {}
-    records: dict[Provenance, int] = {}
+    records: dict[int, int] = {}   # id(record) -> its index: every record here is alive in `provs`
     table: list[list[Any]] = []
     pix: list[int] = []
     last: Provenance | None = None
     i = -1
     for prov in provs:
         # A block's layers share one record object, so consecutive parts mostly repeat the last one:
-        # an identity test then, and a dictionary lookup (hashing the record) only per record.
+        # an identity test then, and a dictionary lookup by identity only per record. (Equal records
+        # that are distinct objects each get an entry: a few more header bytes, never a wrong one.)
         if prov is not last:
             last = prov
             if prov is None:
                 i = -1
-            elif (i := records.get(prov, -1)) < 0:
-                i = records[prov] = len(table)
+            elif (i := records.get(id(prov), -1)) < 0:
+                i = records[id(prov)] = len(table)
                 table.append([prov.encode(), certs.setdefault(prov.cert_der, len(certs))])
         pix.append(i)
     return {"certs": list(certs), "provs": table, "pix": pix}
@@ -85,8 +86,9 @@ def part_records(header: dict[Any, Any], num_parts: int, what: str,
                 known[key] = record
         records.append(record)
     num_records = len(records)
-    for i in pix:
-        if type(i) is not int or not -1 <= i < num_records:
-            raise ValueError(f"{what} pix entry {i!r} out of range for {num_records} records")
+    # Every entry an int (not a bool) in -1 .. num_records - 1, checked without a Python loop per part.
+    if pix and (set(map(type, pix)) != {int} or min(pix) < -1 or max(pix) >= num_records):
+        bad = next(i for i in pix if type(i) is not int or not -1 <= i < num_records)
+        raise ValueError(f"{what} pix entry {bad!r} out of range for {num_records} records")
     records.append(None)   # pix -1 (unsigned) picks the last entry
     return tuple([records[i] for i in pix])

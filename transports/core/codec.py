@@ -68,7 +68,7 @@ from transports.core.frames import (
     Payload,
     Pull,
 )
-from transports.core.provenance_tables import KnownRecords
+from transports.core.provenance_tables import StreamRecords
 
 # The frames (frames.py) and the encoder (encoder.py) are part of the codec's interface.
 __all__ = [
@@ -152,7 +152,7 @@ class FrameDecoder:
         self._header: dict[Any, Any] = {}
         self._error: ProtocolError | None = None
         self._staging = bytearray()  # allocated on first get_buffer(): feed()-only users never pay for it
-        self._known: KnownRecords = {}   # provenance records this stream carried lately (provenance_tables)
+        self._records = StreamRecords()   # provenance records this stream carried (provenance_tables)
         # True when the last `get_buffer()` returned (the rest of) a payload's own buffer: bytes
         # read into it belong to that payload only.
         self.receiving_payload = False
@@ -310,7 +310,8 @@ class FrameDecoder:
         self._payload, self._payload_view, self.placed_rid = own, memoryview(own), None
 
     def _finish_frame(self) -> Frame:
-        frame = build_frame(self._ftype, self._header, self._payload if self._payload_len else bytearray(), self._known)
+        frame = build_frame(self._ftype, self._header, self._payload if self._payload_len else bytearray(),
+                            self._records)
         self._state = _State.PREAMBLE
         self._header = {}
         # The payload is the frame's now: keep no reference (nor an export that would pin its size).

@@ -26,7 +26,7 @@ from transports.core.frames import (
     Payload,
     Pull,
 )
-from transports.core.provenance_tables import record_tables
+from transports.core.provenance_tables import SentRecords, record_tables
 
 __all__ = ["DEFAULT_MAX_HEADER", "DIGEST_SIZE", "MAGIC", "PREAMBLE", "PREAMBLE_SIZE", "check_parts", "encode",
            "encode_many", "encode_parts", "payload_pieces"]
@@ -57,7 +57,8 @@ def check_parts(digests: Any, sizes: Any, payload_len: int, error: type[Exceptio
     return num_parts
 
 
-def _header(frame: Frame) -> dict[str, Any]:
+def _header(frame: Frame, sent: SentRecords | None = None) -> dict[str, Any]:
+    tables = record_tables if sent is None else sent.tables
     match frame:
         case Hello(node=node, version=version, max_payload=max_payload):
             return {"node": node, "version": version, "max_payload": max_payload}
@@ -66,10 +67,10 @@ def _header(frame: Frame) -> dict[str, Any]:
             return header | {"ns": ns} if ns else header
         case Block(request_id=rid, address=a, digest=digest, provenance=prov):
             header = {"rid": rid, "hash": a.hash, "layer": a.layer, "digest": digest}
-            return header if prov is None else header | record_tables((prov,))
+            return header if prov is None else header | tables((prov,))
         case Blocks(request_id=rid, first=first, digests=digests, sizes=sizes, provenances=provs):
             header = {"rid": rid, "first": first, "digests": digests, "sizes": list(sizes)}
-            return header | record_tables(provs) if any(p is not None for p in provs) else header
+            return header | tables(provs) if any(p is not None for p in provs) else header
         case Miss(request_id=rid, address=a, reason=reason):
             return {"rid": rid, "hash": a.hash, "layer": a.layer, "reason": reason.value}
         case End(request_id=rid):
@@ -84,10 +85,12 @@ def _header(frame: Frame) -> dict[str, Any]:
 _BLOCK_TYPE = int(FrameType.BLOCK)
 
 
-def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD) -> tuple[bytes, Payload | tuple[Payload, ...]]:
+def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD,
+                 sent: SentRecords | None = None) -> tuple[bytes, Payload | tuple[Payload, ...]]:
     """Preamble + header as one bytes object, and the payload unchanged (for vectored writes): one
-    buffer, or a BLOCKS frame's tuple of part buffers, to be written in order after the head."""
+    buffer, or a BLOCKS frame's tuple of part buffers, to be written in order after the head.
+    `sent`: the ordered stream this frame is written to next, whose records it names by number
+    (transports/core/provenance_tables.py); left as it was when the frame is refused."""
     if type(frame) is Block and frame.provenance is None:  # the unsigned data path: the same checks, no matching
         body = frame.payload
         size = len(body) if type(body) is bytes else memoryview(body).nbytes
@@ -101,7 +104,16 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER,
         if len(frame.digest) != DIGEST_SIZE:
             raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
         return PREAMBLE.pack(MAGIC, VERSION, _BLOCK_TYPE, 0, len(header), size) + header, body
-    header = msgpack.packb(_header(frame), use_bin_type=True)
+    if sent is None or not isinstance(frame, Block | Blocks):
+        return _encode_checked(frame, max_header, max_payload, None)
+    encoded = _encode_checked(frame, max_header, max_payload, sent)
+    sent.commit()
+    return encoded
+
+
+def _encode_checked(frame: Frame, max_header: int, max_payload: int,
+                    sent: SentRecords | None) -> tuple[bytes, Payload | tuple[Payload, ...]]:
+    header = msgpack.packb(_header(frame, sent), use_bin_type=True)
     payload: Payload | tuple[Payload, ...] = frame.payload if isinstance(frame, Block | Blocks) else b""
     piece_sizes = tuple(memoryview(p).nbytes for p in payload_pieces(payload))
     payload_len = sum(piece_sizes)

@@ -27,7 +27,7 @@ from transports.core.frames import (
     MissReason,
     Pull,
 )
-from transports.core.provenance_tables import KnownRecords, part_records
+from transports.core.provenance_tables import StreamRecords, part_records
 
 __all__ = ["PAYLOAD_TYPES", "LocalProtocolError", "ProtocolError", "RemoteProtocolError", "build_frame",
            "unpack_map"]
@@ -100,31 +100,31 @@ _NAMES = {t: t.name for t in FrameType}   # for messages: Enum.name is a propert
 
 
 def _records(header: dict[Any, Any], num_parts: int, ftype: FrameType,
-             known: KnownRecords | None) -> tuple[Provenance | None, ...]:
+             stream: StreamRecords | None) -> tuple[Provenance | None, ...]:
     try:
-        return part_records(header, num_parts, _NAMES[ftype], known)
+        return part_records(header, num_parts, _NAMES[ftype], stream)
     except ValueError as e:
         raise ProtocolError(str(e)) from None
 
 
 def build_frame(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
-           known: KnownRecords | None = None) -> Frame:
-    # The data path, a BLOCK unsigned (4 fields) or signed (7: its record's three as well), is
-    # checked in one expression; anything else, or a BLOCK with something wrong, is built (and what
-    # is wrong named) by _build_checked.
-    if ftype is FrameType.BLOCK and ((fields := len(header)) == 4 or (fields == 7 and "pix" in header)):
+           stream: StreamRecords | None = None) -> Frame:
+    # The data path, a BLOCK unsigned (4 fields) or signed (its record fields as well), is checked
+    # in one expression; anything else, or a BLOCK with something wrong, is built (and what is
+    # wrong named) by _build_checked.
+    if ftype is FrameType.BLOCK and ((fields := len(header)) == 4 or (fields <= 8 and "pix" in header)):
         rid, hash_, layer, digest = header.get("rid"), header.get("hash"), header.get("layer"), header.get("digest")
         if (type(rid) is int and 0 <= rid < 2**64 and type(hash_) is bytes and len(hash_) == HASH_SIZE
                 and type(layer) is int and 0 <= layer < 2**32 and type(digest) is bytes and len(digest) == DIGEST_SIZE):
             address = BlockAddress(BlockHash(hash_), layer)
             if fields == 4:
                 return Block(rid, address, digest, payload)
-            return Block(rid, address, digest, payload, _records(header, 1, ftype, known)[0])
-    return _build_checked(ftype, header, payload, known)
+            return Block(rid, address, digest, payload, _records(header, 1, ftype, stream)[0])
+    return _build_checked(ftype, header, payload, stream)
 
 
 def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
-                   known: KnownRecords | None = None) -> Frame:
+                   stream: StreamRecords | None = None) -> Frame:
     if ftype not in PAYLOAD_TYPES and payload:
         raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
     if ftype is FrameType.HELLO:
@@ -147,13 +147,13 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
         if len(digest) != DIGEST_SIZE:
             raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
         addr = _address(header.get("hash"), header.get("layer"), ftype)
-        provs = _records(header, 1, ftype, known)
+        provs = _records(header, 1, ftype, stream)
         return Block(_u64(header, "rid", ftype), addr, digest, payload, provs[0] if provs else None)
     if ftype is FrameType.BLOCKS:
         rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
         digests, sizes = header.get("digests"), header.get("sizes")
         num_parts = check_parts(digests, sizes, len(payload), ProtocolError)   # bytes and ints from here on
-        provs = _records(header, num_parts, ftype, known)
+        provs = _records(header, num_parts, ftype, stream)
         if not any(p is not None for p in provs):
             provs = ()
         return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload, provs)

@@ -45,6 +45,7 @@ from transports.core.codec import (
 )
 from transports.core.link import WRITE_HIGH, LinkBase
 from transports.core.metrics import TransportMetrics
+from transports.core.provenance_tables import SentRecords
 from transports.tls.handshake import auth_failure_reason
 
 logger = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class TlsLink(LinkBase):
         self.max_payload = max_payload
         self.frame_timeout_s = frame_timeout_s
         self._out: deque[memoryview] = deque()
+        self._sent = SentRecords()   # records this stream carried: later frames name them by number
         self._out_bytes = 0
         self._writer_on = False
         self._read_wants_write = False
@@ -221,7 +223,7 @@ class TlsLink(LinkBase):
             self._flush()
 
     def _queue(self, frame: Frame) -> None:
-        head, payload = encode_parts(frame, max_payload=self.max_payload)
+        head, payload = encode_parts(frame, max_payload=self.max_payload, sent=self._sent)
         out = self._out
         short: bytes | memoryview = head   # under a record: topped up by what follows
         if len(out) > 1 and out[-1].nbytes + len(head) < TLS_RECORD:

@@ -241,13 +241,20 @@ def _decode(record: bytes, cert: bytes, what: str) -> Provenance:
 
 def _pick(records: list[Provenance | None] | dict[int, Provenance], pix: list[Any], end: int, low: int,
           what: str) -> tuple[Provenance | None, ...]:
-    """Each part's record: pix entries are ints (not bools) in low .. end - 1, or -1 (unsigned);
-    checked without a Python loop per part."""
-    if pix and (set(map(type, pix)) != {int} or max(pix) >= end
-                or (min(pix) < low and any(i != -1 and i < low for i in pix)) or min(pix) < -1):
-        bad = next(i for i in pix if type(i) is not int or not (i == -1 or low <= i < end))
+    """Each part's record: pix entries are ints (not bools) in low .. end - 1, or -1 (unsigned).
+    A frame's parts name few records (a block's layers share one), so each distinct entry is
+    checked once and the parts are mapped without a Python loop per part."""
+    if not pix:
+        return ()
+    if set(map(type, pix)) != {int}:
+        bad = next(i for i in pix if type(i) is not int)
         raise ValueError(f"{what} pix entry {bad!r} out of range: this stream holds records {low}..{end - 1}")
-    if isinstance(records, dict):
-        return tuple([None if i < 0 else records[i] for i in pix])
-    records.append(None)   # pix -1 (unsigned) picks the last entry
-    return tuple([records[i] for i in pix])
+    chosen: dict[int, Provenance | None] = {}
+    for i in set(pix):
+        if i == -1:
+            chosen[i] = None
+        elif low <= i < end:
+            chosen[i] = records[i]
+        else:
+            raise ValueError(f"{what} pix entry {i!r} out of range: this stream holds records {low}..{end - 1}")
+    return tuple(map(chosen.__getitem__, pix))

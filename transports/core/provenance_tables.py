@@ -37,7 +37,7 @@ from typing import Any
 from fabric.provenance import Provenance, ProvenanceError
 
 MAX_KNOWN_RECORDS = 64   # per-frame form: a few frames' worth of blocks; emptied when full
-STREAM_WINDOW = 1024     # per-stream form: records (and certificates) both ends keep
+STREAM_WINDOW = 512      # per-stream form: records (and certificates) both ends keep (a few MB per connection at most)
 MAX_NEW = 256            # at most this many records are new in one frame (one per part: MAX_PARTS)
 
 

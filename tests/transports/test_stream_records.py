@@ -114,6 +114,15 @@ def test_a_frame_names_at_most_max_new_new_records() -> None:
     assert isinstance(got[0], Blocks) and got[0].provenances == tuple(records)
 
 
+def test_a_writer_refuses_a_frame_the_reader_would_refuse() -> None:
+    records = [_record(i) for i in range(MAX_NEW + 1)]
+    frame = Blocks(1, 0, bytes([7]) * 32 * len(records), (1,) * len(records), b"x" * len(records), tuple(records))
+    sent = SentRecords()
+    with pytest.raises(ValueError, match="at most"):
+        encode_parts(frame, sent=sent)
+    assert sent.next_record == 0
+
+
 def test_per_frame_tables_still_decode_on_any_stream() -> None:
     a = _record(1)
     reader = FrameDecoder()

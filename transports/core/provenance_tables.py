@@ -80,6 +80,8 @@ class SentRecords:
                     records[id(prov)] = (i, prov)
                     new_records.append([prov.encode(), self._cert_number(prov.cert_der, certs)])
             pix.append(i)
+        if len(records) > MAX_NEW:   # the reader would refuse it: a frame of more parts than a session cuts
+            raise ValueError(f"a frame may name at most {MAX_NEW} records new on its stream, not {len(records)}")
         self._pending = (records, certs)
         fields: dict[str, Any] = {"rref": [self.next_record, self.next_cert], "pix": pix}
         if new_records:

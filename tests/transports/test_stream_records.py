@@ -78,6 +78,18 @@ def test_a_refused_frame_leaves_the_numbering_as_it_was() -> None:
     assert isinstance(got[0], Block) and got[0].provenance == a
 
 
+def test_a_refused_frame_is_not_numbered_by_the_next_frame_either() -> None:
+    a, b = _record(1), _record(2)
+    sent, reader = SentRecords(), FrameDecoder()
+    big = Blocks(1, 0, bytes([7]) * 64, (1, 1), b"xy", (a, b))
+    with pytest.raises(ValueError, match="header"):
+        encode_parts(big, max_header=64, sent=sent)   # refused after its tables were made
+    unsigned = Blocks(1, 0, bytes([7]) * 32, (1,), b"x")
+    got = reader.feed(_wire(unsigned, sent)) + reader.feed(_wire(_block(b), sent)) + reader.feed(_wire(_block(a), sent))
+    assert [f.provenance for f in got[1:] if isinstance(f, Block)] == [b, a]
+    assert sent.next_record == 2
+
+
 def _signed_wire(fields: dict[str, object]) -> bytes:
     header = msgpack.packb({"rid": 1, "hash": b"h" * 32, "layer": 0, "digest": b"d" * 32} | fields,
                            use_bin_type=True)

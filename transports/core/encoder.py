@@ -6,7 +6,7 @@ frame types are `transports.core.frames`'.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import msgpack
@@ -83,36 +83,57 @@ def _header(frame: Frame, sent: SentRecords | None = None) -> dict[str, Any]:
 
 
 _BLOCK_TYPE = int(FrameType.BLOCK)
+Encoded = tuple[bytes, Payload | tuple[Payload, ...]]   # a frame's head, and its payload as `encode_parts` returns it
 
 
 def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 sent: SentRecords | None = None) -> tuple[bytes, Payload | tuple[Payload, ...]]:
+                 sent: SentRecords | None = None) -> Encoded:
     """Preamble + header as one bytes object, and the payload unchanged (for vectored writes): one
     buffer, or a BLOCKS frame's tuple of part buffers, to be written in order after the head.
     `sent`: the ordered stream this frame is written to next, whose records it names by number
     (transports/core/provenance_tables.py); left as it was when the frame is refused."""
-    if type(frame) is Block and frame.provenance is None:  # the unsigned data path: the same checks, no matching
-        body = frame.payload
-        size = len(body) if type(body) is bytes else memoryview(body).nbytes
-        a = frame.address
-        header = msgpack.packb({"rid": frame.request_id, "hash": a.hash, "layer": a.layer, "digest": frame.digest},
-                               use_bin_type=True)
-        if len(header) > max_header:
-            raise ValueError(f"BLOCK header is {len(header)} bytes, over the {max_header}-byte limit")
-        if size > max_payload:
-            raise ValueError(f"BLOCK payload is {size} bytes, over the {max_payload}-byte limit")
-        if len(frame.digest) != DIGEST_SIZE:
-            raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
-        return PREAMBLE.pack(MAGIC, VERSION, _BLOCK_TYPE, 0, len(header), size) + header, body
+    if type(frame) is Block and (frame.provenance is None or sent is not None):
+        # The data path, a BLOCK unsigned or on a stream that names its record by number.
+        if frame.provenance is None or sent is None:
+            return _encode_block(frame, max_header, max_payload, None)
+        return _on_stream(sent, _encode_block, frame, max_header, max_payload)
     if sent is None or not isinstance(frame, Block | Blocks):
         return _encode_checked(frame, max_header, max_payload, None)
-    encoded = _encode_checked(frame, max_header, max_payload, sent)
+    return _on_stream(sent, _encode_checked, frame, max_header, max_payload)
+
+
+def _on_stream(sent: SentRecords, encoder: Callable[[Any, int, int, SentRecords | None], Encoded], frame: Frame,
+               max_header: int, max_payload: int) -> Encoded:
+    """Encode with `sent` numbering the frame's records: its numbers hold once it is encoded, and
+    are forgotten when it is refused."""
+    try:
+        encoded = encoder(frame, max_header, max_payload, sent)
+    except Exception:
+        sent.discard()
+        raise
     sent.commit()
     return encoded
 
 
-def _encode_checked(frame: Frame, max_header: int, max_payload: int,
-                    sent: SentRecords | None) -> tuple[bytes, Payload | tuple[Payload, ...]]:
+def _encode_block(frame: Block, max_header: int, max_payload: int, sent: SentRecords | None) -> Encoded:
+    """A BLOCK frame's head and payload, checked as `_encode_checked` checks, without its matching."""
+    body = frame.payload
+    size = len(body) if type(body) is bytes else memoryview(body).nbytes
+    a = frame.address
+    fields = {"rid": frame.request_id, "hash": a.hash, "layer": a.layer, "digest": frame.digest}
+    if frame.provenance is not None:
+        fields |= sent.table(frame.provenance) if sent is not None else record_tables((frame.provenance,))
+    header = msgpack.packb(fields, use_bin_type=True)
+    if len(header) > max_header:
+        raise ValueError(f"BLOCK header is {len(header)} bytes, over the {max_header}-byte limit")
+    if size > max_payload:
+        raise ValueError(f"BLOCK payload is {size} bytes, over the {max_payload}-byte limit")
+    if len(frame.digest) != DIGEST_SIZE:
+        raise ValueError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(frame.digest)}")
+    return PREAMBLE.pack(MAGIC, VERSION, _BLOCK_TYPE, 0, len(header), size) + header, body
+
+
+def _encode_checked(frame: Frame, max_header: int, max_payload: int, sent: SentRecords | None) -> Encoded:
     header = msgpack.packb(_header(frame, sent), use_bin_type=True)
     payload: Payload | tuple[Payload, ...] = frame.payload if isinstance(frame, Block | Blocks) else b""
     piece_sizes = tuple(memoryview(p).nbytes for p in payload_pieces(payload))

@@ -44,8 +44,8 @@ MAX_NEW = 256            # at most this many records are new in one frame (one p
 class SentRecords:
     """The writer's side of the per-stream form, for one ordered stream: what it has sent, by
     identity (each record held, so that its identity stays its own), with its stream number.
-    `tables` numbers a frame's new records; `commit` once that frame is queued on the stream (a
-    frame refused before then leaves the stream's numbering as it was)."""
+    `tables` numbers a frame's new records; `commit` once that frame is encoded for the stream, or
+    `discard` when it is refused (the stream's numbering is then as it was)."""
 
     def __init__(self) -> None:
         self.next_record = 0
@@ -90,6 +90,14 @@ class SentRecords:
                 fields["certs"] = list(certs)
         return fields
 
+    def table(self, prov: Provenance) -> dict[str, Any]:
+        """`tables((prov,))`, for a one-part frame: its record named by number when held."""
+        sent = self._records.get(id(prov))
+        if sent is not None and self._held(sent[0]):
+            self._pending = ({}, {})
+            return {"rref": [self.next_record, self.next_cert], "pix": [sent[0]]}
+        return self.tables((prov,))
+
     def _cert_number(self, cert: bytes, certs: dict[bytes, int]) -> int:
         number = certs.get(cert)
         if number is None:
@@ -97,6 +105,10 @@ class SentRecords:
             if number is None or number < self.next_cert + MAX_NEW - STREAM_WINDOW:
                 number = certs[cert] = self.next_cert + len(certs)
         return number
+
+    def discard(self) -> None:
+        """The frame whose tables were made last was refused: its new numbers never held."""
+        self._pending = ({}, {})
 
     def commit(self) -> None:
         """The frame whose tables were made last is on the stream: its new numbers hold."""
@@ -159,6 +171,15 @@ def part_records(header: dict[Any, Any], num_parts: int, what: str,
     if "pix" not in header and "provs" not in header and "certs" not in header and "rref" not in header:
         return ()
     if "rref" in header:
+        if stream is not None and num_parts == 1 and "provs" not in header and "certs" not in header:
+            # The data path: a one-part frame naming a record this stream holds. Anything else, or
+            # anything off here, takes the checked path below.
+            rref, pix = header["rref"], header.get("pix")
+            if type(rref) is list and len(rref) == 2 and type(pix) is list and len(pix) == 1 and \
+                    type(first := rref[0]) is int and type(cert := rref[1]) is int and type(i := pix[0]) is int \
+                    and first == stream.next_record and cert == stream.next_cert \
+                    and (record := stream.records.get(i)) is not None:   # held: within the window
+                return (record,)
         return _stream_records(header, _pix(header, num_parts, what), what,
                                stream if stream is not None else StreamRecords())
     certs, table = _check_certs(header.get("certs"), what), header.get("provs")

@@ -31,7 +31,7 @@ per stream: by number) is the same object, which the verifier has already checke
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from fabric.provenance import Provenance, ProvenanceError
@@ -54,32 +54,23 @@ class SentRecords:
         self._certs: OrderedDict[bytes, int] = OrderedDict()                       # DER -> number
         self._pending: tuple[dict[int, tuple[int, Provenance]], dict[bytes, int]] = ({}, {})
 
-    def _held(self, number: int) -> bool:
-        """Whether the reader still holds `number` after the frame being built (MAX_NEW new at most)."""
-        return number >= self.next_record + MAX_NEW - STREAM_WINDOW
-
     def tables(self, provs: Iterable[Provenance | None]) -> dict[str, Any]:
         """The `rref` / `certs` / `provs` / `pix` header fields for parts with these records,
         numbering the ones this stream has not carried (or no longer holds) from `next_record`."""
         records: dict[int, tuple[int, Provenance]] = {}   # this frame's new records
         certs: dict[bytes, int] = {}                      # this frame's new certificates
         new_records: list[list[Any]] = []
-        pix: list[int] = []
-        last: Provenance | None = None
-        i = -1
-        for prov in provs:
-            if prov is not last:
-                last = prov
-                if prov is None:
-                    i = -1
-                elif (sent := records.get(id(prov)) or self._records.get(id(prov))) is not None and (
-                        sent[0] >= self.next_record or self._held(sent[0])):   # new in this frame, or held
-                    i = sent[0]
-                else:
-                    i = self.next_record + len(records)
-                    records[id(prov)] = (i, prov)
-                    new_records.append([prov.encode(), self._cert_number(prov.cert_der, certs)])
-            pix.append(i)
+
+        def number(prov: Provenance) -> int:
+            sent = records.get(id(prov)) or self._records.get(id(prov))
+            if sent is not None and (sent[0] >= self.next_record or _held(sent[0], self.next_record)):
+                return sent[0]   # new in this frame, or held by the reader
+            i = self.next_record + len(records)
+            records[id(prov)] = (i, prov)
+            new_records.append([prov.encode(), self._cert_number(prov.cert_der, certs)])
+            return i
+
+        pix = _part_numbers(provs, number)
         if len(records) > MAX_NEW:   # the reader would refuse it: a frame of more parts than a session cuts
             raise ValueError(f"a frame may name at most {MAX_NEW} records new on its stream, not {len(records)}")
         self._pending = (records, certs)
@@ -93,7 +84,7 @@ class SentRecords:
     def table(self, prov: Provenance) -> dict[str, Any]:
         """`tables((prov,))`, for a one-part frame: its record named by number when held."""
         sent = self._records.get(id(prov))
-        if sent is not None and self._held(sent[0]):
+        if sent is not None and _held(sent[0], self.next_record):
             self._pending = ({}, {})
             return {"rref": [self.next_record, self.next_cert], "pix": [sent[0]]}
         return self.tables((prov,))
@@ -102,7 +93,7 @@ class SentRecords:
         number = certs.get(cert)
         if number is None:
             number = self._certs.get(cert)
-            if number is None or number < self.next_cert + MAX_NEW - STREAM_WINDOW:
+            if number is None or not _held(number, self.next_cert):
                 number = certs[cert] = self.next_cert + len(certs)
         return number
 
@@ -140,26 +131,43 @@ class StreamRecords:
         self.next_cert = 0
 
 
+def _held(number: int, next_number: int) -> bool:
+    """Whether a reader still holds stream number `number` after the frame being built, which
+    numbers at most MAX_NEW new ones from `next_number`."""
+    return number >= next_number + MAX_NEW - STREAM_WINDOW
+
+
+def _part_numbers(provs: Iterable[Provenance | None], number: Callable[[Provenance], int]) -> list[int]:
+    """`pix`: each part's record number from `number`, or -1 unsigned. A block's layers share one
+    record object, so consecutive parts mostly repeat the last one: an identity test then, and
+    `number` is asked once per run of parts under one record."""
+    pix: list[int] = []
+    last: Provenance | None = None
+    i = -1
+    for prov in provs:
+        if prov is not last:
+            last = prov
+            i = -1 if prov is None else number(prov)
+        pix.append(i)
+    return pix
+
+
 def record_tables(provs: Iterable[Provenance | None]) -> dict[str, Any]:
     """The per-frame `certs` / `provs` / `pix` header fields for parts with these records."""
     certs: dict[bytes, int] = {}
     records: dict[int, int] = {}   # id(record) -> its index: every record here is alive in `provs`
     table: list[list[Any]] = []
-    pix: list[int] = []
-    last: Provenance | None = None
-    i = -1
-    for prov in provs:
-        # A block's layers share one record object, so consecutive parts mostly repeat the last one:
-        # an identity test then, and a dictionary lookup by identity only per record. (Equal records
-        # that are distinct objects each get an entry: a few more header bytes, never a wrong one.)
-        if prov is not last:
-            last = prov
-            if prov is None:
-                i = -1
-            elif (i := records.get(id(prov), -1)) < 0:
-                i = records[id(prov)] = len(table)
-                table.append([prov.encode(), certs.setdefault(prov.cert_der, len(certs))])
-        pix.append(i)
+
+    def number(prov: Provenance) -> int:
+        # By identity: equal records that are distinct objects each get an entry (a few more header
+        # bytes, never a wrong one).
+        i = records.get(id(prov), -1)
+        if i < 0:
+            i = records[id(prov)] = len(table)
+            table.append([prov.encode(), certs.setdefault(prov.cert_der, len(certs))])
+        return i
+
+    pix = _part_numbers(provs, number)
     return {"certs": list(certs), "provs": table, "pix": pix}
 
 

@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.installed
 
-.PHONY: install os-packages test lint typecheck unit demo bench clean
+.PHONY: install os-packages test test-fast lint typecheck unit demo bench clean
 
 install: os-packages $(STAMP)
 
@@ -43,6 +43,10 @@ unit: install
 	$(VENV)/bin/pytest -q
 
 test: lint typecheck unit
+
+# The edit loop: unit tests only (no Ray cluster, benchmark, real model or vLLM engine; tests/conftest.py tiers them).
+test-fast: install
+	$(VENV)/bin/pytest -q -m 'not cluster and not bench and not slow and not vllm'
 
 demo: install
 	$(VENV)/bin/kvfabric demo

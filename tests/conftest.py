@@ -1,0 +1,50 @@
+"""The suite tiers itself: every test gets the markers of what it starts.
+
+- ``cluster``: starts a local multi-node Ray cluster (or the CLI that starts one).
+- ``bench``: runs a benchmark script end to end (its smoke test).
+- ``slow``: loads a real model or runs a long soak; correct but not for the edit loop.
+- ``vllm``: runs a real vLLM engine (marked in the test module itself).
+
+``make test-fast`` runs what carries none of them; ``make test`` runs everything. A module joins a tier
+here by name, so a new module that starts a cluster is listed once, beside its neighbours.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+_CLUSTER_MODULES = frozenset({
+    "test_cli_cluster.py",
+    "test_cli_demo.py",
+    "test_cli_inspect.py",
+    "test_cli_purge.py",
+    "test_cluster_integration.py",
+    "test_directory_stall.py",
+    "test_hf_cluster.py",
+    "test_kv_events_cluster.py",
+    "test_load_deadline.py",
+    "test_netbed.py",
+    "test_provenance_cluster.py",
+    "test_ray_job_example.py",
+    "test_tenancy_cluster.py",
+    "test_vllm_cluster.py",
+})
+_SLOW_MODULES = frozenset({
+    "test_hf_engine.py",
+    "test_hf_smollm2.py",
+    "test_engine_allocator.py",
+    "test_store_hardening.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        path = Path(str(item.fspath))
+        if path.parent.name == "benchmarks":
+            item.add_marker(pytest.mark.bench)
+        if path.name in _CLUSTER_MODULES:
+            item.add_marker(pytest.mark.cluster)
+        if path.name in _SLOW_MODULES:
+            item.add_marker(pytest.mark.slow)

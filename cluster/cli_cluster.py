@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import atexit
 import dataclasses
 import json
 import logging
@@ -23,6 +24,7 @@ import os
 import signal
 import socket
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +32,7 @@ from rich.console import Console
 from rich.table import Table
 
 from cluster.cli import CLIError
-from cluster.netbed import pid_alive
+from cluster.netbed import NetBed, pid_alive
 from fabric.config import ClusterConfig, Config, ConfigError, kvfabric_home
 from transports.core.certs import CertificateError
 
@@ -82,6 +84,9 @@ def _connect(address: str | None) -> tuple[str, dict[str, Any] | None]:
 
     state = json.loads(state_file().read_text()) if state_file().exists() else None
     address = address or (state["address"] if state else "auto")
+    if state is not None and "netbed" in state and address == state["address"]:
+        _join_bed(state)
+        return address, state
     if address != "auto":
         _check_reachable(address)
     if address.startswith(("127.", "localhost")):
@@ -92,6 +97,31 @@ def _connect(address: str | None) -> tuple[str, dict[str, Any] | None]:
         raise CLIError(f"no Ray cluster at {address!r} ({str(e).splitlines()[0]}); "
                        "start one with `kvfabric up --nodes 3` or pass --address") from None
     return address, state
+
+
+def _bed_driver(state: dict[str, Any]) -> tuple[NetBed, AbstractContextManager[None]]:
+    """The bed `up --netns` made, and the context that joins its Ray cluster as a driver does: from
+    inside host 0, with the bed's own Ray token."""
+    from cluster.netbed_plan import NetbedError
+    from cluster.netbed_ray import BedRay, driver, ray_env
+
+    try:
+        bed = NetBed.load(state["netbed"])
+    except NetbedError as e:
+        raise CLIError(str(e)) from None
+    namespace = _config(state.get("config")).cluster.namespace
+    return bed, driver(bed, BedRay(state["address"], ray_env(bed)), namespace)
+
+
+def _join_bed(state: dict[str, Any]) -> None:
+    """Join the Ray cluster of a bed `up --netns` made, until the command exits."""
+    bed, joined = _bed_driver(state)
+    try:
+        joined.__enter__()
+    except (ConnectionError, RuntimeError, ValueError) as e:
+        raise CLIError(f"no Ray cluster at {state['address']!r} in test bed {bed.plan.prefix} "
+                       f"({str(e).splitlines()[0]}); `kvfabric down` removes the bed") from None
+    atexit.register(joined.__exit__, None, None, None)
 
 
 def _check_reachable(address: str) -> None:
@@ -134,7 +164,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def _up_netns(args: argparse.Namespace, config: Config, num_nodes: int) -> int:
-    from cluster.netbed import NetBed, NetbedUnavailable
+    from cluster.netbed import NetbedUnavailable
     from cluster.netbed_plan import NetbedError, parse_profile
     from cluster.netbed_ray import driver, start_bed_fabric, start_ray
 
@@ -169,18 +199,11 @@ def _up_netns(args: argparse.Namespace, config: Config, num_nodes: int) -> int:
 def _down_netns(state: dict[str, Any]) -> None:
     """Stop the fabric of a bed `up --netns` made, then remove the bed (its processes by PID)."""
     from cluster.launch import stop_fabric
-    from cluster.netbed import NetBed
-    from cluster.netbed_plan import NetbedError
-    from cluster.netbed_ray import BedRay, driver, ray_env
 
+    bed, joined = _bed_driver(state)
     try:
-        bed = NetBed.load(state["netbed"])
-    except NetbedError as e:
-        raise CLIError(str(e)) from None
-    config = _config(state.get("config"))
-    try:
-        with driver(bed, BedRay(state["address"], ray_env(bed)), config.cluster.namespace):
-            print(f"stopped {stop_fabric(config)} fabric actors")
+        with joined:
+            print(f"stopped {stop_fabric(_config(state.get('config')))} fabric actors")
     except (ConnectionError, RuntimeError) as e:
         logger.warning("could not reach the bed's Ray cluster to stop the fabric cleanly: %s", e)
     bed.teardown()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import subprocess
@@ -89,6 +90,13 @@ def test_up_netns_puts_each_node_in_its_own_host_and_down_removes_the_bed(tmp_pa
         assert {f"{prefix}h0", f"{prefix}h1"} <= _namespaces()
         assert f"2 Ray nodes at {state['address']}" in up.stdout and "host 1 at" in up.stdout
         assert "delay not applied" in up.stdout
+        # The README's next step: stats reaches the bed's cluster (its own Ray token, from inside a host).
+        stats = run(["stats", "--json"], home)
+        assert stats.returncode == 0, stats.stderr[-3000:]
+        nodes = json.loads(stats.stdout.strip().splitlines()[-1])["nodes"]
+        assert len(nodes) == 2 and all("error" not in n for n in nodes)
+        hosts = {ipaddress.ip_address(n["address"].rsplit(":", 1)[0]) for n in nodes}
+        assert len(hosts) == 2 and all(h in ipaddress.ip_network(bed["subnet"]) for h in hosts)
     finally:
         down = run(["down"], home)
     assert down.returncode == 0, down.stderr[-3000:]

@@ -11,6 +11,8 @@ here by name, so a new module that starts a cluster is listed once, beside its n
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -48,3 +50,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.cluster)
         if path.name in _SLOW_MODULES:
             item.add_marker(pytest.mark.slow)
+
+
+Wait = Callable[..., float]
+
+
+def _wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 30.0, poll_s: float = 0.05) -> float:
+    """Poll `predicate` until it is true; the seconds it took. A test waits for a condition, never for a
+    fixed time: this fails with `what` when the condition has not held within `timeout_s`."""
+    start = time.monotonic()
+    while not predicate():
+        if time.monotonic() - start > timeout_s:
+            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
+        time.sleep(poll_s)
+    return time.monotonic() - start
+
+
+@pytest.fixture(scope="session")
+def wait_until() -> Wait:
+    """`wait_until(predicate, what, timeout_s=30)`: poll until true, else fail naming `what`."""
+    return _wait_until

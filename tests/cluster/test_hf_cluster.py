@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -32,6 +31,7 @@ BLOCK = 16
 VOCAB = 512
 TOLERANCE = 1e-4
 Cluster = tuple[LocalCluster, dict[str, ray.actor.ActorHandle]]
+Wait = Callable[..., float]
 
 
 def tiny_llama() -> LlamaForCausalLM:
@@ -75,13 +75,13 @@ def diff(a: Answer, b: Answer) -> float:
 
 @pytest.mark.parametrize("mode", [LoadMode.FULL, LoadMode.LAYERWISE])
 def test_kv_pulled_from_another_node_continues_exactly_as_a_recompute(
-        cluster: Cluster, mode: LoadMode) -> None:
+        cluster: Cluster, mode: LoadMode, wait_until: Wait) -> None:
     _, engines = cluster
     owner, reader, _ = sorted(engines)
     first, second = chat(seed=1 if mode is LoadMode.FULL else 2)
     wrote: Answer = ray.get(engines[owner].answer.remote(first, 1))
     assert wrote.num_reused_tokens == 0
-    time.sleep(1.0)   # the owner's register batch reaches the directory within flush_ms; leave slack
+    _wait_listed(engines[owner], reader, first, wait_until)
 
     # Pull whatever the owner holds (deadline_s=inf): recomputing this tiny model's prompt may be
     # cheaper than a pull, and the node would rightly recompute; this test is about the pulled KV.
@@ -91,6 +91,15 @@ def test_kv_pulled_from_another_node_continues_exactly_as_a_recompute(
     assert got.pulled_bytes > 0
     assert diff(got, expected) <= TOLERANCE
     assert got.tokens == expected.tokens and len(got.tokens) == 32
+
+
+def _wait_listed(owner: ray.actor.ActorHandle, reader: str, tokens: list[int], wait_until: Wait) -> None:
+    """Until the reader's node sees the owner's blocks of `tokens` (its register batch reached the
+    directory)."""
+    ns = ray.get(owner.namespace.remote())
+    fabric = FabricClient.connect(node_id=reader)
+    wait_until(lambda: fabric.lookup(ns, tokens).num_tokens == len(tokens) // BLOCK * BLOCK,
+               "the directory lists the owner's blocks for the reader")
 
 
 def test_block_corrupted_on_the_owners_ssd_is_recomputed_with_identical_output(
@@ -119,7 +128,7 @@ def test_block_corrupted_on_the_owners_ssd_is_recomputed_with_identical_output(
     assert got.tokens == local_engine.generate(second, 32).tokens
 
 
-def test_paged_engine_pulls_blocks_from_another_node(cluster: Cluster) -> None:
+def test_paged_engine_pulls_blocks_from_another_node(cluster: Cluster, wait_until: Wait) -> None:
     """The paged engine (block manager + pool) on two nodes' fabrics: pool hits first, then the node's
     tiers, then pulls; logits equal a full prefill."""
     from cluster.engines.paged import PagedEngine
@@ -133,7 +142,10 @@ def test_paged_engine_pulls_blocks_from_another_node(cluster: Cluster) -> None:
     writer = PagedEngine(model, 64, BLOCK, fabric=FabricClient.connect(node_id=owner))
     wrote = writer.prefill(first)
     assert wrote.num_stored_blocks == len(first) // BLOCK
-    time.sleep(1.0)   # the owner's register batch reaches the directory
+    ns = writer.namespace
+    reader_fabric = FabricClient.connect(node_id=reader)
+    wait_until(lambda: reader_fabric.lookup(ns, first).num_tokens == len(first) // BLOCK * BLOCK,
+               "the directory lists the owner's blocks for the reader")
 
     paged = PagedEngine(model, 64, BLOCK, fabric=FabricClient.connect(node_id=reader))
     got = paged.prefill(second)

@@ -165,6 +165,7 @@ class KvEventPublisher:
                "topic": self._topic.decode(), "next_seq": str(self.log.next_seq),
                "curve_public_key": self._public.decode() if self.config.curve() else ""}
         if self._replays is not None:
+            out["replay_requests"] = str(self._replays.num_requests)
             out["replay_markers"] = ",".join(f"{k}={v}" for k, v in sorted(self._replays.markers.items()))
         return out
 

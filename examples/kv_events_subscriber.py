@@ -47,6 +47,7 @@ class NodeView:
     expected: int = 0                     # the next sequence number to apply
     digests: dict[int, bytes] = field(default_factory=dict)
     num_resets: int = 0
+    chain_of: dict[int, ChainKey] = field(default_factory=dict)   # held block -> (parent, tokens) announced
     first_events: list[str] = field(default_factory=list)   # tags of the first batch since a reset
 
     def apply(self, seq: int, payload: bytes, chains: dict[ChainKey, set[int]]) -> None:
@@ -56,6 +57,7 @@ class NodeView:
             tag = event["type"]
             if tag == "AllBlocksCleared":
                 self.held.clear()
+                self.chain_of.clear()
             elif tag == "BlockStored":
                 hashes, parent = event["block_hashes"], event["parent_block_hash"]
                 tokens, block_size = event["token_ids"], event["block_size"]
@@ -64,8 +66,11 @@ class NodeView:
                     for i, h in enumerate(hashes):
                         key = (parent if i == 0 else hashes[i - 1], tuple(tokens[i * block_size:(i + 1) * block_size]))
                         chains.setdefault(key, set()).add(h)
+                        self.chain_of[h] = key
             elif tag == "BlockRemoved":
                 self.held.difference_update(event["block_hashes"])
+                for h in event["block_hashes"]:
+                    self.chain_of.pop(h, None)
             else:
                 logger.warning("unknown KV event %r ignored", tag)
         self.digests[seq] = blake3.blake3(payload).digest()
@@ -74,6 +79,7 @@ class NodeView:
 
     def reset(self) -> None:
         self.held.clear()
+        self.chain_of.clear()
         self.digests.clear()
         self.expected = 0
         self.num_resets += 1

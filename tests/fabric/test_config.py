@@ -45,12 +45,12 @@ def test_the_default_events_endpoint_is_a_per_node_ipc_socket() -> None:
 
 
 @pytest.mark.parametrize(("text", "message"), [
-    ('[events]\nenabled = true\nendpoint = "tcp://*:5557"\n', "reachable from other hosts"),
+    ('[events]\nenabled = true\nendpoint = "tcp://[::]:5557"\n', "reachable from other hosts"),
     ('[events]\nenabled = true\nendpoint = "tcp://10.0.0.5:5557"\n', "reachable from other hosts"),
     ('[events]\nenabled = true\nreplay_endpoint = "tcp://0.0.0.0:5558"\n', "events.replay_endpoint"),
     ('[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:5557"\n[tenancy]\nrequired = true\n',
      "tenants' prompt token ids"),
-    ('[events]\nenabled = true\nendpoint = "tcp://*:5557"\ncurve_secret_key = "n.key_secret"\n',
+    ('[events]\nenabled = true\nendpoint = "tcp://0.0.0.0:5557"\ncurve_secret_key = "n.key_secret"\n',
      "curve_allow_dir"),
 ])
 def test_events_other_hosts_or_tenants_could_read_are_refused(tmp_path: Path, text: str, message: str) -> None:
@@ -64,7 +64,7 @@ def test_events_other_hosts_or_tenants_could_read_are_refused(tmp_path: Path, te
     '[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:5557"\n',
     '[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:5557"\ntoken_ids_tenants = []\n[tenancy]\nrequired = true\n',
     '[events]\nenabled = true\nendpoint = "ipc:///run/kvf/{node}.pub"\n[tenancy]\nrequired = true\n',
-    '[events]\nenabled = true\nendpoint = "tcp://*:5557"\ncurve_secret_key = "n.key_secret"\n'
+    '[events]\nenabled = true\nendpoint = "tcp://0.0.0.0:5557"\ncurve_secret_key = "n.key_secret"\n'
     'curve_allow_dir = "consumers"\n[tenancy]\nrequired = true\n',
 ])
 def test_events_on_loopback_ipc_or_curve_are_allowed(tmp_path: Path, text: str) -> None:

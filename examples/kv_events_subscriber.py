@@ -1,7 +1,7 @@
 """Follow every node's KV events and estimate, per node, how much of a prompt it holds.
 
     .venv/bin/python examples/kv_events_subscriber.py --address 127.0.0.1:6379 \
-        --tokens 1,2,3,... [--block-size 16] [--seconds 10]
+        --tokens 1,2,3,... [--block-size 16] [--seconds 10] [--curve-key router.key_secret]
 
 It finds each NodeActor's event endpoints through Ray (`stats()["kv_events"]`; the fabric must run
 with `[events] enabled = true` and a `replay_endpoint`), subscribes to all of them and keeps, per
@@ -13,7 +13,12 @@ Each stream is followed by sequence number: a gap, or a number that went back (t
 a new publisher counts from 0) is repaired through the replay socket; a batch replayed twice is
 recognised and skipped. With nothing received for `idle_check_s`, it asks for what follows the last
 batch it applied, so a restart whose first batches it missed is still seen (the publisher no longer
-has that batch as it was).
+has that batch as it was). A replay that stops at its bound (a `more` marker) or is rate limited is
+asked again from where it stopped; batches older than the node's buffer are logged as gone.
+
+Batches are vLLM 0.32's `KVEventBatch` (tagged maps, decoded here with plain msgpack). Where the
+nodes' events use CURVE, `--curve-key` is this consumer's key pair (`kvfabric certs events-key`),
+whose public key the operator put in the nodes' `[events] curve_allow_dir`.
 """
 
 from __future__ import annotations

@@ -284,3 +284,37 @@ def test_token_ids_are_shown_only_for_tenants_that_opted_in(tmp_path: Path) -> N
             True, False, False, False]
     finally:
         pub.close()
+
+
+def test_a_malformed_replay_request_is_answered_with_the_end_marker(publisher: KvEventPublisher) -> None:
+    dealer = CTX.socket(zmq.DEALER)
+    dealer.connect(publisher.replay_endpoint)
+    try:
+        dealer.send_multipart([b"", b"\x01\x02"])           # not an 8-byte sequence number
+        assert dealer.poll(5000)
+        assert dealer.recv_multipart() == [b"", b"", END_SEQ, b""]
+        assert publisher.replays is not None and publisher.replays.num_bad_requests == 1
+    finally:
+        dealer.close(linger=0)
+
+
+def test_the_cli_makes_a_consumer_key_pair_a_node_admits(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from cluster.cli import main
+    assert main(["certs", "events-key", "router", "--out", str(tmp_path / "keys")]) == 0
+    assert main(["certs", "events-key", "node", "--out", str(tmp_path / "keys")]) == 0
+    assert (tmp_path / "keys" / "router.key_secret").stat().st_mode & 0o077 == 0
+    assert main(["certs", "events-key", "router", "--out", str(tmp_path / "keys")]) == 2
+    assert "exists; pass --force" in capsys.readouterr().err
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "router.key").write_bytes((tmp_path / "keys" / "router.key").read_bytes())
+    cfg = config(tmp_path, curve_secret_key=str(tmp_path / "keys" / "node.key_secret"), curve_allow_dir=str(allowed))
+    pub = KvEventPublisher(cfg, "n1", block_size=4)
+    try:
+        public, secret = zmq.auth.load_certificate(tmp_path / "keys" / "router.key_secret")
+        publish(pub, 2)
+        reply = dealer_reply(pub.replay_endpoint, 0, curve_publickey=public, curve_secretkey=secret,
+                             curve_serverkey=pub.endpoints()["curve_public_key"].encode())
+        assert [s for _, s, _ in reply] == [0, 1, -1]
+    finally:
+        pub.close()

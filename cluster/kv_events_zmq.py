@@ -131,7 +131,7 @@ class KvEventPublisher:
     @staticmethod
     def _bound(sock: zmq.Socket[bytes]) -> str:
         endpoint = sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        if endpoint.startswith("ipc://"):
+        if endpoint.startswith("ipc://") and not endpoint.startswith("ipc://@"):   # @: Linux's abstract names
             os.chmod(endpoint[len("ipc://"):], 0o600)   # only the node's user connects
         return endpoint
 

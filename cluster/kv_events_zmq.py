@@ -91,7 +91,9 @@ class KvEventPublisher:
                 endpoint = resolve_endpoint(config.replay_endpoint, node_name)
                 router = self._ctx.socket(zmq.ROUTER)
                 router.setsockopt(zmq.LINGER, 0)
-                router.set_hwm(config.hwm)
+                # Room for one whole reply per requester: a reader that keeps up is never cut, one that
+                # does not read holds little of this node's memory.
+                router.set_hwm(min(config.hwm, 2 * config.replay_max_batches + 16))
                 self._secure(router, server=True)
                 try:
                     router.bind(endpoint)

@@ -12,6 +12,7 @@ from typing import Any
 
 from cryptography import x509
 
+from cluster import cli_events_keys as events_keys
 from cluster.cli import CLIError
 from transports.core.certs import CRL, CertificateError, init_ca, issue_node, issue_tenant, revoke
 
@@ -47,6 +48,7 @@ def register(sub: Any) -> None:
     rev.add_argument("--days", type=int, default=365,
                      help="the list's validity; nodes refuse every peer once it passes, so republish before")
     rev.set_defaults(func=_revoke)
+    events_keys.register(certs_sub)
 
 
 def _init(args: argparse.Namespace) -> int:

@@ -47,6 +47,7 @@ from cluster.planner import PullRun, plan_pulls
 from cluster.reply_buffers import ReplyBuffers
 from fabric.config import Config
 from fabric.keys import BlockHash, Namespace
+from fabric.layout import LayoutKind
 from fabric.priority import lower_thread_priority
 from fabric.provenance import Provenance
 from fabric.tiers.base import Tier
@@ -265,9 +266,14 @@ class NodeLoader:
             self.pending_mirrors -= 1
 
     def note_chain(self, ns: Namespace, hashes: Sequence[BlockHash], start: int, end: int,
-                   tokens: Tokens | None) -> None:
-        """Tell the KV event stream how `hashes[start:end]`, about to be stored, chain (and their tokens)."""
+                   tokens: Tokens | None, *, extra_keys: Sequence[tuple[Any, ...] | None] | None = None,
+                   lora_name: str | None = None) -> None:
+        """Tell the KV event stream how `hashes[start:end]`, about to be stored, chain (and their tokens,
+        if events may show this tenant's; an engine's per-block `extra_keys` for `hashes[start:end]`)."""
         if self.kv_events is None:
             return
-        span = None if tokens is None else np.asarray(tokens)[start * ns.block_size:end * ns.block_size].tolist()
-        self.kv_events.note_chain(hashes[start:end], hashes[start - 1] if start else None, span, ns.block_size)
+        shown = tokens is not None and self.kv_events.shows_tokens(self.tenants_of(ns))
+        span = np.asarray(tokens)[start * ns.block_size:end * ns.block_size].tolist() if shown else None
+        kind = "mla_attention" if ns.layout.kind is LayoutKind.MLA else "full_attention"
+        self.kv_events.note_chain(hashes[start:end], hashes[start - 1] if start else None, span, ns.block_size,
+                                  spec_kind=kind, extra_keys=extra_keys, lora_name=lora_name)

@@ -95,7 +95,9 @@ class NodeRuntime:
         self.metrics_port = int(self.http.server_port)
         self.kv_events: KvEventPublisher | None = None
         if cfg.events.enabled:
-            self.kv_events = KvEventPublisher(cfg.events, self.node_name, block_size=kv.block_size)
+            self.kv_events = KvEventPublisher(cfg.events, self.node_name, block_size=kv.block_size,
+                                              tenancy_required=cfg.tenancy.required,
+                                              chains_path=f"{kv.index_dir}.event-chains")
             self.kv_events.start(self.kv_store.held_addresses())
 
     def _open_identity(self, cert_dir: Path) -> None:

@@ -121,17 +121,62 @@ class EventsConfig:
     """KV events in vLLM's format, published by each NodeActor (docs/kv-events.md). Off by default.
 
     In an endpoint or the topic, `{node}` is replaced by the node's name (one ipc path per node on a
-    shared host). As in vLLM, the PUB socket binds a wildcard (`tcp://*:5557`), ipc or inproc endpoint
-    and connects to any other; a TCP port `*` binds any free port (the NodeActor's `stats()` reports
-    the one it got). The replay socket always binds.
+    shared host). As in vLLM, the PUB socket binds a wildcard, ipc or inproc endpoint and connects to
+    any other; a TCP port `*` binds any free port (the NodeActor's `stats()` reports the one it got).
+    The replay socket always binds. An endpoint other hosts can reach needs CURVE (`curve_*`); with
+    `[tenancy] required`, token ids go out only on ipc:// or CURVE endpoints (`exposure_error`).
     """
 
     enabled: bool = False
-    endpoint: str = "tcp://*:5557"     # ZMQ PUB: multipart (topic, 8-byte big-endian seq, msgpack batch)
+    endpoint: str = "ipc:///tmp/kvfabric-events/{node}.pub"   # ZMQ PUB: [topic, 8-byte seq, batch]
     replay_endpoint: str = ""          # ZMQ ROUTER serving the last batches from a sequence ("": none)
     topic: str = ""
     buffer_batches: int = 10_000       # batches kept for replay
-    hwm: int = 100_000                 # ZMQ send high-water mark of the PUB socket
+    hwm: int = 100_000                 # ZMQ send high-water mark of the PUB and replay sockets
+    replay_max_batches: int = 1_000    # batches in one replay reply (a marker says where to go on)
+    replay_rate: float = 5_000.0       # batches per second one requester may replay
+    replay_total_rate: float = 20_000.0   # batches and requests per second all requesters together
+    curve_secret_key: str = ""         # the node's events key pair (`kvfabric certs events-key`): CURVE on
+    curve_allow_dir: str = ""          # folder of the consumers' public keys allowed to subscribe
+    curve_server_key: str = ""         # a connect endpoint's subscriber public key (the node is its client)
+    token_ids_tenants: list[str] = field(default_factory=lambda: ["*"])   # whose token ids events show
+
+    def curve(self) -> bool:
+        return bool(self.curve_secret_key)
+
+
+def endpoint_is_loopback(endpoint: str) -> bool:
+    """ipc:// and inproc:// stay on the host; tcp:// only to 127.0.0.0/8, ::1 or localhost."""
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return True
+    host = endpoint[len("tcp://"):].rsplit(":", 1)[0].strip("[]")
+    return host.startswith("127.") or host in ("::1", "localhost")
+
+
+def exposure_error(events: EventsConfig, tenancy_required: bool) -> str | None:
+    """Why these events may not start as configured (None: they may). Other hosts reach only CURVE
+    endpoints that check an allow-list; with tenancy required, tenants' token ids go out only where
+    no other local user reads them either (ipc:// with its 0600 file, inproc://, or CURVE)."""
+    if not events.enabled:
+        return None
+    if events.curve() and not events.curve_allow_dir and not events.curve_server_key:
+        return ("events.curve_secret_key is set but neither events.curve_allow_dir (consumers allowed to "
+                "subscribe) nor events.curve_server_key (the subscriber this node connects to) is")
+    for key in ("endpoint", "replay_endpoint"):
+        value = getattr(events, key)
+        if value and not endpoint_is_loopback(value) and not events.curve():
+            return (f"events.{key} {value} is reachable from other hosts without authentication: set "
+                    "events.curve_secret_key and events.curve_allow_dir (`kvfabric certs events-key`), or use "
+                    "a loopback or ipc:// endpoint")
+    if tenancy_required and events.token_ids_tenants and not events.curve():
+        open_tcp = [v for v in (events.endpoint, events.replay_endpoint) if v.startswith("tcp://")]
+        if open_tcp:
+            return (f"[tenancy] required = true, but KV events would show tenants' prompt token ids "
+                    f"(events.token_ids_tenants = {events.token_ids_tenants}) on {open_tcp[0]}, which any local "
+                    "process can read: configure CURVE (events.curve_secret_key, events.curve_allow_dir), use "
+                    "ipc:// endpoints, or set events.token_ids_tenants = [] (or the tenants that opted in, "
+                    "with CURVE)")
+    return None
 
 
 @dataclass(slots=True)
@@ -208,7 +253,10 @@ class Config:
                     "cluster.directory_call_timeout_s": self.cluster.directory_call_timeout_s,
                     "cluster.directory_probe_s": self.cluster.directory_probe_s,
                     "cluster.client_timeout_s": self.cluster.client_timeout_s,
-                    "events.buffer_batches": self.events.buffer_batches, "events.hwm": self.events.hwm}
+                    "events.buffer_batches": self.events.buffer_batches, "events.hwm": self.events.hwm,
+                    "events.replay_max_batches": self.events.replay_max_batches,
+                    "events.replay_rate": self.events.replay_rate,
+                    "events.replay_total_rate": self.events.replay_total_rate}
         for key, value in positive.items():
             if value <= 0:
                 raise ConfigError(f"{source}: {key} must be > 0, got {value}")
@@ -246,6 +294,9 @@ class Config:
             if (value or key == "endpoint") and not value.startswith(("tcp://", "ipc://", "inproc://")):
                 raise ConfigError(f"{source}: events.{key} must be a tcp://, ipc:// or inproc:// ZMQ endpoint, "
                                   f"got {value!r}")
+        problem = exposure_error(self.events, self.tenancy.required)
+        if problem is not None:
+            raise ConfigError(f"{source}: {problem}")
         if not 0 < self.tenancy.token_ttl_s <= 3600:
             raise ConfigError(f"{source}: tenancy.token_ttl_s must be in (0, 3600], got {self.tenancy.token_ttl_s}")
         seen: set[str] = set()

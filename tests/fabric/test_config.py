@@ -33,10 +33,44 @@ def test_events_are_off_by_default_and_load_from_their_section(tmp_path: Path) -
     assert Config().events.enabled is False
     p = tmp_path / "events.toml"
     p.write_text('[events]\nenabled = true\nendpoint = "ipc:///run/kvf/{node}.pub"\n'
-                 'replay_endpoint = "tcp://*:5558"\ntopic = "kv"\nbuffer_batches = 100\n')
+                 'replay_endpoint = "tcp://127.0.0.1:5558"\ntopic = "kv"\nbuffer_batches = 100\n')
     events = Config.load(p).events
     assert events.enabled and events.endpoint == "ipc:///run/kvf/{node}.pub"
-    assert (events.replay_endpoint, events.topic, events.buffer_batches) == ("tcp://*:5558", "kv", 100)
+    assert (events.replay_endpoint, events.topic, events.buffer_batches) == ("tcp://127.0.0.1:5558", "kv", 100)
+
+
+def test_the_default_events_endpoint_is_a_per_node_ipc_socket() -> None:
+    events = Config().events
+    assert events.endpoint.startswith("ipc://") and "{node}" in events.endpoint and not events.replay_endpoint
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[events]\nenabled = true\nendpoint = "tcp://[::]:5557"\n', "reachable from other hosts"),
+    ('[events]\nenabled = true\nendpoint = "tcp://10.0.0.5:5557"\n', "reachable from other hosts"),
+    ('[events]\nenabled = true\nreplay_endpoint = "tcp://0.0.0.0:5558"\n', "events.replay_endpoint"),
+    ('[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:5557"\n[tenancy]\nrequired = true\n',
+     "tenants' prompt token ids"),
+    ('[events]\nenabled = true\nendpoint = "tcp://0.0.0.0:5557"\ncurve_secret_key = "n.key_secret"\n',
+     "curve_allow_dir"),
+])
+def test_events_other_hosts_or_tenants_could_read_are_refused(tmp_path: Path, text: str, message: str) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        Config.load(p)
+
+
+@pytest.mark.parametrize("text", [
+    '[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:5557"\n',
+    '[events]\nenabled = true\nendpoint = "tcp://127.0.0.1:5557"\ntoken_ids_tenants = []\n[tenancy]\nrequired = true\n',
+    '[events]\nenabled = true\nendpoint = "ipc:///run/kvf/{node}.pub"\n[tenancy]\nrequired = true\n',
+    '[events]\nenabled = true\nendpoint = "tcp://0.0.0.0:5557"\ncurve_secret_key = "n.key_secret"\n'
+    'curve_allow_dir = "consumers"\n[tenancy]\nrequired = true\n',
+])
+def test_events_on_loopback_ipc_or_curve_are_allowed(tmp_path: Path, text: str) -> None:
+    p = tmp_path / "c.toml"
+    p.write_text(text)
+    assert Config.load(p).events.enabled
 
 
 @pytest.mark.parametrize(("text", "message"), [

@@ -309,6 +309,12 @@ class Store:
         with self._lock:
             return list(self._core.held.values())
 
+    def held_addresses_where(self, keep: Callable[[Provenance | None], bool]) -> list[BlockAddress]:
+        """`held_addresses` whose provenance record (None: unsigned) `keep` accepts, e.g. those of one
+        tenant's namespaces."""
+        with self._lock:
+            return self._core.addresses_where_locked(keep)
+
     def take_events(self, max_events: int | None = None) -> StoreEvents:
         """Drain up to `max_events` STORED / REMOVED events in the order they happened.
 

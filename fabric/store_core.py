@@ -107,8 +107,11 @@ class StoreCore:
 
     def addresses_of_producer_locked(self, producer: str) -> list[BlockAddress]:
         """Every held address whose provenance names `producer`: O(held addresses)."""
-        return [address for key, address in self.held.items()
-                if (prov := self.provenance_locked(key)) is not None and prov.producer == producer]
+        return self.addresses_where_locked(lambda prov: prov is not None and prov.producer == producer)
+
+    def addresses_where_locked(self, keep: Callable[[Provenance | None], bool]) -> list[BlockAddress]:
+        """Every held address whose provenance record (None: unsigned) `keep` accepts: O(held addresses)."""
+        return [address for key, address in self.held.items() if keep(self.provenance_locked(key))]
 
     def hold_locked(self, key: StorageKey, p: Pending) -> None:
         """An acknowledged put: queue STORED unless the key was held already."""

@@ -4,6 +4,7 @@
     <dir>/<node>.pem, <node>.key    node certificate; its DNS SAN is the node name
     <dir>/crl.pem                   revocation list signed by the CA (`revoke`), when any
     <dir>/<name>.tenant.pem, .key   tenant credential (`issue_tenant`): URI SAN kvfabric-tenant:<name>
+    <dir>/<name>.operator.pem, .key operator credential (`issue_operator`): URI SAN kvfabric-operator:<name>
 
 A node's identity is the DNS name in its certificate's SAN. Node certificates carry both the
 serverAuth and clientAuth usages because every node dials and answers. Private keys are written
@@ -33,6 +34,8 @@ CA_KEY = "ca.key"
 CRL = "crl.pem"   # the CA's revocation list, read by every node beside ca.pem
 TENANT_URI_PREFIX = "kvfabric-tenant:"   # a URI SAN naming a tenant (transports/core/tenant_tokens.py)
 TENANT_SUFFIX = ".tenant"                # <name>.tenant.pem / .key: a tenant credential
+OPERATOR_URI_PREFIX = "kvfabric-operator:"   # a URI SAN naming an operator: node-wide calls (purge, stats)
+OPERATOR_SUFFIX = ".operator"            # <name>.operator.pem / .key: an operator credential
 
 
 class CertificateError(Exception):
@@ -130,18 +133,34 @@ def issue_tenant(cert_dir: str | os.PathLike[str], tenant: str, days: int = 365,
     """Issue a tenant credential `<tenant>.tenant.pem` / `.key` (in `out_dir`, default `cert_dir`)
     signed by the CA in `cert_dir`: its only SAN is the URI `kvfabric-tenant:<tenant>`, so it never
     proves a node identity (transports/core/tenant_tokens.py). Returns (cert, key) paths."""
+    return _issue_credential(cert_dir, "tenant", tenant, days, not_before, out_dir)
+
+
+def issue_operator(cert_dir: str | os.PathLike[str], name: str = "operator", days: int = 365,
+                   not_before: dt.datetime | None = None, out_dir: str | os.PathLike[str] | None = None
+                   ) -> tuple[Path, Path]:
+    """Issue an operator credential `<name>.operator.pem` / `.key`, as `issue_tenant` does a tenant's:
+    its only SAN is the URI `kvfabric-operator:<name>`. It proves the caller of node-wide calls
+    (purge, send rate, node-wide listings and stats; docs/tenants.md), never a tenant or a node."""
+    return _issue_credential(cert_dir, "operator", name, days, not_before, out_dir)
+
+
+def _issue_credential(cert_dir: str | os.PathLike[str], kind: str, holder: str, days: int,
+                      not_before: dt.datetime | None, out_dir: str | os.PathLike[str] | None) -> tuple[Path, Path]:
+    prefix, suffix = (TENANT_URI_PREFIX, TENANT_SUFFIX) if kind == "tenant" else (OPERATOR_URI_PREFIX,
+                                                                                  OPERATOR_SUFFIX)
     d = Path(cert_dir)
-    name = _tenant_name(tenant)
+    name = _tenant_name(holder, kind)
     ca_cert, ca_key = _load_ca(d)
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or (_now() - dt.timedelta(minutes=5))
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvfabric tenant {name}")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvfabric {kind} {name}")]))
         .issuer_name(ca_cert.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(TENANT_URI_PREFIX + name)]),
+        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(prefix + name)]),
                        critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -149,16 +168,16 @@ def issue_tenant(cert_dir: str | os.PathLike[str], tenant: str, days: int = 365,
     )
     out = Path(out_dir) if out_dir is not None else d
     out.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = out / f"{name}{TENANT_SUFFIX}.pem", out / f"{name}{TENANT_SUFFIX}.key"
+    cert_path, key_path = out / f"{name}{suffix}.pem", out / f"{name}{suffix}.key"
     _write(key_path, _key_pem(key), private=True)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
-    logger.info("issued credential for tenant %s in %s", name, out)
+    logger.info("issued credential for %s %s in %s", kind, name, out)
     return cert_path, key_path
 
 
-def _tenant_name(tenant: str) -> str:
+def _tenant_name(tenant: str, kind: str = "tenant") -> str:
     if not tenant or not all(c.isalnum() or c in "-_." for c in tenant) or tenant.startswith("."):
-        raise CertificateError(f"invalid tenant name {tenant!r}: letters, digits, '-', '_' and '.' only")
+        raise CertificateError(f"invalid {kind} name {tenant!r}: letters, digits, '-', '_' and '.' only")
     return tenant
 
 

@@ -256,11 +256,15 @@ class NodeLoader:
         # Off the critical path of the request that pulled: its engine is computing on this node's
         # cores right now, and a mirror (verify, copy, write-behind flush, disk writeback) would
         # compete with it. A copy is an optimisation; a node that dies first just has none.
+        # A mirror only of blocks one producer's record vouches for (every pulled block has one):
+        # an unsigned copy would be found by no purge and checked by no revocation.
+        signed = next((i for i, p in enumerate(provenance) if p is None), len(provenance))
         try:
             await asyncio.sleep(self.config.kv.mirror_delay_s)
             await asyncio.get_running_loop().run_in_executor(
                 self._mirror_pool,   # the producer's records, verbatim: a mirror never signs
-                lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests, provenance=provenance))
+                lambda: self.local.write_blocks(ns, hashes[:signed], payloads[:signed], digests=digests[:signed],
+                                                provenance=provenance[:signed]))
         finally:
             self.pending_mirrors -= 1
 

@@ -79,6 +79,7 @@ class NodeRuntime:
         self.metrics = ClusterMetrics(self.registry)
         self.kv_store = Store.open(kv, registry=self.registry)
         self.local = LocalFabric(self.kv_store, self.node_id)
+        self.local.revoked = self.trust.revoked
         self.tenancy = TenantGate(cfg.tenancy, self.trust,
                                   (Path(transport.cert_dir) / f"{self.node_name}.pem").read_bytes(), self.registry)
         tmetrics = TransportMetrics(self.registry)
@@ -127,6 +128,7 @@ class NodeRuntime:
             return
         self.verifier.trust = self.trust
         self.tenancy.verifier.trust = self.trust
+        self.local.revoked = self.trust.revoked
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     def set_send_rate(self, mb_s: float) -> None:

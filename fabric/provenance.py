@@ -91,6 +91,7 @@ class Rejection(enum.StrEnum):
     NOT_A_NODE = "not_a_node"
     MALFORMED = "malformed"
     UNAUTHORISED = "unauthorised"            # the producer's certificate restricts it to other tenants
+    MIXED_RECORDS = "mixed_records"          # another layer of the block came under a different record
 
 
 def layers_digest(digests: Sequence[bytes]) -> bytes:

@@ -210,8 +210,9 @@ class Store:
         return in_ram or pending is not None or entry is not None
 
     def purge_producer(self, producer: str) -> int:
-        """Delete every (block, layer) whose provenance names `producer`, from every tier; returns
-        how many. Each leaves with a REMOVED event, so the directory forgets it."""
+        """Delete every (block, layer) whose provenance names `producer`, and every unsigned one (a
+        block stored before provenance, or a mirror no record vouches for: it may be that producer's),
+        from every tier; returns how many. Each leaves with a REMOVED event, so the directory forgets it."""
         with self._lock:
             self._check_open_locked()
             named = self._core.addresses_of_producer_locked(producer)

@@ -186,6 +186,12 @@ class FabricClient:
         client's credential must be the operator's where anonymous callers are not served."""
         return purge_producer(producer, namespace=namespace, timeout_s=timeout_s, operator=self.tenant)
 
+    def unbind_node(self, node_id: str, *, cluster: ClusterConfig | None = None) -> dict[int, str | None]:
+        """`unbind_node` with this client's (operator's) credential."""
+        if self.tenant is None:
+            raise TenantRefusedError("unbind_node is an operator call: connect with an operator credential")
+        return unbind_node(node_id, operator=self.tenant, cluster=cluster)
+
     # ---- asyncio -----------------------------------------------------------------------------------
 
     async def alookup(self, ns: Namespace, tokens: Tokens) -> LookupReply:
@@ -257,6 +263,15 @@ def purge_producer(producer: str, *, namespace: str = DEFAULT_NAMESPACE, timeout
         except ray.exceptions.RayError as e:
             out[node_id] = type(e).__name__
     return out
+
+
+def unbind_node(node_id: str, *, operator: TenantMinter, cluster: ClusterConfig | None = None) -> dict[int, str | None]:
+    """Clear which certificate the directory binds Ray node `node_id` to, on every shard, and drop what
+    it listed under that id (a squatter's reports): the next certificate to report the id binds it.
+    An operator call (raises TenantRefusedError otherwise). Per shard: the certificate name it was bound to."""
+    from cluster.directory_actor import DirectoryClient
+
+    return asyncio.run(DirectoryClient(cluster or ClusterConfig()).unbind(node_id, operator.token(time.time())))
 
 
 def _tokens(tokens: Tokens) -> np.ndarray:

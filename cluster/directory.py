@@ -264,6 +264,15 @@ class DirectoryShard:
                for n in self._nodes if n is not None and n.address is not None and now < n.lease_expiry]
         return sorted(out, key=lambda i: i.node_id)
 
+    def forget_node(self, node_id: str) -> bool:
+        """Drop `node_id`'s record and entries now (its id was bound to another certificate); whether it had one."""
+        idx = self._index.get(node_id)
+        node = None if idx is None else self._nodes[idx]
+        if node is None:
+            return False
+        self._drop(node)
+        return True
+
     def expire(self, now: float) -> list[NodeId]:
         """Drop the records (and entries) of nodes whose lease has passed; returns their ids."""
         gone = [n for n in self._nodes if n is not None and now >= n.lease_expiry]

@@ -39,6 +39,7 @@ import ray
 
 from cluster.api import EngineLoad, LoadReply, LookupReply, StoreReply, Tokens, check_block_payloads, check_payloads
 from cluster.directory_actor import DirectoryClient
+from cluster.directory_types import derived_node_name
 from cluster.directory_upkeep import DirectoryUpkeep
 from cluster.node_loader import NodeLoader
 from cluster.node_runtime import NodeRuntime
@@ -73,7 +74,7 @@ def node_name_for(node_id: str) -> str:
     node's environment sets it (e.g. the Kubernetes node name, so a restarted pod finds its SSD
     blocks again under a new Ray node id), else derived from the Ray node id (stable across restarts
     of the actor on that node)."""
-    return os.environ.get(NODE_NAME_ENV) or f"node-{node_id[:16]}"
+    return os.environ.get(NODE_NAME_ENV) or derived_node_name(node_id)
 
 
 # Every method may run twice: reads are reads, and a store of the same tokens writes the same

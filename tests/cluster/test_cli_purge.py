@@ -1,5 +1,6 @@
-"""`kvfabric purge --producer NODE` as a user runs it: a separate process, a real local Ray cluster
-that requires tenants, so purge and stats work only with the operator's credential."""
+"""`kvfabric purge --producer NODE` and `kvfabric unbind NODE_ID` as a user runs them: separate
+processes, a real local Ray cluster that requires tenants, so purge, stats and unbind work only with
+the operator's credential."""
 
 from __future__ import annotations
 
@@ -38,6 +39,13 @@ def test_purge_and_stats_carry_the_operator_credential_and_bad_input_is_one_line
         assert refused.returncode == 1, refused.stderr[-3000:]
         report = json.loads(refused.stdout.strip().splitlines()[-1])
         assert all(v.startswith("refused:") and "operator call" in v for v in report["removed"].values())
+        # the operator clears a node id's binding in the directory (the node binds it again when it reports)
+        node = nodes[0]
+        unbind = run(["unbind", node["node_id"], "--json"], home)
+        assert unbind.returncode == 0, unbind.stderr[-3000:]
+        assert json.loads(unbind.stdout.strip().splitlines()[-1])["was_bound_to"] == {"0": node["node_name"]}
+        refused = run(["unbind", node["node_id"], "--credential", str(tenant)], home)
+        assert refused.returncode == 2 and "operator call" in refused.stderr and "Traceback" not in refused.stderr
     finally:
         down = run(["down"], home)
     assert down.returncode == 0, down.stderr[-3000:]

@@ -100,16 +100,19 @@ class DirectoryActor:
                                                acked_seq=acked_seq)
 
     def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              address: NodeAddress | None = None, proof: object = None) -> tuple[str, ApplyOutcome]:
-        return self.epoch, self.gate.apply(node_id, incarnation, seq, stored, removed, self._now(), address, proof)
+              address: NodeAddress | None = None, proof: object = None, versions: Sequence[bytes] = ()
+              ) -> tuple[str, ApplyOutcome]:
+        return self.epoch, self.gate.apply(node_id, incarnation, seq, stored, removed, self._now(), address, proof,
+                                           versions)
 
     def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress,
                      proof: object = None) -> tuple[str, int]:
         return self.epoch, self.gate.begin_resync(node_id, incarnation, address, self._now(), proof)
 
     def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes],
-                     proof: object = None) -> tuple[str, bool]:
-        return self.epoch, self.gate.resync_batch(node_id, incarnation, resync_id, hashes, self._now(), proof)
+                     proof: object = None, versions: Sequence[bytes] = ()) -> tuple[str, bool]:
+        return self.epoch, self.gate.resync_batch(node_id, incarnation, resync_id, hashes, self._now(), proof,
+                                                  versions)
 
     def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int,
                    proof: object = None) -> tuple[str, bool]:
@@ -181,6 +184,8 @@ class Located:
 
     owners: tuple[tuple[str, ...], ...]
     addresses: dict[str, NodeAddress]
+    versions: tuple[tuple[bytes, ...], ...] = ()   # per hash, each owner's block version (LocateReply)
+    firsts: tuple[bytes, ...] = ()                 # per hash, the first-reported version still held
 
 
 class DirectoryClient:
@@ -252,9 +257,10 @@ class DirectoryClient:
         return outcome
 
     async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
-                    removed: Sequence[bytes], address: NodeAddress, proof: Proof) -> ApplyOutcome:
+                    removed: Sequence[bytes], address: NodeAddress, proof: Proof,
+                    versions: Sequence[bytes] = ()) -> ApplyOutcome:
         outcome: ApplyOutcome = await self._report(shard, "apply", lambda h: h.apply.remote(
-            node_id, incarnation, seq, stored, removed, address, proof))
+            node_id, incarnation, seq, stored, removed, address, proof, versions))
         return outcome
 
     async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
@@ -264,9 +270,9 @@ class DirectoryClient:
         return rid
 
     async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
-                           hashes: Sequence[bytes], proof: Proof) -> bool:
+                           hashes: Sequence[bytes], proof: Proof, versions: Sequence[bytes] = ()) -> bool:
         ok: bool = await self._report(shard, "resync_batch", lambda h: h.resync_batch.remote(
-            node_id, incarnation, resync_id, hashes, proof))
+            node_id, incarnation, resync_id, hashes, proof, versions))
         return ok
 
     async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
@@ -292,6 +298,8 @@ class DirectoryClient:
     async def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> Located:
         """Live owners per hash; a shard that does not answer contributes no owners."""
         owners: list[tuple[str, ...]] = [()] * len(hashes)
+        versions: list[tuple[bytes, ...]] = [()] * len(hashes)
+        firsts: list[bytes] = [b""] * len(hashes)
         addresses: dict[str, NodeAddress] = {}
         parts = self.split(hashes)
 
@@ -310,10 +318,13 @@ class DirectoryClient:
                 return
             for i, per_hash in zip(positions, reply.owners, strict=True):
                 owners[i] = tuple(per_hash)
+            for i, per_owner, first in zip(positions, reply.versions, reply.firsts, strict=False):
+                versions[i], firsts[i] = per_owner, first
             addresses.update(addrs)
 
         await asyncio.gather(*(one(s, pos) for s, pos in parts.items()))
-        return Located(tuple(owners), addresses)
+        known = any(firsts)
+        return Located(tuple(owners), addresses, tuple(versions) if known else (), tuple(firsts) if known else ())
 
     def breaker_stats(self) -> dict[str, Any]:
         return {"breaker_states": [b.state.name.lower() for b in self.breakers],

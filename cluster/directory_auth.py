@@ -9,7 +9,8 @@ A report (heartbeat, batch, begin/end resync, resync batch) counts only if, in t
    revocation list) accepts as a node certificate: else `unsigned`, `untrusted`, `expired`,
    `revoked`, `not_a_node`, `malformed`;
 2. the signature is the certificate key's over the canonical encoding of every field of the call
-   (operation, shard, node id, incarnation, nonce, and the operation's own fields): else `bad_signature`;
+   (operation, shard, node id, incarnation, nonce, and the operation's own fields, block versions
+   included when the report carries any): else `bad_signature`;
 3. the node id belongs to that certificate: else `wrong_node`. A node id is bound to one certificate
    name (its DNS SAN), one id per name, for as long as the id's record is live:
    - a name of the form a Ray node id derives (`node-<16 hex>`, `derived_node_name`) speaks only
@@ -85,8 +86,15 @@ def report_message(op: Op, shard: int, node_id: str, incarnation: int, nonce: in
     return DOMAIN + msgpack.packb([op.value, shard, node_id, incarnation, nonce, body], use_bin_type=True)
 
 
-def apply_body(seq: int, stored: Sequence[bytes], removed: Sequence[bytes], address: NodeAddress | None) -> list[Any]:
-    return [seq, list(stored), list(removed), _address(address)]
+def apply_body(seq: int, stored: Sequence[bytes], removed: Sequence[bytes], address: NodeAddress | None,
+               versions: Sequence[bytes] = ()) -> list[Any]:
+    body = [seq, list(stored), list(removed), _address(address)]
+    return [*body, list(versions)] if versions else body   # a report without versions signs as before
+
+
+def resync_body(resync_id: int, hashes: Sequence[bytes], versions: Sequence[bytes] = ()) -> list[Any]:
+    body = [resync_id, list(hashes)]
+    return [*body, list(versions)] if versions else body
 
 
 def heartbeat_body(address: NodeAddress, acked_seq: int | None) -> list[Any]:
@@ -111,14 +119,15 @@ class ReportSigner:
         return self._proof(Op.HEARTBEAT, shard, heartbeat_body(address, acked_seq))
 
     def apply(self, shard: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              address: NodeAddress | None) -> Proof:
-        return self._proof(Op.APPLY, shard, apply_body(seq, stored, removed, address))
+              address: NodeAddress | None, versions: Sequence[bytes] = ()) -> Proof:
+        return self._proof(Op.APPLY, shard, apply_body(seq, stored, removed, address, versions))
 
     def begin_resync(self, shard: int, address: NodeAddress) -> Proof:
         return self._proof(Op.BEGIN_RESYNC, shard, [_address(address)])
 
-    def resync_batch(self, shard: int, resync_id: int, hashes: Sequence[bytes]) -> Proof:
-        return self._proof(Op.RESYNC_BATCH, shard, [resync_id, list(hashes)])
+    def resync_batch(self, shard: int, resync_id: int, hashes: Sequence[bytes], versions: Sequence[bytes] = ()
+                     ) -> Proof:
+        return self._proof(Op.RESYNC_BATCH, shard, resync_body(resync_id, hashes, versions))
 
     def end_resync(self, shard: int, resync_id: int, seq: int) -> Proof:
         return self._proof(Op.END_RESYNC, shard, [resync_id, seq])
@@ -151,11 +160,12 @@ class DirectoryGate:
         return self.shard.heartbeat(node_id, incarnation, address, now, acked_seq=acked_seq)
 
     def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              now: float, address: NodeAddress | None, proof: object) -> ApplyOutcome:
-        if not self._admit(Op.APPLY, node_id, incarnation, proof, apply_body(seq, stored, removed, address),
-                           address, now):
+              now: float, address: NodeAddress | None, proof: object, versions: Sequence[bytes] = ()
+              ) -> ApplyOutcome:
+        if not self._admit(Op.APPLY, node_id, incarnation, proof,
+                           apply_body(seq, stored, removed, address, versions), address, now):
             return ApplyOutcome.REFUSED
-        return self.shard.apply(node_id, incarnation, seq, stored, removed, now, address)
+        return self.shard.apply(node_id, incarnation, seq, stored, removed, now, address, versions)
 
     def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress, now: float, proof: object) -> int:
         if not self._admit(Op.BEGIN_RESYNC, node_id, incarnation, proof, [_address(address)], address, now):
@@ -163,10 +173,11 @@ class DirectoryGate:
         return self.shard.begin_resync(node_id, incarnation, address, now)
 
     def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes], now: float,
-                     proof: object) -> bool:
-        if not self._admit(Op.RESYNC_BATCH, node_id, incarnation, proof, [resync_id, list(hashes)], None, now):
+                     proof: object, versions: Sequence[bytes] = ()) -> bool:
+        if not self._admit(Op.RESYNC_BATCH, node_id, incarnation, proof, resync_body(resync_id, hashes, versions),
+                           None, now):
             return False
-        return self.shard.resync_batch(node_id, incarnation, resync_id, hashes, now)
+        return self.shard.resync_batch(node_id, incarnation, resync_id, hashes, now, versions)
 
     def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float,
                    proof: object) -> bool:

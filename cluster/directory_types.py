@@ -65,6 +65,10 @@ class LocateReply:
     owners: tuple[tuple[NodeId, ...], ...]   # per requested hash: live owners, sorted by node id
     runs: dict[NodeId, int]                   # node -> length of its leading run; nodes with none are absent
     addresses: dict[NodeId, NodeAddress] = field(default_factory=dict)   # of every node named in owners
+    # Block versions (fabric.provenance.block_version), when owners reported them: per hash, each
+    # listed owner's (b"": unknown), and the first-reported version a live owner still holds.
+    versions: tuple[tuple[bytes, ...], ...] = ()
+    firsts: tuple[bytes, ...] = ()
 
 
 def shard_of(block_hash: bytes, num_shards: int) -> int:

@@ -149,7 +149,11 @@ class NodeRuntime:
         while True:
             try:
                 events = store.take_events()
-                upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events], events.overflowed)
+                stored = [a for kind, a in events.events if kind is EventKind.STORED]
+                versions: dict[bytes, bytes] | None = dict(
+                    zip((bytes(a.hash) for a in stored), store.versions_of(stored), strict=True)) if stored else None
+                upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events], events.overflowed,
+                              versions)
                 if self.kv_events is not None:
                     self.kv_events.drain(events, store.held_addresses)
                 if await upkeep.tick():
@@ -159,6 +163,10 @@ class NodeRuntime:
                 logger.exception("directory sync pass failed; resyncing every shard")
                 upkeep.reset()
             await asyncio.sleep(tick)
+
+    async def held_versions(self) -> dict[bytes, bytes]:
+        """Every block hash the store holds (any tier, any layer), with its block version."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_versions)
 
     async def held_hashes(self) -> set[bytes]:
         """Every block hash the store holds (any tier, any layer)."""

@@ -78,7 +78,7 @@ from fabric.eviction import TierPolicy
 from fabric.index import Index, IndexUnavailableError, reconcile
 from fabric.keys import BlockAddress, BlockHash
 from fabric.metrics import StoreMetrics
-from fabric.provenance import Provenance
+from fabric.provenance import Provenance, block_version
 from fabric.store_core import StoreCore
 from fabric.store_types import CloseReport, Lifecycle, LookupResult, PutResult, StoreClosedError, VerifyReport
 from fabric.store_writes import Writer
@@ -309,6 +309,21 @@ class Store:
         """
         with self._lock:
             return list(self._core.held.values())
+
+    def held_versions(self) -> dict[bytes, bytes]:
+        """Every held block hash with its `block_version` (the record of its first layer found)."""
+        with self._lock:
+            core = self._core
+            out: dict[bytes, bytes] = {}
+            for key, address in core.held.items():
+                if address.hash not in out:
+                    out[address.hash] = block_version(core.provenance_locked(key))
+            return out
+
+    def versions_of(self, addresses: Sequence[BlockAddress]) -> list[bytes]:
+        """The `block_version` of each held address (b"": not held, or unsigned)."""
+        with self._lock:
+            return [block_version(self._core.provenance_locked(a.storage_key)) for a in addresses]
 
     def held_addresses_where(self, keep: Callable[[Provenance | None], bool]) -> list[BlockAddress]:
         """`held_addresses` whose provenance record (None: unsigned) `keep` accepts, e.g. those of one

@@ -16,7 +16,9 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -34,7 +36,7 @@ from fabric.events import EventKind
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
 from transports.core.buffers import tune_allocator
-from transports.core.certs import CA_CERT, CRL, CertificateError
+from transports.core.certs import CA_CERT, CRL, CertificateError, crl_next_update
 from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.metrics import TransportMetrics
 from transports.core.provenance_check import ProvenanceVerifier
@@ -77,6 +79,8 @@ class NodeRuntime:
         gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
         self.registry = CollectorRegistry()
         self.metrics = ClusterMetrics(self.registry)
+        self.metrics.crl_seconds_left.set_function(
+            lambda: math.inf if self.crl_next_update is None else self.crl_next_update - time.time())
         self.kv_store = Store.open(kv, registry=self.registry)
         self.local = LocalFabric(self.kv_store, self.node_id)
         self.local.revoked = self.trust.revoked
@@ -114,6 +118,7 @@ class NodeRuntime:
         self.verifier = ProvenanceVerifier(self.trust)
         self._crl_path = cert_dir / CRL
         self._crl_mtime = self._crl_path.stat().st_mtime_ns if self._crl_path.exists() else 0
+        self.crl_next_update = crl_next_update(self._crl_path)
 
     def reload_revocations(self) -> None:
         """Pick up a new revocation list (crl.pem beside ca.pem) without a restart."""
@@ -129,6 +134,10 @@ class NodeRuntime:
         self.verifier.trust = self.trust
         self.tenancy.verifier.trust = self.trust
         self.local.revoked = self.trust.revoked
+        try:
+            self.crl_next_update = crl_next_update(self._crl_path)
+        except (OSError, ValueError) as e:   # the list was verified just now: only a race with a writer
+            logger.warning("cannot read the revocation list's nextUpdate: %s", e)
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     def set_send_rate(self, mb_s: float) -> None:

@@ -129,11 +129,15 @@ def test_a_revoked_producers_blocks_are_refused_by_pullers(fabric: LocalCluster)
     assert b.stats()["revoked_certificates"] == 0
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{b.stats()['metrics_port']}/metrics", timeout=10).read()
     assert b'reason="sync_error"' not in metrics   # the directory upkeep was not disturbed by it
+    assert b"kvfabric_crl_seconds_to_next_update +Inf" in metrics   # no list yet: nothing to expire
     (cert_dir / "crl.pem").unlink()
     name = a.stats()["node_name"]
     serial = x509.load_pem_x509_certificate((cert_dir / f"{name}.pem").read_bytes()).serial_number
     revoke(cert_dir, {serial})
     _wait(lambda: b.stats()["revoked_certificates"] == 1, 10, "B reads the new revocation list")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{b.stats()['metrics_port']}/metrics", timeout=10).read()
+    left = float(metrics.split(b"\nkvfabric_crl_seconds_to_next_update ")[1].split()[0])
+    assert 29 * 86400 < left <= 30 * 86400   # `revoke` signs the list for 30 days by default
     assert b.load(NS, tokens).num_blocks == 0
     assert b.stats()["provenance_rejections"]["revoked"] == 6 * LAYOUT.num_layers
     time.sleep(1.0)   # a mirror would have been written and advertised by now

@@ -214,6 +214,14 @@ def revoke(cert_dir: str | os.PathLike[str], serials: set[int], days: int = 30) 
     return crl_path
 
 
+def crl_next_update(crl_path: Path) -> float | None:
+    """The nextUpdate (unix s) of the revocation list at `crl_path`; None without a list or a nextUpdate."""
+    if not crl_path.is_file():
+        return None
+    next_update = x509.load_pem_x509_crl(crl_path.read_bytes()).next_update_utc
+    return None if next_update is None else next_update.timestamp()
+
+
 def revoked_serials(crl_pem: bytes, ca_cert: x509.Certificate, where: str = "the revocation list") -> frozenset[int]:
     """Serials revoked by a CA-signed CRL (PEM); raises CertificateError if the CA did not sign it."""
     try:
@@ -294,8 +302,15 @@ class NodeCredentials:
         self._stamp: tuple[int, ...] = ()
         self._contexts: dict[bool, ssl.SSLContext] = {}
         self.revoked: frozenset[int] = frozenset()
+        self.crl_next_update: float | None = None   # unix s: the revocation list's nextUpdate (None: no list)
         self.generation = 0
         self.refresh()
+
+    def crl_expired(self, now: float) -> bool:
+        """Whether the CA's revocation list is past its nextUpdate at `now` (unix s). Both transports
+        then refuse every peer, as OpenSSL does for TLS-TCP: a list the CA no longer vouches for may
+        miss revocations, so a handshake fails closed until the operator publishes a fresh crl.pem."""
+        return self.crl_next_update is not None and now > self.crl_next_update
 
     @property
     def node(self) -> str:
@@ -317,6 +332,7 @@ class NodeCredentials:
             for server in (True, False):
                 self._build(server)
             revoked = self._load_revoked()
+            next_update = crl_next_update(self.files.crl)
         except (ssl.SSLError, OSError, ValueError, CertificateError) as e:
             if not self._stamp:
                 raise CertificateError(f"cannot load node credentials {self.files}: {e}") from None
@@ -324,6 +340,7 @@ class NodeCredentials:
             return False
         self._contexts = {server: self._build(server) for server in (True, False)}
         self.revoked = revoked
+        self.crl_next_update = next_update
         self._stamp = stamp
         self.generation += 1
         if self.generation > 1:

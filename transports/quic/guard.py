@@ -58,6 +58,8 @@ class GuardOwner(Protocol):
 
     def half_open_of(self, host: str) -> int: ...
 
+    def admit_handshake(self, source: str, now: float) -> bool: ...
+
 
 class CidTable(dict[bytes, QuicConnectionProtocol]):
     """aioquic's connection-id → connection table, also indexed by connection, so that forgetting
@@ -110,7 +112,8 @@ class BoundedQuicServer(QuicServer):
         if kind is not None:
             host = str(addr[0])
             if owner.num_half_open >= owner.max_half_open or (
-                    kind == "connects" and owner.half_open_of(host) >= owner.max_half_open_per_address):
+                    kind == "connects" and (owner.half_open_of(host) >= owner.max_half_open_per_address
+                                            or not owner.admit_handshake(host, time.monotonic()))):
                 owner.num_dropped_initials += 1
                 return
             self._source = host

@@ -300,6 +300,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         if "error" in n:
             table.add_row(n["node_id"][:12], f"unreachable: {n['error']}", *[""] * (len(columns) - 2))
             continue
+        if "store" not in n:   # a tenant's credential: only its own blocks (docs/tenants.md)
+            table.add_row(n["node_id"][:12], f"tenant view: {n.get('held_blocks', 0)} blocks of "
+                                             f"{', '.join(n.get('tenants', []))}", *[""] * (len(columns) - 2))
+            continue
         store = n["store"]
         ram, ssd = store.get("ram", {}), store.get("ssd", {})
         table.add_row(n["node_id"][:12], f"{n['transport']} {n['address']}", blocks_cell(ram),

@@ -60,6 +60,7 @@ from cluster.directory_types import (
 )
 from fabric.provenance import VERSION_TAG_SIZE
 
+MAX_VERSION_BYTES = VERSION_TAG_SIZE + 255   # a block version: its tag and a producer name (fabric.provenance)
 DIGESTS_KEPT = 16   # per node: content digests of its last applied batches, to tell a retry from a conflict
 
 
@@ -219,7 +220,8 @@ class DirectoryShard:
             return False
         resync = found[1]
         resync.staged.update(hashes)
-        resync.versions.update((h, v) for h, v in zip(hashes, versions, strict=False) if v)
+        resync.versions.update((h, v) for h, v in zip(hashes, versions, strict=False)
+                               if type(v) is bytes and 0 < len(v) <= MAX_VERSION_BYTES)
         return True
 
     def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float) -> bool:
@@ -419,6 +421,8 @@ class DirectoryShard:
         self._owners[h] = tuple(sorted((*v, idx), key=self._ids.__getitem__))
 
     def _set_version(self, h: bytes, idx: int, version: bytes) -> None:
+        if type(version) is not bytes or len(version) > MAX_VERSION_BYTES:   # a node's claim, checked here:
+            version = b""                                                   # locate answers only bytes
         known = self._versions.get(h)
         if not version:
             if known is not None:

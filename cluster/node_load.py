@@ -144,7 +144,8 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
                       progress: LayerProgress, sources: list[str], *, verifier: ProvenanceVerifier,
                       namespace: bytes, provenance: list[Provenance | None], timeout_s: float,
                       max_rounds: int = 3, layer_major: bool = True, outcome: PullOutcome | None = None,
-                      tenants: frozenset[str] | None = None) -> PullOutcome:
+                      tenants: frozenset[str] | None = None,
+                      fallback_owners: Sequence[Sequence[str]] | None = None) -> PullOutcome:
     """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
 
     Each round plans runs over the owners not yet seen failing, from the first incomplete block,
@@ -153,6 +154,8 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
     `tenants`, when given) are filled; `provenance[b]` gets
     the record block b was accepted under. `outcome` (made here when not given) collects counts and
     one `PullSample` per attempt, also when the caller cancels the pull midway (its deadline).
+    `fallback_owners` (owners of other versions of the blocks, cluster/planner.py `agreeing_owners`)
+    are planned once the preferred `owners` can serve no more: a block is still taken whole from one.
     """
     outcome = outcome if outcome is not None else PullOutcome()
     provs = Provenances(verifier, namespace, provenance, tenants)
@@ -164,6 +167,11 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
         usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
                   for i in range(progress.num_blocks)]
         runs = plan_pulls(usable, first, hashes=hashes)
+        if not runs and fallback_owners is not None:   # the preferred version's owners are spent
+            owners, fallback_owners = fallback_owners, None
+            usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
+                      for i in range(progress.num_blocks)]
+            runs = plan_pulls(usable, first, hashes=hashes)
         if not runs:
             break
         await asyncio.gather(*(_pull_run(client, peers, hashes, run, out, digests, progress, sources, outcome,

@@ -116,12 +116,15 @@ class NodeLoader:
     # ---- planning ----------------------------------------------------------------------------------
 
     async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
-                    ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer]]:
+                    ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer],
+                               list[Sequence[str]] | None]:
+        """Local tiers; owners of the rest (those of each block's first-reported version); the pull
+        plan; the peers; and, where owners disagree, every owner as the pull's fallback (`pull_prefix`)."""
         loop = asyncio.get_running_loop()
         tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
                                                          peek=peek))
         if not pulls or len(tiers) == len(hashes):
-            return hashes, tiers, [], [], {}
+            return hashes, tiers, [], [], {}, None
         located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
         agreeing, disagreements = agreeing_owners(located.owners, located.versions, located.firsts)
         self._count_disagreements(hashes, len(tiers), disagreements)
@@ -130,13 +133,17 @@ class NodeLoader:
         peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
-        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers
+        fallback: list[Sequence[str]] | None = None
+        if disagreements:
+            fallback = [[] for _ in tiers]
+            fallback += [[o for o in per_block if o in peers] for per_block in located.owners]
+        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers, fallback
 
     async def lookup(self, ns: Namespace, hashes: list[BlockHash]) -> LookupReply:
         start = time.perf_counter()
         # A lookup is a peek: routers ask every node, and asking must not reorder eviction on the nodes
         # that do not serve the request. The load that follows is the access.
-        _, tiers, _, runs, _ = await self._plan(ns, hashes, peek=True)
+        _, tiers, _, runs, _, _ = await self._plan(ns, hashes, peek=True)
         locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
         for run in runs:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
@@ -172,7 +179,7 @@ class NodeLoader:
                    tokens: Tokens | None = None, deadline_s: float | None = None) -> LoadReply:
         """The verified leading run of `hashes`; with `started`, also a layer stream's plan (`load_layers`)."""
         t0 = time.perf_counter()
-        hashes, tiers, owners, runs, peers = await self._plan(ns, hashes, pulls=pulls)
+        hashes, tiers, owners, runs, peers, fallback = await self._plan(ns, hashes, pulls=pulls)
         deadline = None
         if runs:   # pull only the runs expected to land before the engine could compute them
             take, deadline = plan_by_deadline(
@@ -203,7 +210,7 @@ class NodeLoader:
                                verifier=self.verifier, namespace=ns.root, provenance=provenance,
                                tenants=self.tenants_of(ns),
                                timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
-                               outcome=outcome)
+                               outcome=outcome, fallback_owners=fallback)
             # A layer stream has promised its blocks: it is planned by the same rule but never cut.
             if deadline is None or started is not None:
                 await pull

@@ -241,3 +241,5 @@ def test_owners_of_one_address_are_told_apart_by_block_version_first_reported_fi
     d.apply("a", 1, 2, [], [H[0], H[1]], 1.0)
     assert d.locate([H[0]], 1.0).versions == ((),)
     assert DirectoryShard().locate([H[0]], 0.0).versions == ()   # no versions reported: none answered
+    d.apply("a", 1, 3, [H[3]], [], 1.0, versions=[7])   # not bytes: a version unknown, never passed on
+    assert d.locate([H[3]], 1.0).owners == (("a",),) and d.locate([H[3]], 1.0).versions == ((),)

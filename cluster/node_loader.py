@@ -43,13 +43,13 @@ from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import WHERE_OF_TIER, LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, PullOutcome, pull_prefix
-from cluster.planner import PullRun, plan_pulls
+from cluster.planner import PullRun, agreeing_owners, plan_pulls
 from cluster.reply_buffers import ReplyBuffers
 from fabric.config import Config
 from fabric.keys import BlockHash, Namespace
 from fabric.layout import LayoutKind
 from fabric.priority import lower_thread_priority
-from fabric.provenance import Provenance
+from fabric.provenance import Provenance, version_producer
 from fabric.tiers.base import Tier
 from transports.core.base import Peer, TransportClient
 from transports.core.provenance_check import ProvenanceVerifier
@@ -89,6 +89,7 @@ class NodeLoader:
         self.tenants_of = tenants_of
         self.peer_estimates = PeerEstimates()
         self.pending_mirrors = 0
+        self._logged_pairs: set[tuple[str, str]] = set()   # producer pairs whose disagreement was logged
         self._replies = ReplyBuffers(int(config.kv.reply_pool_gib * (1 << 30)))
         # Mirroring pulled blocks is background work: one thread, at the store's lower priority.
         self._mirror_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-mirror",
@@ -116,30 +117,52 @@ class NodeLoader:
     # ---- planning ----------------------------------------------------------------------------------
 
     async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
-                    ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer]]:
+                    ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer],
+                               list[Sequence[str]] | None]:
+        """Local tiers; owners of the rest (those of each block's first-reported version); the pull
+        plan; the peers; and, where owners disagree, every owner as the pull's fallback (`pull_prefix`)."""
         loop = asyncio.get_running_loop()
         tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
                                                          peek=peek))
         if not pulls or len(tiers) == len(hashes):
-            return hashes, tiers, [], [], {}
+            return hashes, tiers, [], [], {}, None
         located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
-        owners: list[Sequence[str]] = [()] * len(tiers) + [list(o) for o in located.owners]
+        agreeing, disagreements = agreeing_owners(located.owners, located.versions, located.firsts)
+        self._count_disagreements(hashes, len(tiers), disagreements)
+        owners: list[Sequence[str]] = [[] for _ in tiers]
+        owners += agreeing
         peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
-        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers
+        fallback: list[Sequence[str]] | None = None
+        if disagreements:
+            fallback = [[] for _ in tiers]
+            fallback += [[o for o in per_block if o in peers] for per_block in located.owners]
+        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers, fallback
 
     async def lookup(self, ns: Namespace, hashes: list[BlockHash]) -> LookupReply:
         start = time.perf_counter()
         # A lookup is a peek: routers ask every node, and asking must not reorder eviction on the nodes
         # that do not serve the request. The load that follows is the access.
-        _, tiers, _, runs, _ = await self._plan(ns, hashes, peek=True)
+        _, tiers, _, runs, _, _ = await self._plan(ns, hashes, peek=True)
         locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
         for run in runs:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
         self.metrics.lookups.inc()
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return LookupReply(ns.block_size, tuple(locs), self.local.engine_load)
+
+    def _count_disagreements(self, hashes: Sequence[BlockHash], start: int,
+                             disagreements: Sequence[tuple[int, bytes, bytes]]) -> None:
+        """Count (and log, once per pair of producers) blocks whose owners hold different versions."""
+        for b, first, other in disagreements:
+            pair = (version_producer(first), version_producer(other))
+            self.metrics.disagreements.labels(*pair).inc()
+            if pair not in self._logged_pairs:
+                self._logged_pairs.add(pair)
+                logger.warning("producers %s and %s hold different bytes for block %s (and maybe more); "
+                               "pulling %s's, the version the directory learned first", pair[0], pair[1],
+                               bytes(hashes[start + b]).hex()[:16], pair[0])
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -157,7 +180,7 @@ class NodeLoader:
                    tokens: Tokens | None = None, deadline_s: float | None = None) -> LoadReply:
         """The verified leading run of `hashes`; with `started`, also a layer stream's plan (`load_layers`)."""
         t0 = time.perf_counter()
-        hashes, tiers, owners, runs, peers = await self._plan(ns, hashes, pulls=pulls)
+        hashes, tiers, owners, runs, peers, fallback = await self._plan(ns, hashes, pulls=pulls)
         deadline = None
         if runs:   # pull only the runs expected to land before the engine could compute them
             take, deadline = plan_by_deadline(
@@ -188,7 +211,7 @@ class NodeLoader:
                                verifier=self.verifier, namespace=ns.root, provenance=provenance,
                                tenants=self.tenants_of(ns),
                                timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
-                               outcome=outcome)
+                               outcome=outcome, fallback_owners=fallback)
             # A layer stream has promised its blocks: it is planned by the same rule but never cut.
             if deadline is None or started is not None:
                 await pull
@@ -257,11 +280,15 @@ class NodeLoader:
         # Off the critical path of the request that pulled: its engine is computing on this node's
         # cores right now, and a mirror (verify, copy, write-behind flush, disk writeback) would
         # compete with it. A copy is an optimisation; a node that dies first just has none.
+        # A mirror only of blocks one producer's record vouches for (every pulled block has one):
+        # an unsigned copy would be found by no purge and checked by no revocation.
+        signed = next((i for i, p in enumerate(provenance) if p is None), len(provenance))
         try:
             await asyncio.sleep(self.config.kv.mirror_delay_s)
             await asyncio.get_running_loop().run_in_executor(
                 self._mirror_pool,   # the producer's records, verbatim: a mirror never signs
-                lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests, provenance=provenance))
+                lambda: self.local.write_blocks(ns, hashes[:signed], payloads[:signed], digests=digests[:signed],
+                                                provenance=provenance[:signed]))
         finally:
             self.pending_mirrors -= 1
 

@@ -87,6 +87,10 @@ class TransportConfig:
     peer_pull_burst: float = 2000.0              # ... and at once after being idle
     peer_bytes_per_s: float = 4.0 * (1 << 30)    # payload bytes one peer node may be served per second ...
     peer_bytes_burst: float = 4.0 * (1 << 30)    # ... and at once after being idle
+    node_bytes_per_s: float = 8.0 * (1 << 30)    # payload bytes all peers together, shared fairly when short ...
+    node_bytes_burst: float = 8.0 * (1 << 30)    # ... and at once after being idle
+    node_handshakes_per_s: float = 200.0         # TLS / QUIC handshakes begun, all sources, shared fairly ...
+    node_handshake_burst: float = 400.0          # ... and at once after being idle
     connect_timeout_s: float = 5.0
     idle_timeout_s: float = 30.0
     frame_timeout_s: float = 10.0
@@ -184,11 +188,13 @@ class TenancyConfig:
     """Tenants by certificate (docs/tenants.md). `required`: calls without a valid tenant token are
     refused (false: they are the anonymous tenant with the empty salt). `shared`: groups of tenant
     names that share one namespace (explicit opt-in). `credential`: a client's tenant certificate
-    (`<name>.tenant.pem`, its key beside as `.key`; "": calls carry no token)."""
+    (`<name>.tenant.pem`, its key beside as `.key`; "": calls carry no token). `operator_credential`:
+    the operator's (`<name>.operator.pem`), for the CLI's node-wide calls (`purge`, `stats`)."""
 
     required: bool = False
     shared: list[list[str]] = field(default_factory=list)
     credential: str = ""
+    operator_credential: str = ""
     token_ttl_s: float = 300.0
 
 
@@ -243,6 +249,10 @@ class Config:
                     "transport.peer_pull_burst": self.transport.peer_pull_burst,
                     "transport.peer_bytes_per_s": self.transport.peer_bytes_per_s,
                     "transport.peer_bytes_burst": self.transport.peer_bytes_burst,
+                    "transport.node_bytes_per_s": self.transport.node_bytes_per_s,
+                    "transport.node_bytes_burst": self.transport.node_bytes_burst,
+                    "transport.node_handshakes_per_s": self.transport.node_handshakes_per_s,
+                    "transport.node_handshake_burst": self.transport.node_handshake_burst,
                     "cluster.heartbeat_s": self.cluster.heartbeat_s, "cluster.lease_s": self.cluster.lease_s,
                     "cluster.num_nodes": self.cluster.num_nodes,
                     "cluster.directory_shards": self.cluster.directory_shards,

@@ -62,3 +62,29 @@ def test_idle_peers_are_forgotten_once_many_are_tracked(monkeypatch: pytest.Monk
 def test_rates_must_be_positive() -> None:
     with pytest.raises(ValueError, match="pulls_per_s"):
         PeerRates(pulls_per_s=0.0)
+
+
+def test_a_contended_shared_budget_refuses_the_heaviest_keys_and_admits_the_light_ones() -> None:
+    shared = budget.SharedBudget(rate=100.0, burst=100.0, now=0.0)
+    assert shared.admit("churner", 0.0)
+    shared.charge("churner", 150, 0.0)                   # the node's bucket is now in debt
+    assert shared.admit("churner", 0.0)                  # alone, it is everyone: its own budget bounds it
+    shared.charge("good", 10, 0.0)
+    assert not shared.admit("churner", 0.0) and shared.admit("good", 0.0) and shared.admit("new", 0.0)
+    assert shared.admit("churner", 10.0)                 # the bucket refilled: everyone again
+
+
+def test_handshakes_past_the_nodes_rate_are_shared_by_source_address() -> None:
+    budgets = PeerBudgets(PeerRates(handshakes_per_s=1.0, handshake_burst=4.0))
+    assert [budgets.admit_handshake("10.0.0.9", 0.0) for _ in range(5)] == [True] * 4 + [True]   # alone
+    assert budgets.admit_handshake("10.0.0.2", 0.0)      # a source that began few is admitted ...
+    assert not budgets.admit_handshake("10.0.0.9", 0.0)  # ... the churning one is not
+    assert budgets.admit_handshake("10.0.0.9", 60.0)
+
+
+def test_a_peer_over_its_fair_share_of_the_nodes_bytes_is_refused_as_such() -> None:
+    budgets = PeerBudgets(PeerRates(node_bytes_per_s=1000.0, node_bytes_burst=1000.0))
+    budgets.charge_bytes("flood", 5000, 0.0)
+    budgets.charge_bytes("good", 100, 0.0)
+    assert budgets.admit_pull("flood", 0.0) is Verdict.SHARE and budgets.admit_pull("good", 0.0) is Verdict.OK
+    assert budgets.wait_s("flood", 0.0) > 0

@@ -136,3 +136,27 @@ def test_budgets_come_from_the_transport_section() -> None:
 
     assert peer_rates(config.transport) == PeerRates(50.0, 100.0, 1e6, 2e6)
     assert config.transport.max_connections_per_peer == 3
+
+
+def test_past_the_nodes_shared_bytes_a_flood_of_another_certificate_is_refused_and_a_light_peer_served(
+        cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    source = memory_source(num_blocks=4, num_layers=1, payload_size=64 * 1024)
+    rates = PeerRates(node_bytes_per_s=1024.0, node_bytes_burst=64 * 1024)   # per peer: the roomy defaults
+
+    async def main() -> None:
+        for server_class, client_class, transport in ((TlsTcpServer, TlsTcpClient, "tls-tcp"),
+                                                      (QuicTransportServer, QuicTransportClient, "quic")):
+            server = server_class(creds(cert_dir, "node-a"), source, peer_rates=rates)
+            async with started(server, "node-a") as (_, peer), \
+                    closing(client_class(creds(cert_dir, "node-b"))) as flood, \
+                    closing(client_class(creds(cert_dir, "client-1"))) as good:
+                assert all(isinstance(r, Hit) for r in await pull_all(flood, peer, source.addresses))
+                # the node's shared bytes are spent: a peer that used little is still served ...
+                assert all(isinstance(r, Hit) for r in await pull_all(good, peer, source.addresses[:1]))
+                # ... the one that used most is refused until the node has bytes again
+                again = await pull_all(flood, peer, source.addresses[:1])
+                assert isinstance(again[0], Miss) and again[0].reason is MissReason.OVERLOADED, transport
+                assert overloaded(server.metrics, transport, "node-b", "fair_share") == 1
+                assert all(isinstance(r, Hit) for r in await pull_all(good, peer, source.addresses[:1]))
+
+    run(main())

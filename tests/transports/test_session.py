@@ -616,3 +616,16 @@ def test_a_pull_namespace_must_be_a_32_byte_root() -> None:
     assert FrameDecoder().feed(raw) == [Pull(1, (addr(0),), b"a" * 32)]
     with pytest.raises(ProtocolError, match="namespace"):
         FrameDecoder().feed(encode(Pull(1, (addr(0),), b"short")))
+
+
+def test_a_block_for_a_request_never_sent_is_refused_before_its_record_is_decoded() -> None:
+    client = ClientSession("client-1", "server-1", 0.0)
+    rid, _ = client.submit([addr(1)], 0.0)
+    part = b"p" * 10
+    record = sign_block(b"n" * 32, addr(1).hash, [blake3.blake3(part).digest()], "node-a", b"C" * 4000,
+                        lambda m: b"s" * 64)
+    stray = Block(rid + 7, addr(1), blake3.blake3(part).digest(), part, record)
+    out = client.receive(wire([Hello("server-1"), stray]), 0.0)
+    assert client.closing and client.error is not None and "never sent" in str(client.error)
+    assert client.decoder.held_record_bytes == 0   # its record was never decoded, nor kept
+    assert [[r.reason for r in res] for _, res, _ in out] == [[MissReason.PEER_ERROR]]

@@ -12,7 +12,7 @@ from fabric.provenance import Provenance, sign_block
 from transports.core.codec import Block, Blocks, FrameDecoder, FrameType, ProtocolError, encode
 from transports.core.encoder import MAGIC, PREAMBLE, encode_parts, payload_pieces
 from transports.core.frames import VERSION
-from transports.core.provenance_tables import MAX_NEW, STREAM_WINDOW, SentRecords
+from transports.core.provenance_tables import MAX_HELD_BYTES, MAX_NEW, STREAM_WINDOW, SentRecords
 
 
 def _record(i: int, cert: bytes = b"C" * 300) -> Provenance:
@@ -140,3 +140,26 @@ def test_per_frame_tables_still_decode_on_any_stream() -> None:
     reader = FrameDecoder()
     got = reader.feed(encode(_block(a))) + reader.feed(encode(_block(a, 1)))
     assert [f.provenance for f in got if isinstance(f, Block)] == [a, a]
+
+
+@pytest.mark.parametrize("per_stream", [True, False], ids=["per_stream", "per_frame"])
+def test_a_record_flood_keeps_a_reader_within_its_byte_bound(per_stream: bool) -> None:
+    # Records as large as a frame's header lets them be, each new, each under a certificate of its own
+    layers = [bytes([9]) * 32] * 1500
+    sent, reader = SentRecords(), FrameDecoder()
+    peak, refused = 0, False
+    for i in range(STREAM_WINDOW):
+        record = sign_block(b"n" * 32, i.to_bytes(32, "little"), layers, "node-a", i.to_bytes(4, "little") * 3000,
+                            lambda m: b"s" * 64)
+        frame = Block(1, BlockAddress(BlockHash(record.block_hash), 0), bytes([9]) * 32, b"xyz", record)
+        head, payload = encode_parts(frame, sent=sent) if per_stream else encode_parts(frame)
+        sent.commit()
+        try:
+            reader.feed(head + b"".join(bytes(p) for p in payload_pieces(payload)))
+        except ProtocolError as e:
+            assert "bound" in str(e)
+            refused = True
+            break
+        peak = max(peak, reader.held_record_bytes)
+    assert peak <= MAX_HELD_BYTES
+    assert refused == per_stream   # a per-frame reader forgets instead: its cache is emptied

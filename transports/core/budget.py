@@ -1,5 +1,6 @@
-"""Per-peer budgets, sans-I/O: how many PULLs and how many requested bytes per second one
-authenticated peer may cost a server, as token buckets keyed by the peer's node name.
+"""Per-peer budgets and the node's fair share, sans-I/O: how many PULLs and how many requested bytes
+per second one authenticated peer may cost a server, as token buckets keyed by the peer's node name;
+and what all peers together may cost it (bytes served, handshakes begun), shared fairly.
 
     server, per PULL:   admit_pull(peer, now) ─► Verdict.OK | PULLS | BYTES
                         (a refused PULL is answered ERROR overloaded, never silently dropped)
@@ -14,6 +15,13 @@ byte bucket may go into debt: a peer in debt gets no new PULL until the refill p
 bucket is created full, so a peer that was idle starts with its whole burst. Buckets left full
 (they would be created the same way) are forgotten once more than MAX_TRACKED peers are known.
 Every call is O(1), except that sweep: O(peers), at most once per MAX_TRACKED new peers.
+
+Beside them, node-wide (`SharedBudget`): one bucket for the bytes all peers are served and one for
+the handshakes all sources begin. While a shared bucket has tokens, everyone is admitted; once it is
+empty (the node is contended), a key is admitted only while its recent use (decayed with a half-life
+of `SHARE_HALF_LIFE_S`) is at most the average of the keys active lately: the heaviest users are
+refused first and a light peer still gets its share, so many certificates (or addresses) together
+cannot crowd one good client out. That check is O(keys active lately), only while contended.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from dataclasses import dataclass
 from fabric.config import TransportConfig
 
 MAX_TRACKED = 4096   # peers whose buckets are kept before the full ones are swept
+SHARE_HALF_LIFE_S = 1.0   # how fast a key's recent use of a shared budget is forgotten
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,9 +44,14 @@ class PeerRates:
     pull_burst: float = 2000.0
     bytes_per_s: float = 4.0 * (1 << 30)
     bytes_burst: float = 4.0 * (1 << 30)
+    node_bytes_per_s: float = 8.0 * (1 << 30)   # all peers together, shared fairly (module docstring)
+    node_bytes_burst: float = 8.0 * (1 << 30)
+    handshakes_per_s: float = 200.0             # handshakes begun, all sources together, shared fairly
+    handshake_burst: float = 400.0
 
     def __post_init__(self) -> None:
-        for name in ("pulls_per_s", "pull_burst", "bytes_per_s", "bytes_burst"):
+        for name in ("pulls_per_s", "pull_burst", "bytes_per_s", "bytes_burst", "node_bytes_per_s",
+                     "node_bytes_burst", "handshakes_per_s", "handshake_burst"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"PeerRates.{name} must be > 0, got {getattr(self, name)}")
 
@@ -45,7 +59,8 @@ class PeerRates:
 def peer_rates(config: TransportConfig) -> PeerRates:
     """The [transport] section's per-peer rates."""
     return PeerRates(config.peer_pulls_per_s, config.peer_pull_burst, config.peer_bytes_per_s,
-                     config.peer_bytes_burst)
+                     config.peer_bytes_burst, config.node_bytes_per_s, config.node_bytes_burst,
+                     config.node_handshakes_per_s, config.node_handshake_burst)
 
 
 @dataclass(slots=True)
@@ -97,6 +112,42 @@ class Verdict(enum.Enum):
     OK = "ok"
     PULLS = "pulls"   # over its PULLs per second
     BYTES = "bytes"   # over its requested bytes per second
+    SHARE = "fair_share"   # the node is contended and this peer used more than its fair share lately
+
+
+class SharedBudget:
+    """A node-wide token bucket that keys (peers, source addresses) share fairly (module docstring)."""
+
+    def __init__(self, rate: float, burst: float, now: float = 0.0, *, half_life_s: float = SHARE_HALF_LIFE_S) -> None:
+        self.bucket = TokenBucket.full(rate, burst, now)
+        self.half_life_s = half_life_s
+        self._use: dict[str, tuple[float, float]] = {}   # key -> (recent use, when it was counted)
+
+    def _recent(self, key: str, now: float) -> float:
+        found = self._use.get(key)
+        if found is None:
+            return 0.0
+        value, updated = found
+        return value * float(0.5 ** (max(0.0, now - updated) / self.half_life_s))
+
+    def admit(self, key: str, now: float) -> bool:
+        """May `key` take more now? Yes while the bucket has tokens; when it has none, only a key
+        whose recent use is at most the average of the keys active lately."""
+        if self.bucket.take(0, now) and self.bucket.tokens > 0:
+            return True
+        uses = [self._recent(k, now) for k in self._use]
+        active = [u for u in uses if u > 1e-9 * max(uses, default=0.0)]
+        if not active:
+            return True
+        return self._recent(key, now) * len(active) <= sum(active)
+
+    def charge(self, key: str, amount: float, now: float) -> None:
+        """`key` took `amount` (the bucket may go into debt: bytes are known only once read)."""
+        self.bucket.charge(amount, now)
+        self._use[key] = (self._recent(key, now) + amount, now)
+        if len(self._use) > MAX_TRACKED:   # forget the keys that used least lately
+            keep = sorted(self._use, key=lambda k: self._recent(k, now), reverse=True)[:MAX_TRACKED // 2]
+            self._use = {k: self._use[k] for k in keep}
 
 
 @dataclass(slots=True)
@@ -108,10 +159,12 @@ class _Buckets:
 class PeerBudgets:
     """The buckets of every peer of one server."""
 
-    def __init__(self, rates: PeerRates | None = None) -> None:
-        self.rates = rates or PeerRates()
+    def __init__(self, rates: PeerRates | None = None, now: float = 0.0) -> None:
+        self.rates = r = rates or PeerRates()
         self._peers: dict[str, _Buckets] = {}
         self._sweep_at = MAX_TRACKED
+        self.shared_bytes = SharedBudget(r.node_bytes_per_s, r.node_bytes_burst, now)
+        self.handshakes = SharedBudget(r.handshakes_per_s, r.handshake_burst, now)
 
     def _of(self, peer: str, now: float) -> _Buckets:
         found = self._peers.get(peer)
@@ -128,17 +181,29 @@ class PeerBudgets:
         buckets = self._of(peer, now)
         if buckets.bytes.in_debt(now):
             return Verdict.BYTES
+        if not self.shared_bytes.admit(peer, now):
+            return Verdict.SHARE
         return Verdict.OK if buckets.pulls.take(1, now) else Verdict.PULLS
 
     def charge_bytes(self, peer: str, num_bytes: int, now: float) -> None:
         """`num_bytes` payload bytes were served for `peer`'s PULLs."""
         if num_bytes:
             self._of(peer, now).bytes.charge(num_bytes, now)
+            self.shared_bytes.charge(peer, num_bytes, now)
+
+    def admit_handshake(self, source: str, now: float) -> bool:
+        """May a handshake from `source` (an address: the peer is not authenticated yet) begin now?
+        An admitted one is charged."""
+        if not self.handshakes.admit(source, now):
+            return False
+        self.handshakes.charge(source, 1, now)
+        return True
 
     def wait_s(self, peer: str, now: float) -> float:
         """Seconds until `peer` would be admitted a PULL (0: now)."""
         buckets = self._of(peer, now)
-        return max(buckets.pulls.wait_s(1, now), buckets.bytes.wait_s(0, now))
+        shared = self.shared_bytes.bucket.wait_s(0, now) if not self.shared_bytes.admit(peer, now) else 0.0
+        return max(buckets.pulls.wait_s(1, now), buckets.bytes.wait_s(0, now), shared)
 
     @property
     def num_tracked(self) -> int:

@@ -74,6 +74,11 @@ class ClientSession(SessionBase):
         self.num_digest_mismatches = 0
         self._init_session(decoder or FrameDecoder(max_payload=max_payload), now)
         self.decoder.payload_target = self._payload_target
+        self.decoder.request_known = self._issued
+
+    def _issued(self, request_id: int) -> bool:
+        """Whether `request_id` was ever sent on this connection (answers to a cancelled one may still come)."""
+        return 0 < request_id < self.next_id
 
     def _payload_target(self, ftype: FrameType, header: dict[Any, Any], size: int) -> memoryview | None:
         # Before HELLO is checked too: a slot is only ever written by a frame for an address of a

@@ -116,6 +116,9 @@ _NO_PAYLOAD = bytearray()   # never written: the decoder's payload between frame
 _NO_PAYLOAD_VIEW = memoryview(_NO_PAYLOAD)
 
 
+_ANSWER_TYPES = frozenset({FrameType.BLOCK, FrameType.BLOCKS})   # frames that carry records and payloads
+
+
 class FrameDecoder:
     """Incremental decoder: accepts any split of the byte stream.
 
@@ -148,6 +151,10 @@ class FrameDecoder:
         # None for a new buffer. Called before any payload byte is received.
         self.payload_target: Callable[[FrameType, dict[Any, Any], int], memoryview | None] | None = None
         self.placed_rid: Any = None   # the request whose target the payload being received goes to
+        # Optional: whether a BLOCK / BLOCKS frame's request id was ever issued on this stream (a
+        # client's). A frame for any other id is refused from its header, before its payload is
+        # received or its provenance records are decoded.
+        self.request_known: Callable[[int], bool] | None = None
         self._payload_filled = 0
         self._header: dict[Any, Any] = {}
         self._error: ProtocolError | None = None
@@ -161,6 +168,11 @@ class FrameDecoder:
     def mid_frame(self) -> bool:
         """True when part of a frame has been received (used to detect stalled peers)."""
         return self._state is not _State.PREAMBLE or bool(self._buf)
+
+    @property
+    def held_record_bytes(self) -> int:
+        """Bytes of provenance records and certificates this stream's reader holds (both forms)."""
+        return self._records.held_bytes + self._records.known_bytes
 
     @property
     def buffered_bytes(self) -> int:
@@ -294,6 +306,9 @@ class FrameDecoder:
             header = None
         if type(header) is not dict:
             header = unpack_map(chunk, f"{self._ftype.name} header")  # raises, saying what is wrong
+        if self.request_known is not None and self._ftype in _ANSWER_TYPES and type(rid := header.get("rid")) is int \
+                and not self.request_known(rid):
+            raise ProtocolError(f"{self._ftype.name} for request {rid}, which was never sent")
         self._header = header
         self._state = _State.PAYLOAD
         if self._payload_len:

@@ -37,7 +37,10 @@ from typing import Any
 from fabric.provenance import Provenance, ProvenanceError
 
 MAX_KNOWN_RECORDS = 64   # per-frame form: a few frames' worth of blocks; emptied when full
-STREAM_WINDOW = 512      # per-stream form: records (and certificates) both ends keep (a few MB per connection at most)
+STREAM_WINDOW = 512      # per-stream form: records (and certificates) both ends keep ...
+MAX_HELD_BYTES = 8 << 20  # ... and at most this many bytes of them per stream and form: past it the
+                          # peer is flooding (honest records of a 128-layer model fill a window with
+                          # about 2 MiB), and the frame is a protocol error for that peer only
 MAX_NEW = 256            # at most this many records are new in one frame (one per part: MAX_PARTS)
 
 
@@ -125,10 +128,23 @@ class StreamRecords:
 
     def __init__(self) -> None:
         self.known: dict[tuple[bytes, bytes], Provenance] = {}   # (record, certificate) -> record
+        self.known_bytes = 0
         self.records: dict[int, Provenance] = {}
         self.certs: dict[int, bytes] = {}
         self.next_record = 0
         self.next_cert = 0
+        self._sizes: dict[tuple[bool, int], int] = {}   # (is a certificate, stream number) -> its bytes
+        self.held_bytes = 0                             # what `records` and `certs` hold, in those bytes
+
+    def hold(self, cert: bool, number: int, size: int, what: str) -> None:
+        """Count `size` bytes for the record or certificate numbered `number`, and drop the one that
+        left the window; ValueError when the stream would then hold over MAX_HELD_BYTES."""
+        gone = self._sizes.pop((cert, number - STREAM_WINDOW), 0)
+        self._sizes[(cert, number)] = size
+        self.held_bytes += size - gone
+        if self.held_bytes > MAX_HELD_BYTES:
+            raise ValueError(f"{what}: the stream's records and certificates would take {self.held_bytes} bytes, "
+                             f"over the {MAX_HELD_BYTES}-byte bound")
 
 
 def _held(number: int, next_number: int) -> bool:
@@ -204,10 +220,13 @@ def part_records(header: dict[Any, Any], num_parts: int, what: str,
         record = known.get(key) if known is not None else None
         if record is None:
             record = _decode(key[0], key[1], what)
-            if known is not None:
-                if len(known) >= MAX_KNOWN_RECORDS:
+            if known is not None and stream is not None:
+                size = len(key[0]) + len(key[1])
+                if len(known) >= MAX_KNOWN_RECORDS or stream.known_bytes + size > MAX_HELD_BYTES:
                     known.clear()
+                    stream.known_bytes = 0
                 known[key] = record
+                stream.known_bytes += size
         records.append(record)
     return _pick(records, pix, len(records), 0, what)
 
@@ -225,6 +244,7 @@ def _stream_records(header: dict[Any, Any], pix: list[Any], what: str,
     if len(certs) > len(table):
         raise ValueError(f"{what} carries {len(certs)} new certificates for {len(table)} new records")
     for cert in certs:
+        stream.hold(True, stream.next_cert, len(cert), what)
         stream.certs[stream.next_cert] = cert
         stream.certs.pop(stream.next_cert - STREAM_WINDOW, None)
         stream.next_cert += 1
@@ -233,6 +253,7 @@ def _stream_records(header: dict[Any, Any], pix: list[Any], what: str,
         held = stream.certs.get(entry[1])
         if held is None:
             raise ValueError(f"{what} names certificate {entry[1]}, which this stream does not hold")
+        stream.hold(False, stream.next_record, len(entry[0]), what)
         stream.records[stream.next_record] = _decode(entry[0], held, what)
         stream.records.pop(stream.next_record - STREAM_WINDOW, None)
         stream.next_record += 1

@@ -93,6 +93,14 @@ class ServingServer:
         self.count_overloaded(peer, verdict.value)
         return False
 
+    def admit_handshake(self, source: str, now: float) -> bool:
+        """May a handshake from the address `source` begin now (the node's fair share of handshakes,
+        `budget.SharedBudget`)? A refusal is counted (budget `handshakes`); the caller drops it."""
+        if self.budgets.admit_handshake(source, now):
+            return True
+        self.count_overloaded(source, "handshakes")
+        return False
+
     def throttle_s(self, peer: str, now: float) -> float:
         """How long to stop reading `peer` after refusing it: until its budget admits a PULL again,
         at least THROTTLE_MIN_S (each resumed read of a flooding peer costs a batch of refusals) and

@@ -267,6 +267,9 @@ class TlsTcpServer(ServingServer):
                 logger.exception("accepting a connection failed unexpectedly; accepting goes on")
                 await asyncio.sleep(0.1)   # whatever it was, do not spin on it
                 continue
+            if not self.admit_handshake(str(addr[0]), loop.time()):   # the node's fair share (budget.py)
+                raw.close()
+                continue
             task = loop.create_task(self._handshake(raw, f"{addr[0]}:{addr[1]}"))
             self._handshakes.add(task)
             task.add_done_callback(self._handshakes.discard)

@@ -16,6 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+# Property tests check outcomes, not speed: hypothesis' per-example deadline (200 ms) fails them on a loaded
+# 2-core host for no fault of the code, so no example has one.
+settings.register_profile("kvfabric", deadline=None)
+settings.load_profile("kvfabric")
 
 _CLUSTER_MODULES = frozenset({
     "test_cli_cluster.py",

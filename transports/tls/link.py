@@ -2,23 +2,23 @@
 
 `TlsLink` carries kvfabric frames over one `TlsChannel` (OpenSSL over memory BIOs, channel.py):
 
-    socket ──recv_into(READ_SIZE)──► incoming BIO ──SSL_read──► FrameDecoder.get_buffer()
-                                       (a payload's own buffer from its first byte; see `_queue`)
-                                              │ buffer_updated(n) → frames → on_frames(frames)
-    send(frame) ─► plaintext queue: [head][payload pieces, views] … ─SSL_write─► outgoing BIO
-                                          ─read()─► ciphertext batches ─sendmsg─► socket
+    socket ──recv_into(READ_SIZE)──► read buffer ──FEED_SIZE at a time──► incoming BIO
+           ──SSL_read──► FrameDecoder.get_buffer()  (a payload's own buffer from its first byte)
+                              │ buffer_updated(n) → frames → on_frames(frames)
+    send(frame) ─► plaintext queue: [head][payload pieces: views] …
+           ─SSL_write, FEED_SIZE at a time─► outgoing BIO ─read()─► ciphertext ─sendmsg─► socket
 
-One socket read takes up to READ_SIZE bytes, many TLS records; one `sendmsg` sends up to
-WRITE_BATCH of them: a few system calls per MiB, where OpenSSL on the socket itself makes two
-reads and one write per 16 KiB record. A payload is decrypted straight into its own buffer
-(the decoder's or the caller's slot): its plaintext is never copied. Ciphertext is copied into
-and out of the BIOs, cache-warm.
+One socket read takes up to READ_SIZE bytes, many TLS records, and one `sendmsg` sends FEED_SIZE
+of them (WRITE_BATCH once the socket is full): a few system calls per MiB, where OpenSSL on the
+socket itself makes two reads and one write per 16 KiB record. A payload is decrypted straight
+into its own buffer (the decoder's or the caller's slot): its plaintext is never copied.
+Ciphertext is copied into and out of the BIOs, FEED_SIZE at a time so that it stays in cache.
 
 Invariants:
   * every OpenSSL call of a connection happens on the event loop thread (it is not thread-safe);
   * ciphertext leaves in the order OpenSSL made it: application data and protocol messages made
     by a read (a key update reply) share the outgoing BIO and one send queue;
-  * at most WRITE_BATCH plaintext bytes are encrypted ahead of what the socket took;
+  * about WRITE_BATCH bytes at most are encrypted ahead of what the socket took;
   * `on_closed` is called exactly once, after which nothing is read or sent;
   * `last_rx` / `last_tx` are the loop times of the last progress, for the owner's stall checks.
 Reading costs O(1) Python calls per TLS record and per socket read; writing O(1) per queued piece
@@ -56,7 +56,8 @@ TRANSPORT = "tls-tcp"   # the metrics label of TLS-TCP (server and client)
 
 READ_BUDGET = 4 * 1024 * 1024   # bytes read per loop callback before other tasks get a turn
 READ_SIZE = 1024 * 1024         # one socket read: up to 64 full TLS records
-WRITE_BATCH = 1024 * 1024       # plaintext encrypted per batch; one sendmsg sends what is ready
+FEED_SIZE = 256 * 1024          # ciphertext moved into the BIO, or encrypted out of it, at a time
+WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once the link is busy
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
 SMALL = 4 * 1024                # queued pieces under this are joined into one record
 
@@ -84,11 +85,15 @@ class TlsLink(LinkBase):
         self.max_payload = max_payload
         self.frame_timeout_s = frame_timeout_s
         self._rbuf = memoryview(bytearray(read_size))
+        self._filled = self._fed = 0   # bytes of the last socket read, and how many went to the BIO
+        self._socket_dry = False
+        self._at_eof = False
         self._plain: deque[memoryview] = deque()    # queued, not yet encrypted
         self._plain_bytes = 0
         self._cipher: deque[memoryview] = deque()   # encrypted, not yet taken by the socket
         self._cipher_bytes = 0
         self._sent = SentRecords()   # records this stream carried: later frames name them by number
+        self._batch = FEED_SIZE      # ciphertext to have ready before a sendmsg (see _flush)
         self._writer_on = False
         self._reading = False
         self._got_bytes = False
@@ -113,49 +118,71 @@ class TlsLink(LinkBase):
     def mid_frame(self) -> bool:
         return self._decoder.mid_frame
 
-    def _fill(self) -> int:
-        """One socket read into the incoming BIO: its size, -1 when the socket had nothing; the end
-        of the stream (0) is written to the BIO, where OpenSSL reports it on the next read."""
-        try:
-            n = self._sock.recv_into(self._rbuf)
-        except (BlockingIOError, InterruptedError):
-            return -1
-        if n:
-            self._incoming.write(self._rbuf[:n])
-        else:
-            self._incoming.write_eof()
-        return n
+    def _feed(self) -> bool:
+        """Move the next FEED_SIZE bytes of the last socket read into the incoming BIO, reading the
+        socket first when that read is used up; False when the socket has nothing now. The end of
+        the stream is written to the BIO as EOF, which OpenSSL reports on the next read."""
+        if self._fed == self._filled:
+            if self._at_eof:   # OpenSSL wants more after the end of the stream: it ends here
+                raise ssl.SSLEOFError("the peer closed TCP inside a TLS record")
+            if self._socket_dry:
+                return False
+            try:
+                n = self._sock.recv_into(self._rbuf)
+            except (BlockingIOError, InterruptedError):
+                return False
+            if not n:
+                self._incoming.write_eof()
+                self._at_eof = True
+                return True
+            # A short read emptied the socket: the next one would find nothing until the fd says so.
+            self._socket_dry = n < self._rbuf.nbytes
+            self._fed, self._filled = 0, n
+        end = min(self._filled, self._fed + FEED_SIZE)
+        self._incoming.write(self._rbuf[self._fed:end])
+        self._fed = end
+        return True
 
     def _on_readable(self) -> None:
         budget = READ_BUDGET
         frames: list[Frame] = []
         self._got_bytes = got_any = False
+        self._socket_dry = False
         decoder, read = self._decoder, self._read
-        socket_dry = False   # the last socket read was short: the next one would find nothing
         try:
             while self._reading and not self.closed:
                 if budget <= 0:   # the BIO may hold records that the fd will not signal
                     self._loop.call_soon(self._on_readable)
                     break
                 buf = decoder.get_buffer()
+                size = len(buf)
+                n = 0
+                ended = dry = False
                 try:
-                    n = read(len(buf), buf)   # one TLS record at most, decrypted into `buf`
-                except ssl.SSLWantReadError:   # no whole record in the BIO: read the socket
-                    if socket_dry:
-                        break
-                    got = self._fill()
-                    if got < 0:
-                        break
-                    socket_dry = got < self._rbuf.nbytes
-                    continue
-                if not n:   # the peer's close_notify
+                    n = read(size, buf)   # one TLS record at most, decrypted into `buf`
+                    if not n:
+                        ended = True      # the peer's close_notify
+                    elif decoder.receiving_payload:
+                        # The payload's own buffer: fill it record after record, tell the decoder once.
+                        while n < size:
+                            got = read(size - n, buf[n:])
+                            if not got:
+                                ended = True
+                                break
+                            n += got
+                except ssl.SSLWantReadError:   # no whole record in the BIO
+                    dry = True
+                if n:
+                    got_any = self._got_bytes = True
+                    frames += decoder.buffer_updated(n)
+                    budget -= n
+                    if frames and not self.batch_frames:
+                        self._deliver(frames)
+                        frames = []
+                if ended:
                     raise ssl.SSLEOFError("peer sent close_notify")
-                got_any = self._got_bytes = True
-                frames += decoder.buffer_updated(n)
-                budget -= n
-                if frames and not self.batch_frames:
-                    self._deliver(frames)
-                    frames = []
+                if dry and not self._feed():
+                    break
         except ssl.SSLEOFError:   # close_notify, or TCP closed without one: end of stream
             self._deliver(frames)
             try:
@@ -235,27 +262,34 @@ class TlsLink(LinkBase):
     def _queued_bytes(self) -> int:
         return self._plain_bytes + self._cipher_bytes
 
-    def _encrypt(self, limit: int) -> None:
-        """Encrypt queued pieces, at least `limit` bytes of them if that many wait, and queue the
-        ciphertext (with anything else OpenSSL wrote) for the socket."""
+    def _encrypt(self) -> None:
+        """Encrypt about FEED_SIZE bytes of queued pieces and queue their ciphertext (with anything
+        else OpenSSL wrote) for the socket."""
         plain, write = self._plain, self._write
         done = 0
         small = bytearray()
-        while plain and done < limit:
-            piece = plain.popleft()
-            size = piece.nbytes
-            self._plain_bytes -= size
-            done += size
-            if size < SMALL:
+        while plain and done < FEED_SIZE:
+            piece = plain[0]
+            if piece.nbytes < SMALL:
+                plain.popleft()
                 small += piece
+                done += piece.nbytes
                 continue
             if small:
                 write(memoryview(small))
                 small = bytearray()
+            # A large payload goes in FEED_SIZE steps (whole records): the BIO stays cache-sized.
+            step = max(FEED_SIZE - done, TLS_RECORD)
+            if piece.nbytes > step:
+                plain[0] = piece[step:]
+                piece = piece[:step]
+            else:
+                plain.popleft()
             n = write(piece)   # a memory BIO never blocks: OpenSSL takes it all, record by record
-            if n < size:
+            done += n
+            if n < piece.nbytes:   # not expected (partial writes are not enabled): the rest goes next
                 plain.appendleft(piece[n:])
-                self._plain_bytes += size - n
+        self._plain_bytes -= done
         if small:
             write(memoryview(small))
         self._take_outgoing()
@@ -268,13 +302,15 @@ class TlsLink(LinkBase):
             self._cipher_bytes += data.nbytes
 
     def _flush(self) -> None:
+        """Encrypt and send until the socket is full or nothing waits. While the socket keeps up,
+        each FEED_SIZE step is sent as soon as it is encrypted, so the peer decrypts one while this
+        side encrypts the next; once the socket is full, WRITE_BATCH waits for it at a time."""
         cipher = self._cipher
         while not self.closed:
             try:
-                if self._plain and self._cipher_bytes < WRITE_BATCH:
-                    self._encrypt(WRITE_BATCH - self._cipher_bytes)
-                else:
-                    self._take_outgoing()
+                self._take_outgoing()
+                while self._plain and self._cipher_bytes < self._batch:
+                    self._encrypt()
             except ssl.SSLError as e:
                 self._tls_failed(e)
                 return
@@ -297,8 +333,11 @@ class TlsLink(LinkBase):
                 else:
                     cipher[0] = head[n:]
                     n = 0
-            if cipher:   # the socket is full: the writer callback goes on
+            if cipher:   # the socket is full: the writer callback goes on, in larger batches
+                self._batch = WRITE_BATCH
                 break
+            if not self._plain:
+                self._batch = FEED_SIZE
         if self._queued_bytes() <= self.write_high:
             self._drained.set()
         if not self._plain and not self._cipher:

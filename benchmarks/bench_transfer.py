@@ -46,6 +46,17 @@ the server and the client, timed in this process, transfer_provenance.frame_ms_p
 tls_tcp_into_over_copy* and tls_tcp_provenance_over_plain* among them; *_median* is the median over rounds of
 each round's pair, which a burst of other work on the machine during one run moves less than the totals'
 ratio). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
+
+Costs beside time (benchmarks/transfer_costs.py), for every method whose server runs by PID and every
+block size: CPU ms per MiB of each end (*_client_cpu_ms_per_mib*, *_server_cpu_ms_per_mib*), system
+calls per MiB of both ends counted by the kernel with `perf stat` (*_syscalls_per_mib*: socket reads and
+writes; *_all_syscalls_per_mib*: every call; null where perf cannot count them), and the floor of the
+same run: the plain TCP method's CPU per MiB plus AES-256-GCM seal + open of the bytes in 16 KiB
+records and BLAKE3 of each block, timed in this process (floor_cpu_ms_per_mib*, with its parts
+floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*), and each method's CPU over it (*_cpu_over_floor*).
+Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
+TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The bars' keys:
+syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket.
 """
 
 from __future__ import annotations
@@ -538,6 +549,31 @@ def one_block_latencies(kv_port: int, cert_dir: Path, samples: int) -> tuple[flo
     return round(statistics.median(ours) * 1e3, 3), round(statistics.median(theirs) * 1e3, 3)
 
 
+def print_costs(out: dict[str, object], labels: dict[str, str]) -> None:
+    """The second table: CPU of both ends and system calls per MiB, against the floor of the run."""
+    def cell(key: str) -> object:
+        value = out.get(key)
+        return "-" if value is None else value
+
+    def both(name: str, suffix: str) -> object:
+        client = out.get(f"{name}_client_cpu_ms_per_mib{suffix}")
+        server = out.get(f"{name}_server_cpu_ms_per_mib{suffix}")
+        return round(client + server, 3) if isinstance(client, float) and isinstance(server, float) else "-"
+
+    rows = [[labels[name], both(name, ""), cell(f"{name}_cpu_over_floor"), both(name, "_64k"),
+             cell(f"{name}_cpu_over_floor_64k"), cell(f"{name}_syscalls_per_mib"),
+             cell(f"{name}_all_syscalls_per_mib"), cell(f"{name}_syscalls_per_mib_64k")]
+            for name in CPU_METHODS if out.get(f"{name}_mb_s") is not None]
+    rows.append(["floor: plain TCP CPU + AES-256-GCM seal/open + BLAKE3", cell("floor_cpu_ms_per_mib"), 1.0,
+                 cell("floor_cpu_ms_per_mib_64k"), 1.0, "-", "-", "-"])
+    print_table(f"Costs per MiB pulled, client + server (floor = TCP {cell('floor_tcp_cpu_ms_per_mib')} + AES-GCM "
+                f"{cell('floor_aes_gcm_ms_per_mib')} + BLAKE3 {cell('floor_blake3_ms_per_mib')} ms at 1 MiB); "
+                f"one 1 MiB get, p50: kvfabric {cell('get_1m_p50_ms')} ms, bare TLS socket "
+                f"{cell('tls_socket_get_1m_p50_ms')} ms",
+                ["method", "CPU ms, 1 MiB", "÷ floor", "CPU ms, 64 KiB", "÷ floor", "socket calls, 1 MiB",
+                 "all calls, 1 MiB", "socket calls, 64 KiB"], rows)
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a is not None and b else None
 
@@ -597,6 +633,7 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
     out["cpu_over_floor_1m"] = out["tls_tcp_cpu_over_floor"]
     out["cpu_over_floor_64k"] = out["tls_tcp_cpu_over_floor_64k"]
     out["get_1m_p50_over_tls_socket"] = _ratio(result["get_1m_p50_ms"], result["tls_socket_get_1m_p50_ms"])
+    print_costs(out, labels)
     out["quick"] = quick
     out["only"] = list(only)
     emit_json(out)

@@ -323,7 +323,7 @@ class TlsTcpServer(ServingServer):
         destroy the ERROR before the peer reads it."""
         closed = asyncio.Event()
         link = TlsLink(sock, FrameDecoder(max_payload=0), lambda frames: None, lambda reason: closed.set(),
-                       self.frame_timeout_s, self.metrics, self.transport)
+                       self.frame_timeout_s, self.metrics, self.transport, read_size=SERVER_READ_SIZE)
         link.start()
         link.send(Error(0, ErrorCode.OVERLOADED, why))
         try:

@@ -278,8 +278,9 @@ class TlsLink(LinkBase):
             if small:
                 write(memoryview(small))
                 small = bytearray()
-            # A large payload goes in FEED_SIZE steps (whole records): the BIO stays cache-sized.
-            step = max(FEED_SIZE - done, TLS_RECORD)
+            # A large payload goes in steps of whole records, about FEED_SIZE at a time: the BIO stays
+            # cache-sized and every record but a payload's last is full.
+            step = max((FEED_SIZE - done) // TLS_RECORD * TLS_RECORD, TLS_RECORD)
             if piece.nbytes > step:
                 plain[0] = piece[step:]
                 piece = piece[:step]

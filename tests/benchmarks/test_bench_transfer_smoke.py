@@ -1,4 +1,5 @@
-"""Smoke test of benchmarks/bench_transfer.py: `--quick` runs every method and ends with the JSON line.
+"""Smoke test of benchmarks/bench_transfer.py: `--quick` runs every method and ends with the JSON line
+(throughput, CPU and system calls per MiB, the crypto floor, one block's latency).
 
 Timing is not asserted (benchmarks report figures, tests do not gate on them).
 """
@@ -13,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks.transfer_baselines import redis_server_binary
+from benchmarks.transfer_costs import syscalls_countable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -37,6 +39,22 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
         assert result[f"{name}_client_cpu_ms_per_mib"] > 0, name
         assert result[f"{name}_server_cpu_ms_per_mib"] >= 0, name  # /proc counts 10 ms ticks: a short run may read 0
     assert result["blake3_ms_per_mib"] > 0
+    for suffix in ("", "_64k"):   # the floor of the same run, and every method's CPU against it
+        assert result[f"floor_cpu_ms_per_mib{suffix}"] > result[f"floor_aes_gcm_ms_per_mib{suffix}"] > 0
+        assert result[f"floor_blake3_ms_per_mib{suffix}"] > 0
+        for name in ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp"):
+            assert result[f"{name}_client_cpu_ms_per_mib{suffix}"] > 0, name + suffix
+            assert isinstance(result[f"{name}_cpu_over_floor{suffix}"], float), name + suffix
+    assert isinstance(result["cpu_over_floor_1m"], float) and isinstance(result["cpu_over_floor_64k"], float)
+    assert result["get_1m_p50_ms"] > 0 and result["tls_socket_get_1m_p50_ms"] > 0
+    assert isinstance(result["get_1m_p50_over_tls_socket"], float)
+    if syscalls_countable():
+        # Many TLS records per socket call: a fraction of the calls a TLS socket makes (two reads
+        # and one write per 16 KiB record), whatever the timing.
+        assert 0 < result["syscalls_per_mib_1m"] < result["tls_socket_syscalls_per_mib"] / 4
+        assert result["all_syscalls_per_mib_1m"] >= result["syscalls_per_mib_1m"]
+    else:
+        assert result["syscalls_per_mib_1m"] is None
     assert result["provenance_sign_ms_per_mib"] > 0 and result["provenance_verify_ms_per_mib"] > 0
     for suffix in ("", "_64k"):   # what records add to a pull's frames, each end (a difference: any sign)
         assert isinstance(result[f"provenance_serve_ms_per_mib{suffix}"], float)

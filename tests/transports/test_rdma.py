@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import ssl
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from transports.rdma.transport import (
     gid_text,
     rdma_unavailable_reason,
 )
+from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, open_tls, tls_send_all
 
 ROCE_GID = bytes.fromhex("fe80" + "00" * 6 + "0a0b0c0d0e0f1011")
@@ -108,7 +108,7 @@ def test_gid_text_round_trip() -> None:
 # --- parameter exchange over the authenticated control connection (real TLS, no device) -------------
 
 
-async def _control_pair(cert_dir: Path) -> tuple[ssl.SSLSocket, ssl.SSLSocket, socket.socket]:
+async def _control_pair(cert_dir: Path) -> tuple[TlsChannel, TlsChannel, socket.socket]:
     listener = socket.create_server(("127.0.0.1", 0))
     listener.setblocking(False)
     port = listener.getsockname()[1]

@@ -1,19 +1,24 @@
-"""TlsLink over a real mutual-TLS loopback connection: frames queued while the peer does not read
-(their tails then share TLS records with the next frame's head) all arrive intact and in order."""
+"""TlsLink over real mutual-TLS loopback connections: frames queued while the peer does not read all
+arrive intact and in order; records cut anywhere by the socket reads, a close_notify, garbage in
+place of records and a record that never ends are each what a user of the link expects."""
 
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import socket
+import termios
 from pathlib import Path
 
-from support import creds
+import pytest
+from support import creds, wait_until
 
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Peer
-from transports.core.codec import Block, End, Frame, FrameDecoder, Miss, MissReason
+from transports.core.codec import Block, End, Frame, FrameDecoder, Hello, Miss, MissReason, encode
 from transports.core.metrics import TransportMetrics
+from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, open_tls
 from transports.tls.link import TLS_RECORD, TlsLink
 
@@ -71,3 +76,165 @@ def test_frames_queued_behind_a_peer_that_does_not_read_arrive_intact(cert_dir: 
                 want.request_id, want.address, want.digest, bytes(want.payload))
         else:
             assert got == want
+
+
+async def _pair(cert_dir: Path) -> tuple[TlsChannel, TlsChannel]:
+    """(server channel, client channel) of one real mutual-TLS loopback connection."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.setblocking(False)
+    try:
+        dial = asyncio.ensure_future(open_tls(Peer("node-a", "127.0.0.1", listener.getsockname()[1]),
+                                              creds(cert_dir, "client-1"), 5))
+        raw, _ = await asyncio.get_running_loop().sock_accept(listener)
+        server = await accept_tls(raw, creds(cert_dir, "node-a"), 5)
+        return server, await dial
+    finally:
+        listener.close()
+
+
+class Receiver:
+    """A TlsLink that reads with `read_size`-byte socket reads, and what it handed over."""
+
+    def __init__(self, channel: TlsChannel, read_size: int) -> None:
+        self.frames: list[Frame] = []
+        self.closed: list[MissReason] = []
+        self.metrics = TransportMetrics()
+        self.link = TlsLink(channel, FrameDecoder(max_payload=2 << 20), self.frames.extend, self.closed.append,
+                            5.0, self.metrics, "test", read_size=read_size)
+        self.link.start()
+
+    def protocol_errors(self) -> float:
+        return float(self.metrics.protocol_errors.labels("test")._value.get())
+
+
+def _ciphertext(channel: TlsChannel, frames: list[Frame]) -> bytes:
+    """The TLS records that carry `frames`, written by the peer's own OpenSSL connection."""
+    for frame in frames:
+        data = memoryview(encode(frame))
+        while data:
+            data = data[channel.write(data):]
+    return channel.take_outgoing()
+
+
+async def _send_in_pieces(sock: socket.socket, data: bytes, sizes: list[int]) -> None:
+    """Send `data` cut into pieces of `sizes` (cycled), letting the receiver run between them."""
+    loop, view, i = asyncio.get_running_loop(), memoryview(data), 0
+    while view:
+        piece, view = view[:sizes[i % len(sizes)]], view[sizes[i % len(sizes)]:]
+        await loop.sock_sendall(sock, piece)
+        await asyncio.sleep(0)
+        i += 1
+
+
+def _unread(sock: socket.socket) -> int:
+    """Bytes waiting in the socket's receive queue."""
+    return int.from_bytes(fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"), "little")
+
+
+def _assert_same(got: list[Frame], want: list[Frame]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        if isinstance(w, Block):
+            assert isinstance(g, Block) and bytes(g.payload) == bytes(w.payload) and g.digest == w.digest
+        else:
+            assert g == w
+
+
+@pytest.mark.parametrize("read_size,sizes", [(4096, [1, 5, 4, 16384 + 22, 7, 100_000]), (1 << 20, [3000, 17, 1])],
+                         ids=["reads-shorter-than-a-record", "records-cut-by-the-sender"])
+def test_records_split_across_socket_reads_arrive_whole(cert_dir: Path, read_size: int, sizes: list[int]) -> None:
+    """Record headers, record bodies and frames cut at every kind of boundary by what one socket
+    read returns still decrypt and decode into the frames sent."""
+    sent = _frames()[:20]
+
+    async def main() -> None:
+        server, client = await _pair(cert_dir)
+        receiver = Receiver(server, read_size)
+        try:
+            await _send_in_pieces(client.sock, _ciphertext(client, sent), sizes)
+            await wait_until(lambda: len(receiver.frames) >= len(sent))
+            assert not receiver.closed
+        finally:
+            receiver.link.close(MissReason.PEER_GONE, "test over")
+            client.close()
+        _assert_same(receiver.frames, sent)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["between-frames", "inside-a-frame"])
+def test_close_notify_ends_the_stream_cleanly_only_between_frames(cert_dir: Path, cut: bool) -> None:
+    """A close_notify after whole frames is the end of the stream (every frame delivered, no
+    protocol error); one inside a frame is a truncated frame: a protocol error for that peer."""
+    sent: list[Frame] = [Hello("client-1"), *_frames()[:4]]
+
+    async def main() -> None:
+        server, client = await _pair(cert_dir)
+        receiver = Receiver(server, 1 << 20)
+        try:
+            wire = encode(sent[-1])
+            records = _ciphertext(client, sent[:-1])
+            if cut:   # the last frame's first half, then close_notify
+                client.write(memoryview(wire)[:len(wire) // 2])
+                records += client.take_outgoing()
+            client.notify_close()
+            await asyncio.get_running_loop().sock_sendall(client.sock, records + client.take_outgoing())
+            await wait_until(lambda: bool(receiver.closed))
+        finally:
+            client.close(notify=False)
+        want = sent[:-1]
+        _assert_same(receiver.frames, want)
+        assert receiver.closed == [MissReason.PEER_ERROR if cut else MissReason.PEER_GONE]
+        assert receiver.protocol_errors() == (1 if cut else 0)
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("garbage", [b"GET / HTTP/1.1\r\nHost: x\r\n\r\n",
+                                     b"\x17\x03\x03\x00\x40" + os.urandom(64)],
+                         ids=["not-tls", "a-record-that-does-not-authenticate"])
+def test_garbage_in_place_of_records_closes_the_link_as_a_peer_error(cert_dir: Path, garbage: bytes) -> None:
+    """Bytes that are not TLS records of this connection, after a good frame: the good frame is
+    delivered, then the link closes as a peer error and hands over nothing from the garbage."""
+    async def main() -> None:
+        server, client = await _pair(cert_dir)
+        receiver = Receiver(server, 1 << 20)
+        try:
+            good = _ciphertext(client, [Hello("client-1")])
+            await asyncio.get_running_loop().sock_sendall(client.sock, good + garbage)
+            await wait_until(lambda: bool(receiver.closed))
+        finally:
+            client.close(notify=False)
+        assert receiver.frames == [Hello("client-1")]
+        assert receiver.closed == [MissReason.PEER_ERROR]
+
+    asyncio.run(main())
+
+
+def test_a_record_that_never_ends_delivers_nothing_and_keeps_the_link_open(cert_dir: Path) -> None:
+    """A peer that stops inside a TLS record: the whole records before it are delivered, nothing
+    of the unfinished one, and the link waits (its owner's idle and frame deadlines cut such a
+    peer: test_hostile_peers.py); the rest of the record, when it comes, completes the frame."""
+    sent: list[Frame] = [Hello("client-1"), End(3)]   # one record each
+
+    async def main() -> None:
+        server, client = await _pair(cert_dir)
+        receiver = Receiver(server, 1 << 20)
+        loop = asyncio.get_running_loop()
+        try:
+            first = _ciphertext(client, sent[:1])
+            rest = _ciphertext(client, sent[1:])
+            await loop.sock_sendall(client.sock, first + rest[:len(rest) // 2])
+            await wait_until(lambda: len(receiver.frames) == 1)
+            # The receiver took what arrived: its socket is empty, OpenSSL holds the part.
+            await wait_until(lambda: _unread(server.sock) == 0)
+            assert len(receiver.frames) == 1 and not receiver.closed and not receiver.link.mid_frame
+            await loop.sock_sendall(client.sock, rest[len(rest) // 2:])
+            await wait_until(lambda: len(receiver.frames) == 2)
+            assert not receiver.closed
+        finally:
+            receiver.link.close(MissReason.PEER_GONE, "test over")
+            client.close()
+        _assert_same(receiver.frames, sent)
+
+    asyncio.run(main())

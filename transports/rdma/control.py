@@ -16,7 +16,6 @@ READ/WRITE would add them. Everything but `exchange_params` is tested without a 
 from __future__ import annotations
 
 import asyncio
-import ssl
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ from typing import Any
 import msgpack
 
 from transports.core.codec import ProtocolError, unpack_map
+from transports.tls.channel import TlsChannel
 from transports.tls.handshake import tls_recv, tls_send_all
 
 CONTROL_MAX = 64 * 1024
@@ -137,7 +137,7 @@ class ControlDecoder:
         return out
 
 
-async def exchange_params(sock: ssl.SSLSocket, mine: RdmaParams, *, initiator: bool, expected_node: str,
+async def exchange_params(sock: TlsChannel, mine: RdmaParams, *, initiator: bool, expected_node: str,
                           timeout_s: float,
                           before_reply: Callable[[RdmaParams], None] | None = None) -> RdmaParams:
     """Swap RdmaParams over the authenticated control connection.

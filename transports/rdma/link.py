@@ -39,6 +39,7 @@ from transports.core.metrics import TransportMetrics
 from transports.core.slabs import Extent
 from transports.rdma.control import MTU_CODES, ControlError, RdmaParams, gid_text
 from transports.rdma.device import RdmaDeviceError, _Device, _RegisteredSlabs
+from transports.tls.channel import TlsChannel
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +53,7 @@ class RdmaLink(LinkBase):
     A thread polls the completion queue (adaptive sleep when idle) and hands completions to the
     event loop; posting, decoding and bookkeeping happen on the loop thread."""
 
-    def __init__(self, device: _Device, control: ssl.SSLSocket, decoder: FrameDecoder,
+    def __init__(self, device: _Device, control: TlsChannel, decoder: FrameDecoder,
                  on_frames: Callable[[list[Frame]], None], on_closed: Callable[[MissReason], None],
                  frame_timeout_s: float, metrics: TransportMetrics, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
                  recv_slots: int = 32, slot_size: int = 1 << 20, send_slab_size: int = 32 << 20,

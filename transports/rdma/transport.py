@@ -21,7 +21,6 @@ The names below are re-exported so `transports.rdma.transport` stays the one imp
 
 from __future__ import annotations
 
-import ssl
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,6 +43,7 @@ from transports.rdma.control import (
 )
 from transports.rdma.device import RdmaDeviceError, _Device, rdma_unavailable_reason
 from transports.rdma.link import TRANSPORT, RdmaLink
+from transports.tls.channel import TlsChannel
 from transports.tls.client import ClientConnection, TlsTcpClient
 from transports.tls.server import ServerConnection, TlsTcpServer
 
@@ -77,7 +77,7 @@ class RdmaServer(TlsTcpServer):
         super().__init__(credentials, source, host, port, **kw)
         self.options = options or RdmaOptions()
 
-    async def open_link(self, sock: ssl.SSLSocket, conn: ServerConnection) -> FrameLink:
+    async def open_link(self, sock: TlsChannel, conn: ServerConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock, conn.session.decoder,
                         conn.on_frames, conn.on_closed, self.frame_timeout_s, self.metrics,
@@ -100,7 +100,7 @@ class RdmaClient(TlsTcpClient):
         super().__init__(credentials, **kw)
         self.options = options or RdmaOptions()
 
-    async def open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: ClientConnection) -> FrameLink:
+    async def open_link(self, peer: Peer, sock: TlsChannel, conn: ClientConnection) -> FrameLink:
         o = self.options
         link = RdmaLink(_Device.get(o.device, o.port_num, o.gid_index), sock,
                         conn.session.decoder, conn.on_frames, conn.on_closed,

@@ -37,6 +37,7 @@ from transports.core.link import FrameLink
 from transports.core.metrics import TransportMetrics
 from transports.core.timer import DeadlineTimer
 from transports.core.tracker import MAX_ADDRESSES_PER_PULL
+from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason, open_tls
 from transports.tls.link import TRANSPORT, TlsLink
 
@@ -303,7 +304,7 @@ class TlsTcpClient:
         conn.timer.at_most(conn.session.next_deadline())
         return conn, MissReason.PEER_GONE, False
 
-    async def open_link(self, peer: Peer, sock: ssl.SSLSocket, conn: ClientConnection) -> FrameLink:
+    async def open_link(self, peer: Peer, sock: TlsChannel, conn: ClientConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
         return TlsLink(sock, conn.session.decoder, conn.on_frames, conn.on_closed,
                        self.frame_timeout_s, self.metrics, self.transport, batch_frames=True)

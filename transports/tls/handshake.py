@@ -2,7 +2,8 @@
 (`accept_tls`) with node certificates from the cluster CA (the client checks that the server's SAN
 names the dialled node), the node name a verified peer certificate carries, why a handshake failed
 (a metric label), and small control messages over the finished connection (`tls_send_all`,
-`tls_recv`, for the RDMA control channel). Bulk frames go over `transports.tls.link.TlsLink`.
+`tls_recv`, for the RDMA control channel). A connection is a `transports.tls.channel.TlsChannel`
+(OpenSSL over memory BIOs); bulk frames go over `transports.tls.link.TlsLink`.
 """
 
 from __future__ import annotations
@@ -16,61 +17,19 @@ from cryptography import x509
 from transports.core.base import Peer
 from transports.core.certs import CertificateError, NodeCredentials, node_name_of
 from transports.core.tenant_tokens import tenant_names
+from transports.tls.channel import HANDSHAKE_READ, TlsChannel
 
 __all__ = ["accept_tls", "auth_failure_reason", "open_tls", "peer_node", "peer_tenants", "tls_recv", "tls_send_all"]
 
 
-async def _wait_fd(sock: socket.socket, writable: bool) -> None:
-    loop = asyncio.get_running_loop()
-    fut: asyncio.Future[None] = loop.create_future()
-    fd = sock.fileno()
-
-    def ready() -> None:
-        if not fut.done():
-            fut.set_result(None)
-
-    if writable:
-        loop.add_writer(fd, ready)
-    else:
-        loop.add_reader(fd, ready)
-    try:
-        await fut
-    finally:
-        (loop.remove_writer if writable else loop.remove_reader)(fd)
+async def tls_send_all(channel: TlsChannel, data: bytes) -> None:
+    """Send all of `data` over a finished TLS connection (small control messages, not bulk frames)."""
+    await channel.send_all(data)
 
 
-async def _tls_handshake(sock: ssl.SSLSocket) -> None:
-    while True:
-        try:
-            sock.do_handshake()
-            return
-        except ssl.SSLWantReadError:
-            await _wait_fd(sock, writable=False)
-        except ssl.SSLWantWriteError:
-            await _wait_fd(sock, writable=True)
-
-
-async def tls_send_all(sock: ssl.SSLSocket, data: bytes) -> None:
-    """Send all of `data` on a non-blocking SSLSocket (small control messages, not bulk frames)."""
-    view = memoryview(data)
-    while view:
-        try:
-            view = view[sock.send(view):]
-        except ssl.SSLWantWriteError:
-            await _wait_fd(sock, writable=True)
-        except ssl.SSLWantReadError:
-            await _wait_fd(sock, writable=False)
-
-
-async def tls_recv(sock: ssl.SSLSocket, max_bytes: int = 65536) -> bytes:
-    """Some bytes from a non-blocking SSLSocket; b"" when the peer closed the connection."""
-    while True:
-        try:
-            return sock.recv(max_bytes)
-        except ssl.SSLWantReadError:
-            await _wait_fd(sock, writable=False)
-        except ssl.SSLWantWriteError:
-            await _wait_fd(sock, writable=True)
+async def tls_recv(channel: TlsChannel, max_bytes: int = HANDSHAKE_READ) -> bytes:
+    """Some bytes from a finished TLS connection; b"" when the peer closed the connection."""
+    return await channel.recv_some(max_bytes)
 
 
 def _tune(sock: socket.socket) -> None:
@@ -106,24 +65,24 @@ def auth_failure_reason(err: ssl.SSLError) -> str:
     return "handshake"
 
 
-def peer_node(sock: ssl.SSLSocket) -> str:
+def peer_node(channel: TlsChannel) -> str:
     """The node name in the verified peer certificate of a completed handshake."""
-    return node_name_of(_peer_certificate(sock))
+    return node_name_of(_peer_certificate(channel))
 
 
-def peer_tenants(sock: ssl.SSLSocket) -> frozenset[str]:
+def peer_tenants(channel: TlsChannel) -> frozenset[str]:
     """The tenants the verified peer certificate restricts its node to (empty: every tenant)."""
-    return frozenset(tenant_names(_peer_certificate(sock)))
+    return frozenset(tenant_names(_peer_certificate(channel)))
 
 
-def _peer_certificate(sock: ssl.SSLSocket) -> x509.Certificate:
-    der = sock.getpeercert(binary_form=True)
+def _peer_certificate(channel: TlsChannel) -> x509.Certificate:
+    der = channel.getpeercert(binary_form=True)
     if der is None:
         raise CertificateError("peer presented no certificate")
     return x509.load_der_x509_certificate(der)
 
 
-async def open_tls(peer: Peer, credentials: NodeCredentials, timeout_s: float) -> ssl.SSLSocket:
+async def open_tls(peer: Peer, credentials: NodeCredentials, timeout_s: float) -> TlsChannel:
     """Dial `peer` and finish a mutual TLS 1.3 handshake; the server's SAN must name `peer.node`.
 
     Raises OSError (unreachable), TimeoutError, or ssl.SSLError (refused certificate)."""
@@ -136,29 +95,25 @@ async def open_tls(peer: Peer, credentials: NodeCredentials, timeout_s: float) -
         _tune(raw)
         async with asyncio.timeout(timeout_s):
             await loop.sock_connect(raw, addr)
-            sock = credentials.ssl_context(server=False).wrap_socket(
-                raw, server_hostname=peer.node, do_handshake_on_connect=False)
-            try:
-                await _tls_handshake(sock)
-            except BaseException:
-                sock.close()
-                raise
-        return sock
+            channel = TlsChannel(raw, credentials.ssl_context(server=False), server_side=False,
+                                 server_hostname=peer.node)
+            await channel.handshake()
+        return channel
     except BaseException:
         raw.close()
         raise
 
 
-async def accept_tls(raw: socket.socket, credentials: NodeCredentials, timeout_s: float) -> ssl.SSLSocket:
+async def accept_tls(raw: socket.socket, credentials: NodeCredentials, timeout_s: float) -> TlsChannel:
     """Server side of `open_tls`: the client must present a certificate from the cluster CA."""
     raw.setblocking(False)
-    _tune(raw)
-    # A fresh context per connection picks up rotated certificates; open connections keep theirs.
-    sock = credentials.ssl_context(server=True).wrap_socket(raw, server_side=True, do_handshake_on_connect=False)
     try:
+        _tune(raw)
+        # A fresh context per connection picks up rotated certificates; open connections keep theirs.
+        channel = TlsChannel(raw, credentials.ssl_context(server=True), server_side=True)
         async with asyncio.timeout(timeout_s):
-            await _tls_handshake(sock)
+            await channel.handshake()
     except BaseException:
-        sock.close()
+        raw.close()
         raise
-    return sock
+    return channel

@@ -1,41 +1,42 @@
-"""Framed TLS 1.3 connections on the asyncio event loop, without asyncio's SSL protocol.
+"""Framed TLS 1.3 connections on the asyncio event loop, in large socket reads and writes.
 
-`TlsLink` carries kvfabric frames over one non-blocking `ssl.SSLSocket`:
+`TlsLink` carries kvfabric frames over one `TlsChannel` (OpenSSL over memory BIOs, channel.py):
 
-    socket ──SSL_read──► FrameDecoder.get_buffer()  (a payload's own buffer unless its rest is tiny)
+    socket ──recv_into(READ_SIZE)──► read buffer ──FEED_SIZE at a time──► incoming BIO
+           ──SSL_read──► FrameDecoder.get_buffer()  (a payload's own buffer from its first byte)
                               │ buffer_updated(n) → frames → on_frames(frames)
-    send(frame) ─► queue: [head + payload's first bytes, one TLS record][rest: a view] … ─SSL_write─► socket
+    send(frame) ─► plaintext queue: [head][payload pieces: views] …
+           ─SSL_write, FEED_SIZE at a time─► outgoing BIO ─read()─► ciphertext ─sendmsg─► socket
 
-OpenSSL reads the socket itself and decrypts straight into the payload buffer, so a received
-byte is copied once, by the decryption (asyncio's SSL transport first copies into a memory BIO).
-The client CPU per MiB of this design, of asyncio's SSL transport with a BufferedProtocol, of a
-blocking SSLSocket thread and of a memory-BIO reader are within the noise of each other on loopback
-(docs/benchmarks.md); this one is used because it needs no thread per connection and keeps every OpenSSL call
-of a connection on one thread.
+One socket read takes up to READ_SIZE bytes, many TLS records, and one `sendmsg` sends FEED_SIZE
+of them (WRITE_BATCH once the socket is full): a few system calls per MiB, where OpenSSL on the
+socket itself makes two reads and one write per 16 KiB record. A payload is decrypted straight
+into its own buffer (the decoder's or the caller's slot): its plaintext is never copied.
+Ciphertext is copied into and out of the BIOs, FEED_SIZE at a time so that it stays in cache.
 
 Invariants:
-  * every read and write of the SSLSocket happens on the event loop thread (an OpenSSL
-    connection is not thread-safe);
-  * after SSL_write reports WANT_WRITE the same chunk is retried first (OpenSSL requires it);
+  * every OpenSSL call of a connection happens on the event loop thread (it is not thread-safe);
+  * ciphertext leaves in the order OpenSSL made it: application data and protocol messages made
+    by a read (a key update reply) share the outgoing BIO and one send queue;
+  * about WRITE_BATCH bytes at most are encrypted ahead of what the socket took;
   * `on_closed` is called exactly once, after which nothing is read or sent;
   * `last_rx` / `last_tx` are the loop times of the last progress, for the owner's stall checks.
-Reading costs O(1) Python calls per 16 KiB TLS record; writing O(1) per frame plus one per
-would-block.
+Reading costs O(1) Python calls per TLS record and per socket read; writing O(1) per queued piece
+and per batch.
 
-The mutual TLS handshake that makes the SSLSocket is `transports.tls.handshake`.
+The mutual TLS handshake that makes the channel is `transports.tls.handshake`.
 """
 
 from __future__ import annotations
 
 import logging
+import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
-from typing import cast
 
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
-    DIRECT_MIN,
     Frame,
     FrameDecoder,
     MissReason,
@@ -46,6 +47,7 @@ from transports.core.codec import (
 from transports.core.link import WRITE_HIGH, LinkBase
 from transports.core.metrics import TransportMetrics
 from transports.core.provenance_tables import SentRecords
+from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason
 
 logger = logging.getLogger(__name__)
@@ -53,51 +55,49 @@ logger = logging.getLogger(__name__)
 TRANSPORT = "tls-tcp"   # the metrics label of TLS-TCP (server and client)
 
 READ_BUDGET = 4 * 1024 * 1024   # bytes read per loop callback before other tasks get a turn
+READ_SIZE = 1024 * 1024         # one socket read: up to 64 full TLS records
+FEED_SIZE = 256 * 1024          # ciphertext moved into the BIO, or encrypted out of it, at a time
+WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once the link is busy
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
-
-
-def openssl_calls(sock: ssl.SSLSocket) -> tuple[Callable[[int, memoryview], int], Callable[[memoryview], int]]:
-    """`read(len, buffer) -> count` and `write(data) -> count` of the OpenSSL connection under `sock`.
-
-    `SSLSocket.read` / `send` are Python wrappers around `sock._sslobj` (CPython's `_ssl._SSLSocket`,
-    there since 3.7): a closed-socket check, and `read` turns an EOF without close_notify into 0.
-    A pull makes one read per 16 KiB TLS record, so those wrapper frames are paid 64 times per MiB;
-    calling `_sslobj` directly saves that CPU (paired figures in docs/benchmarks.md).
-    Callers handle `ssl.SSLEOFError` as end of stream. Falls back to the wrappers if a Python lacks
-    `_sslobj`."""
-    raw = getattr(sock, "_sslobj", None)
-    if raw is None:
-        return cast(Callable[[int, memoryview], int], sock.read), sock.send
-    return raw.read, raw.write
+SMALL = 4 * 1024                # queued pieces under this are joined into one record
 
 
 class TlsLink(LinkBase):
-    """Frames in and out of one non-blocking SSLSocket; knows nothing about pulls.
+    """Frames in and out of one TLS channel; knows nothing about pulls.
 
-    `on_frames(frames)` may raise ProtocolError; `on_closed(reason)` is called exactly once."""
+    `on_frames(frames)` may raise ProtocolError; `on_closed(reason)` is called exactly once.
+    `read_size`: bytes one socket read may take (a server, which receives only PULLs, needs less)."""
 
-    def __init__(self, sock: ssl.SSLSocket, decoder: FrameDecoder, on_frames: Callable[[list[Frame]], None],
+    def __init__(self, channel: TlsChannel, decoder: FrameDecoder, on_frames: Callable[[list[Frame]], None],
                  on_closed: Callable[[MissReason], None], frame_timeout_s: float, metrics: TransportMetrics,
                  transport: str, max_payload: int = DEFAULT_MAX_PAYLOAD, batch_frames: bool = False,
-                 write_high: int = WRITE_HIGH) -> None:
+                 write_high: int = WRITE_HIGH, read_size: int = READ_SIZE) -> None:
         self._init_link(transport, metrics, write_high)
         self.batch_frames = batch_frames  # hand over all frames of one read callback at once
-        self._sock = sock
-        self._read, self._write = openssl_calls(sock)
-        self._fd = sock.fileno()
+        self._channel = channel
+        self._sock: socket.socket = channel.sock
+        self._incoming = channel.incoming
+        self._read, self._write = channel.read, channel.write
+        self._fd = channel.fileno()
         self._decoder = decoder
         self._on_frames = on_frames
         self._on_closed = on_closed
         self.max_payload = max_payload
         self.frame_timeout_s = frame_timeout_s
-        self._out: deque[memoryview] = deque()
+        self._rbuf = memoryview(bytearray(read_size))
+        self._filled = self._fed = 0   # bytes of the last socket read, and how many went to the BIO
+        self._socket_dry = False
+        self._at_eof = False
+        self._plain: deque[memoryview] = deque()    # queued, not yet encrypted
+        self._plain_bytes = 0
+        self._cipher: deque[memoryview] = deque()   # encrypted, not yet taken by the socket
+        self._cipher_bytes = 0
         self._sent = SentRecords()   # records this stream carried: later frames name them by number
-        self._out_bytes = 0
+        self._batch = FEED_SIZE      # ciphertext to have ready before a sendmsg (see _flush)
         self._writer_on = False
-        self._read_wants_write = False
-        self._write_wants_read = False
         self._reading = False
         self._got_bytes = False
+        self._tls_broken = False     # no close_notify after a TLS error
 
     # -- reading
     def start(self) -> None:
@@ -112,76 +112,102 @@ class TlsLink(LinkBase):
         if not self._reading and not self.closed:
             self._reading = True
             self._loop.add_reader(self._fd, self._on_readable)
-            self._loop.call_soon(self._on_readable)  # OpenSSL may already hold decrypted bytes
+            self._loop.call_soon(self._on_readable)  # the incoming BIO may hold whole records already
 
     @property
     def mid_frame(self) -> bool:
         return self._decoder.mid_frame
 
+    def _feed(self) -> bool:
+        """Move the next FEED_SIZE bytes of the last socket read into the incoming BIO, reading the
+        socket first when that read is used up; False when the socket has nothing now. The end of
+        the stream is written to the BIO as EOF, which OpenSSL reports on the next read."""
+        if self._fed == self._filled:
+            if self._at_eof:   # OpenSSL wants more after the end of the stream: it ends here
+                raise ssl.SSLEOFError("the peer closed TCP inside a TLS record")
+            if self._socket_dry:
+                return False
+            try:
+                n = self._sock.recv_into(self._rbuf)
+            except (BlockingIOError, InterruptedError):
+                return False
+            if not n:
+                self._incoming.write_eof()
+                self._at_eof = True
+                return True
+            # A short read emptied the socket: the next one would find nothing until the fd says so.
+            self._socket_dry = n < self._rbuf.nbytes
+            self._fed, self._filled = 0, n
+        end = min(self._filled, self._fed + FEED_SIZE)
+        self._incoming.write(self._rbuf[self._fed:end])
+        self._fed = end
+        return True
+
     def _on_readable(self) -> None:
         budget = READ_BUDGET
         frames: list[Frame] = []
         self._got_bytes = got_any = False
-        decoder = self._decoder
-        read = self._read
-        while self._reading and not self.closed and budget > 0:
-            buf = decoder.get_buffer()
-            size = len(buf)
-            n, more, eof = 0, True, False
-            try:
-                n = read(size, buf)
-                # A payload view (not the staging buffer): fill it record after record (one TLS
-                # record per read) and tell the decoder once. A short rest is left to the staging
-                # buffer: its record may carry the next frame's head too (see `_queue`), one read.
-                if 0 < n < size and decoder.receiving_payload:
-                    while size - n >= DIRECT_MIN:
-                        got = read(size - n, buf[n:])
-                        if not got:
-                            break
-                        n += got
-            except ssl.SSLWantReadError:
-                more = False
-            except ssl.SSLWantWriteError:  # TLS wants to send first (e.g. a key update reply)
-                more = False
-                self._read_wants_write = True
-                self._update_writer()
-            except ssl.SSLEOFError:  # TCP closed without a TLS close_notify: end of stream, as SSLSocket has it
-                eof = True
-            except ssl.SSLError as e:
-                self._deliver(frames)
-                self._tls_failed(e)
-                return
-            except OSError as e:
-                self._deliver(frames)
-                self.close(MissReason.PEER_GONE, f"read failed: {e}")
-                return
-            try:
+        self._socket_dry = False
+        decoder, read = self._decoder, self._read
+        try:
+            while self._reading and not self.closed:
+                if budget <= 0:   # the BIO may hold records that the fd will not signal
+                    self._loop.call_soon(self._on_readable)
+                    break
+                buf = decoder.get_buffer()
+                size = len(buf)
+                n = 0
+                ended = dry = False
+                try:
+                    n = read(size, buf)   # one TLS record at most, decrypted into `buf`
+                    if not n:
+                        ended = True      # the peer's close_notify
+                    elif decoder.receiving_payload:
+                        # The payload's own buffer: fill it record after record, tell the decoder once.
+                        while n < size:
+                            got = read(size - n, buf[n:])
+                            if not got:
+                                ended = True
+                                break
+                            n += got
+                except ssl.SSLWantReadError:   # no whole record in the BIO
+                    dry = True
                 if n:
                     got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
                     budget -= n
-                    if not self.batch_frames and frames:
+                    if frames and not self.batch_frames:
                         self._deliver(frames)
                         frames = []
-                if eof or (not n and more):  # a read of 0 bytes: end of stream
-                    self._deliver(frames)
-                    decoder.close()
-                    self.close(MissReason.PEER_GONE, "peer closed the connection")
-                    return
+                if ended:
+                    raise ssl.SSLEOFError("peer sent close_notify")
+                if dry and not self._feed():
+                    break
+        except ssl.SSLEOFError:   # close_notify, or TCP closed without one: end of stream
+            self._deliver(frames)
+            try:
+                decoder.close()
             except ProtocolError as e:
-                self._deliver(frames)
                 self.protocol_error(e)
                 return
-            if not more:
-                break
-        else:
-            if budget <= 0:  # OpenSSL may hold decrypted bytes that the fd will not signal
-                self._loop.call_soon(self._on_readable)
+            self.close(MissReason.PEER_GONE, "peer closed the connection")
+            return
+        except ssl.SSLError as e:
+            self._deliver(frames)
+            self._tls_failed(e)
+            return
+        except OSError as e:
+            self._deliver(frames)
+            self.close(MissReason.PEER_GONE, f"read failed: {e}")
+            return
+        except ProtocolError as e:
+            self._deliver(frames)
+            self.protocol_error(e)
+            return
         if got_any:
             self.last_rx = self._loop.time()   # once per callback: a callback reads at most READ_BUDGET
         self._deliver(frames)
-        if self._write_wants_read:
-            self._write_wants_read = False
+        if self._channel.outgoing.pending and not self.closed:   # a reply OpenSSL made while reading
             self._flush()
 
     def _deliver(self, frames: list[Frame]) -> None:
@@ -196,9 +222,7 @@ class TlsLink(LinkBase):
             self.protocol_error(e)
 
     def _tls_failed(self, err: ssl.SSLError) -> None:
-        if isinstance(err, ssl.SSLEOFError):
-            self.close(MissReason.PEER_GONE, "peer closed the connection")
-            return
+        self._tls_broken = True
         reason = auth_failure_reason(err)
         if reason != "handshake":  # the peer refused our certificate with an alert
             self._metrics.auth_failures.labels(self.transport, f"refused_{reason}").inc()
@@ -210,11 +234,10 @@ class TlsLink(LinkBase):
         self.send_many([frame])
 
     def send_many(self, frames: list[Frame]) -> None:
-        """Queue `frames`, then write what the socket takes: queued together, each frame's tail
-        shares a TLS record with the next frame's head."""
+        """Queue `frames`, then send what the socket takes."""
         if self.closed or not frames:
             return
-        if not self._out:  # the send-stall timer runs from the moment something waits to be sent
+        if not self._plain and not self._cipher:   # the send-stall timer runs from the moment something waits
             self.last_tx = self._loop.time()
         self._empty.clear()
         for frame in frames:
@@ -223,88 +246,110 @@ class TlsLink(LinkBase):
             self._flush()
 
     def _queue(self, frame: Frame) -> None:
+        # A frame's head is a piece of its own and each payload buffer (a BLOCKS frame has one per
+        # part) is queued as a view, not copied. A payload then starts on a TLS record boundary,
+        # so the peer decrypts it straight into its buffer from its first byte; small pieces in a
+        # row (a head and a short payload, MISS and END frames) are joined into one record.
         head, payload = encode_parts(frame, max_payload=self.max_payload, sent=self._sent)
-        out = self._out
-        short: bytes | memoryview = head   # under a record: topped up by what follows
-        if len(out) > 1 and out[-1].nbytes + len(head) < TLS_RECORD:
-            # The last queued chunk (not the head of the queue, which OpenSSL may be retrying) is
-            # small, e.g. the previous frame's tail: it shares this frame's first record.
-            carried = out.pop()
-            self._out_bytes -= carried.nbytes
-            short = bytes(carried) + head
-        # A BLOCK's head rides in one TLS record with the payload's first bytes: a record of its own
-        # would cost a write, a read and their Python calls on both sides for ~100 bytes. Each
-        # payload buffer (a BLOCKS frame has one per part) is queued as whole records without a
-        # copy; only a piece shorter than a record is joined with the next buffer's lead (a 64 KiB
-        # payload + its 113-byte head fill 4 records and 113 bytes). The frame's last short piece
-        # is queued as it is: while the queue is backed up, it joins the next frame's first record.
-        pieces = payload_pieces(payload)
-        if isinstance(payload, tuple) and short:
-            # A BLOCKS frame (~1 MiB) can afford its head a record of its own; its parts then start
-            # on record boundaries, and parts of a multiple of 16 KiB are queued without any copy.
-            self._append(memoryview(short))
-            short = b""
-        for piece in pieces:
+        self._plain.append(memoryview(head))
+        self._plain_bytes += len(head)
+        for piece in payload_pieces(payload):
             view = memoryview(piece).cast("B")
-            if short:
-                room = TLS_RECORD - len(short)
-                if view.nbytes < room:   # the whole piece fits in the record being filled
-                    short = bytes(short) + view
-                    continue
-                lead = max(0, room)
-                self._append(memoryview(bytes(short) + view[:lead]))
-                short, view = b"", view[lead:]
-            whole = view.nbytes - view.nbytes % TLS_RECORD
-            if whole:
-                self._append(view[:whole])
-            short = view[whole:]
-        if short:
-            self._append(memoryview(short))
-
-    def _append(self, chunk: memoryview) -> None:
-        self._out.append(chunk)
-        self._out_bytes += chunk.nbytes
+            if view.nbytes:
+                self._plain.append(view)
+                self._plain_bytes += view.nbytes
 
     def _queued_bytes(self) -> int:
-        return self._out_bytes
+        return self._plain_bytes + self._cipher_bytes
+
+    def _encrypt(self) -> None:
+        """Encrypt about FEED_SIZE bytes of queued pieces and queue their ciphertext (with anything
+        else OpenSSL wrote) for the socket."""
+        plain, write = self._plain, self._write
+        done = 0
+        small = bytearray()
+        while plain and done < FEED_SIZE:
+            piece = plain[0]
+            if piece.nbytes < SMALL:
+                plain.popleft()
+                small += piece
+                done += piece.nbytes
+                continue
+            if small:
+                write(memoryview(small))
+                small = bytearray()
+            # A large payload goes in steps of whole records, about FEED_SIZE at a time: the BIO stays
+            # cache-sized and every record but a payload's last is full.
+            step = max((FEED_SIZE - done) // TLS_RECORD * TLS_RECORD, TLS_RECORD)
+            if piece.nbytes > step:
+                plain[0] = piece[step:]
+                piece = piece[:step]
+            else:
+                plain.popleft()
+            n = write(piece)   # a memory BIO never blocks: OpenSSL takes it all, record by record
+            done += n
+            if n < piece.nbytes:   # not expected (partial writes are not enabled): the rest goes next
+                plain.appendleft(piece[n:])
+        self._plain_bytes -= done
+        if small:
+            write(memoryview(small))
+        self._take_outgoing()
+
+    def _take_outgoing(self) -> None:
+        out = self._channel.outgoing
+        if out.pending:
+            data = memoryview(out.read())
+            self._cipher.append(data)
+            self._cipher_bytes += data.nbytes
 
     def _flush(self) -> None:
-        while self._out and not self.closed:
-            chunk = self._out[0]
+        """Encrypt and send until the socket is full or nothing waits. While the socket keeps up,
+        each FEED_SIZE step is sent as soon as it is encrypted, so the peer decrypts one while this
+        side encrypts the next; once the socket is full, WRITE_BATCH waits for it at a time."""
+        cipher = self._cipher
+        while not self.closed:
             try:
-                # After WANT_WRITE, OpenSSL needs the very same chunk again: it stays at the head.
-                n = self._write(chunk)
-            except ssl.SSLWantWriteError:
-                break
-            except ssl.SSLWantReadError:  # TLS must read first; the next readable event retries
-                self._write_wants_read = True
-                break
+                self._take_outgoing()
+                while self._plain and self._cipher_bytes < self._batch:
+                    self._encrypt()
             except ssl.SSLError as e:
                 self._tls_failed(e)
                 return
+            if not cipher:
+                break
+            try:
+                n = self._sock.sendmsg(cipher if len(cipher) <= 64 else list(cipher)[:64])
+            except (BlockingIOError, InterruptedError):
+                break
             except OSError as e:
                 self.close(MissReason.PEER_GONE, f"write failed: {e}")
                 return
             self.last_tx = self._loop.time()
-            self._out_bytes -= n
-            if n == len(chunk):
-                self._out.popleft()
-            else:
-                self._out[0] = chunk[n:]
-        if self._out_bytes <= self.write_high:
+            self._cipher_bytes -= n
+            while n:
+                head = cipher[0]
+                if n >= head.nbytes:
+                    n -= head.nbytes
+                    cipher.popleft()
+                else:
+                    cipher[0] = head[n:]
+                    n = 0
+            if cipher:   # the socket is full: the writer callback goes on, in larger batches
+                self._batch = WRITE_BATCH
+                break
+            if not self._plain:
+                self._batch = FEED_SIZE
+        if self._queued_bytes() <= self.write_high:
             self._drained.set()
-        if not self._out:
+        if not self._plain and not self._cipher:
             self._empty.set()
         self._update_writer()
 
     def _on_writable(self) -> None:
-        if self._read_wants_write:
-            self._read_wants_write = False
-            self._loop.call_soon(self._on_readable)
         self._flush()
 
     def _update_writer(self) -> None:
-        want = not self.closed and ((bool(self._out) and not self._write_wants_read) or self._read_wants_write)
+        want = not self.closed and bool(self._plain or self._cipher)
         if want and not self._writer_on:
             self._loop.add_writer(self._fd, self._on_writable)
         elif not want and self._writer_on:
@@ -319,9 +364,12 @@ class TlsLink(LinkBase):
         self.pause_reading()
         self.closed = True
         self._update_writer()
-        self._out.clear()
-        self._out_bytes = 0
+        # A close_notify only where no record was cut short: after it the peer could not parse one.
+        notify = not self._tls_broken and not self._cipher
+        self._plain.clear()
+        self._cipher.clear()
+        self._plain_bytes = self._cipher_bytes = 0
         self._drained.set()
         self._empty.set()
-        self._sock.close()
+        self._channel.close(notify=notify)
         self._on_closed(reason)

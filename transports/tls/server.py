@@ -61,12 +61,14 @@ from transports.core.serving import (
 )
 from transports.core.session import ServerSession
 from transports.core.timer import DeadlineTimer
+from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node, peer_tenants
 from transports.tls.link import TRANSPORT, TlsLink
 
 logger = logging.getLogger(__name__)
 
 SERVER_WRITE_HIGH = 2 * 1024 * 1024   # the next batch is fetched only once less than this waits to be sent
+SERVER_READ_SIZE = 64 * 1024   # a server's socket reads: it receives only PULLs, HELLO and BYE
 REFUSE_LINGER_S = 1.0   # a refused peer gets this long to read ERROR overloaded and close
 
 class ServerConnection:
@@ -318,13 +320,13 @@ class TlsTcpServer(ServingServer):
         conn.timer.at_most(conn.session.next_deadline())
         logger.debug("accepted %s from %s", node, where)
 
-    async def _refuse(self, sock: ssl.SSLSocket, why: str) -> None:
+    async def _refuse(self, sock: TlsChannel, why: str) -> None:
         """Tell a peer ERROR overloaded, then close once it has closed (or after REFUSE_LINGER_S);
         what it sends meanwhile is read and dropped, so that closing sends no reset that could
         destroy the ERROR before the peer reads it."""
         closed = asyncio.Event()
         link = TlsLink(sock, FrameDecoder(max_payload=0), lambda frames: None, lambda reason: closed.set(),
-                       self.frame_timeout_s, self.metrics, self.transport)
+                       self.frame_timeout_s, self.metrics, self.transport, read_size=SERVER_READ_SIZE)
         link.start()
         link.send(Error(0, ErrorCode.OVERLOADED, why))
         try:
@@ -334,10 +336,11 @@ class TlsTcpServer(ServingServer):
         finally:
             link.close(MissReason.PEER_GONE, why)
 
-    async def open_link(self, sock: ssl.SSLSocket, conn: ServerConnection) -> FrameLink:
+    async def open_link(self, sock: TlsChannel, conn: ServerConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
         return TlsLink(sock, conn.session.decoder, conn.on_frames, conn.on_closed, self.frame_timeout_s,
-                       self.metrics, self.transport, self.max_payload, write_high=SERVER_WRITE_HIGH)
+                       self.metrics, self.transport, self.max_payload, write_high=SERVER_WRITE_HIGH,
+                       read_size=SERVER_READ_SIZE)
 
     def _forget(self, conn: ServerConnection) -> None:
         if conn in self._connections:

@@ -1,0 +1,182 @@
+"""What `bench_transfer.py` charges each method besides time: system calls, the crypto floor, and
+the latency of one block.
+
+    SyscallCounter   system calls of one process over a timed window, counted by the kernel: one
+                     `perf stat -e raw_syscalls:sys_enter` per process, attached by PID, started
+                     disabled and switched on and off through its control FIFO (no ptrace, no
+                     wrapper in the measured code; the switch itself costs a few calls). Two
+                     figures: every system call, and those that move bytes through a socket
+                     (read, write, readv, writev, recvfrom, sendto, recvmsg, sendmsg and their
+                     mmsg forms). None where perf or its syscall tracepoint is unavailable.
+    crypto_ms_per_mib  in this process: AES-256-GCM seal and open of random payloads in 16 KiB
+                     records (cryptography's AESGCM, OpenSSL underneath, as TLS 1.3 uses), and
+                     BLAKE3 of each payload: with the plain TCP method's CPU per MiB of the same
+                     run, the floor of an encrypted, verified pull.
+    get_latencies    one block at a time on a warm connection: a kvfabric pull against the same
+                     bytes asked of a bare TLS socket server, interleaved.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import blake3
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+logger = logging.getLogger(__name__)
+
+TLS_RECORD = 16 * 1024
+# x86-64 numbers of the system calls that move socket bytes (tracepoint filters take numbers)
+_DATA_SYSCALLS_X86_64 = (0, 1, 19, 20, 44, 45, 46, 47, 299, 307)   # read write readv writev sendto recvfrom
+#                                                                   sendmsg recvmsg recvmmsg sendmmsg
+
+
+def _perf_works() -> bool:
+    perf = shutil.which("perf")
+    if perf is None:
+        return False
+    try:
+        probe = subprocess.run([perf, "stat", "-x", ",", "-e", "raw_syscalls:sys_enter", "--", "true"],
+                               capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return probe.returncode == 0 and "raw_syscalls:sys_enter" in probe.stderr and "<not" not in probe.stderr
+
+
+_PERF_OK: bool | None = None
+
+
+def syscalls_countable() -> bool:
+    """True when `perf` can count this machine's system calls (checked once)."""
+    global _PERF_OK
+    if _PERF_OK is None:
+        _PERF_OK = _perf_works()
+        if not _PERF_OK:
+            logger.warning("perf cannot count system calls here (absent, or no access to raw_syscalls): "
+                           "system call figures left null")
+    return _PERF_OK
+
+
+class SyscallCounter:
+    """System calls of process `pid` between `enable()` and `disable()`; `close()` returns
+    (all calls, socket-data calls), either None if perf could not count them."""
+
+    def __init__(self, pid: int) -> None:
+        self._dir = Path(tempfile.mkdtemp(prefix="kvfabric-perf-"))
+        ctl, ack = self._dir / "ctl", self._dir / "ack"
+        os.mkfifo(ctl)
+        os.mkfifo(ack)
+        events = ["-e", "raw_syscalls:sys_enter"]
+        if platform.machine() == "x86_64":
+            ids = " || ".join(f"id == {n}" for n in _DATA_SYSCALLS_X86_64)
+            events += ["-e", "raw_syscalls:sys_enter", "--filter", ids]
+        self._proc = subprocess.Popen(["perf", "stat", "-x", ",", *events, "-D", "-1",
+                                       "--control", f"fifo:{ctl},{ack}", "-p", str(pid)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._ctl = open(ctl, "w")   # noqa: SIM115 (held open until close(): perf reads commands from it)
+        self._ack = open(ack)        # noqa: SIM115
+
+    def _command(self, what: str) -> None:
+        self._ctl.write(what + "\n")
+        self._ctl.flush()
+        self._ack.readline()   # perf answers once the events are switched
+
+    def enable(self) -> None:
+        self._command("enable")
+
+    def disable(self) -> None:
+        self._command("disable")
+
+    def close(self) -> tuple[int | None, int | None]:
+        self._ctl.close()
+        self._ack.close()
+        self._proc.send_signal(2)
+        try:
+            _, err = self._proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            _, err = self._proc.communicate()
+        shutil.rmtree(self._dir, ignore_errors=True)
+        counts: list[int | None] = []
+        for line in err.splitlines():
+            fields = line.split(",")
+            if len(fields) > 2 and fields[2] == "raw_syscalls:sys_enter":
+                counts.append(int(fields[0]) if fields[0].isdigit() else None)
+        while len(counts) < 2:
+            counts.append(None)
+        return counts[0], counts[1]
+
+
+class Syscalls:
+    """The counters of a client and a server process over one timed window (see `Window`)."""
+
+    def __init__(self, client_pid: int, server_pid: int | None) -> None:
+        self.counters = {"client": SyscallCounter(client_pid)}
+        if server_pid is not None:
+            self.counters["server"] = SyscallCounter(server_pid)
+        self.all: dict[str, int | None] = {}
+        self.data: dict[str, int | None] = {}
+
+    def enable(self) -> None:
+        for counter in self.counters.values():
+            counter.enable()
+
+    def disable(self) -> None:
+        for counter in self.counters.values():
+            counter.disable()
+
+    def close(self) -> None:
+        for end, counter in self.counters.items():
+            self.all[end], self.data[end] = counter.close()
+
+    def total(self, data: bool) -> int | None:
+        """Both ends' calls (None unless both were counted)."""
+        counts = self.data if data else self.all
+        if set(counts) != {"client", "server"} or None in counts.values():
+            return None
+        return sum(c for c in counts.values() if c is not None)
+
+
+def crypto_ms_per_mib(block_size: int, total: int = 64 << 20, passes: int = 5) -> tuple[float, float]:
+    """(AES-256-GCM seal + open in TLS-sized records, BLAKE3 of each block): CPU ms per MiB in
+    this process, the fastest of `passes` passes over `total` bytes of distinct random blocks."""
+    blocks = [os.urandom(block_size) for _ in range(max(1, total // block_size))]
+    mib = len(blocks) * block_size / (1 << 20)
+    aead, nonce = AESGCM(os.urandom(32)), os.urandom(12)
+    seal_open, hashing = [], []
+    for _ in range(passes):
+        start = time.process_time()
+        for block in blocks:
+            view = memoryview(block)
+            for i in range(0, block_size, TLS_RECORD):
+                aead.decrypt(nonce, aead.encrypt(nonce, view[i:i + TLS_RECORD], None), None)
+        seal_open.append((time.process_time() - start) * 1e3 / mib)
+        start = time.process_time()
+        for block in blocks:
+            blake3.blake3(block).digest()
+        hashing.append((time.process_time() - start) * 1e3 / mib)
+    return round(min(seal_open), 4), round(min(hashing), 4)
+
+
+def get_latencies(kvfabric_get: Callable[[], None], socket_get: Callable[[], None],
+                  samples: int) -> tuple[list[float], list[float]]:
+    """Seconds of `samples` calls of each, interleaved (a warm-up call of each first)."""
+    kvfabric_get()
+    socket_get()
+    ours, theirs = [], []
+    for _ in range(samples):
+        start = time.perf_counter()
+        kvfabric_get()
+        ours.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        socket_get()
+        theirs.append(time.perf_counter() - start)
+    return ours, theirs

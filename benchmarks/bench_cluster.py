@@ -126,6 +126,10 @@ class Engine:
             self.client.store(ns, tokens, payloads)
         return time.perf_counter() - start
 
+    def ready(self) -> str:
+        """Answers once the actor has started and connected to its node."""
+        return self.client.node_id
+
     def read(self, ref_holder: list[Any]) -> int:
         arr = ray.get(ref_holder[0])
         return int(arr.nbytes)

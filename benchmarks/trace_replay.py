@@ -115,6 +115,7 @@ def _replay(engine_cls: Any, trace: list[TraceRequest], args: argparse.Namespace
         engines = {n: engine_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(n)
                    for n in nodes}
         clients = {n: FabricClient.connect(node_id=n) for n in nodes}
+        ray.get([e.ready.remote() for e in engines.values()])   # started: the first requests do not wait for them
         chosen, pending = _route(trace, requests, ns, clients, engines, args.time_scale, prefix)
         results = ray.get(pending)
         hits = sum(r["hits"] for r in results)

@@ -3,19 +3,22 @@
 The cost of sending a prompt of `num_blocks` blocks to a node is measured in blocks of prefill:
 
     cost = sum(tier_weight[where] for each block of the node's consecutive cached prefix)
-         + (num_blocks - len(prefix))               # blocks it must compute
-         + queue_weight * queued_blocks              # prefill its engines have queued ahead of it
-         + load_weight * requests                    # requests running or queued there
-         + evict_weight * blocks it would evict      # what storing this prompt pushes out of a full cache
+         + (num_blocks - len(prefix))                 # blocks it must compute
+         + queue_weight * queued_blocks                # prefill its engines have queued ahead of it
+         + load_weight * requests                      # requests running or queued there
+         + evict_weight * evicted                      # blocks storing the prompt pushes out of a full cache
+         + fill_weight * stored * (fill - mean fill)   # a fuller node than the others pays, an emptier one earns
 
 A block already in GPU memory costs nothing to reuse; one in RAM, on SSD, or on a peer costs a
 fraction of a recompute (the copy, the disk read, the network pull). Prefill queued on a node delays
 this prompt's by as much, block for block. Serving a prompt stores every block of it the node does
-not hold yet (computed, or pulled and mirrored); on a node with free room that evicts nothing, on a
-full one each stored block pushes out one that a later request may have reused. So a node with an
-empty cache is where a new prefix can grow, not a node to avoid: once the nodes holding a popular
-prefix are full, a conversation that is new there costs them its own blocks in evictions, and an
-empty node takes it for the price of pulling the shared part once.
+not hold yet (`stored`: computed, or pulled and mirrored); on a full node each pushes out one that a
+later request may have reused. And the blocks go where the caches have room: a node fuller than the
+mean of the nodes compared pays for each block it would store, one emptier earns for it, so a node
+with an empty cache is where a new prefix grows, not a node to avoid. When every prompt starts with
+the same system prompt, the first node to hold it stops taking every new conversation once it is
+fuller than the rest; another pulls the prompt once, and from then on holds it too. When the nodes
+are equally full, the term is zero.
 
 The node with the lowest cost wins, except that a node whose queue is past `max_queued_blocks` loses
 to every node within it. Ties are broken by rendezvous hashing of a key that differs per request
@@ -82,31 +85,38 @@ class Router:
     """Chooses nodes by prefill cost, queued work and evictions; keeps the cluster hit ratio."""
 
     def __init__(self, *, tier_weights: Mapping[str, float] | None = None, load_weight: float = 2.0,
-                 queue_weight: float = 1.0, evict_weight: float = 1.0,
+                 queue_weight: float = 1.0, evict_weight: float = 1.0, fill_weight: float = 1.0,
                  max_queued_blocks: float = DEFAULT_MAX_QUEUED_BLOCKS) -> None:
         weights = dict(DEFAULT_TIER_WEIGHTS if tier_weights is None else tier_weights)
         if any(not 0.0 <= w <= 1.0 for w in weights.values()):
             raise ValueError(f"tier weights are fractions of a recompute, in [0, 1]: {weights}")
-        if min(load_weight, queue_weight, evict_weight) < 0 or max_queued_blocks <= 0:
-            raise ValueError("load, queue and evict weights must be >= 0 and max_queued_blocks > 0")
+        if min(load_weight, queue_weight, evict_weight, fill_weight) < 0 or max_queued_blocks <= 0:
+            raise ValueError("load, queue, evict and fill weights must be >= 0 and max_queued_blocks > 0")
         self.tier_weights = weights
         self.load_weight = load_weight
         self.queue_weight = queue_weight
         self.evict_weight = evict_weight
+        self.fill_weight = fill_weight
         self.max_queued_blocks = max_queued_blocks
         self._num_blocks = 0
         self._num_hit_blocks = 0
 
-    def cost(self, num_blocks: int, view: NodeView) -> float:
-        """Blocks of prefill (tier-weighted for the cached prefix), plus queued work and evictions."""
+    def cost(self, num_blocks: int, view: NodeView, mean_fill: float | None = None) -> float:
+        """Blocks of prefill (tier-weighted for the cached prefix), plus queued work and evictions; with
+        `mean_fill` (of the nodes it is compared with), plus what it stores times how much fuller than
+        them it is (less, when it is emptier)."""
         prefix = view.cached[:num_blocks]
         try:
             reuse = sum(self.tier_weights[where] for where in prefix)
         except KeyError as e:
             raise ValueError(f"node {view.node_id}: unknown tier {e.args[0]!r}; "
                              f"known: {sorted(self.tier_weights)}") from None
+        grow = 0.0
+        if mean_fill is not None and view.capacity_blocks:
+            grow = self.fill_weight * num_stored(num_blocks, view) * (view.held_blocks / view.capacity_blocks
+                                                                      - mean_fill)
         return (reuse + (num_blocks - len(prefix)) + self.queue_weight * view.queued_blocks
-                + self.load_weight * view.requests + self.evict_weight * num_evicted(num_blocks, view))
+                + self.load_weight * view.requests + self.evict_weight * num_evicted(num_blocks, view) + grow)
 
     def choose(self, hashes: Sequence[bytes], views: Sequence[NodeView]) -> RouteDecision:
         """The node to serve a prompt whose full blocks have these hashes (`fabric.keys.block_hashes`);
@@ -116,7 +126,9 @@ class Router:
             raise ValueError("no nodes to route to")
         num_blocks = len(hashes)
         request_key = bytes(hashes[-1]) if hashes else b""
-        costs = {v.node_id: self.cost(num_blocks, v) for v in views}
+        fills = [v.held_blocks / v.capacity_blocks for v in views if v.capacity_blocks]
+        mean_fill = sum(fills) / len(fills) if fills else 0.0
+        costs = {v.node_id: self.cost(num_blocks, v, mean_fill) for v in views}
         within = [v for v in views if v.queued_blocks <= self.max_queued_blocks]
         candidates = within or list(views)
         best = min(candidates, key=lambda v: (costs[v.node_id], _rendezvous(request_key, v.node_id)))
@@ -137,14 +149,18 @@ class Router:
         return self._num_hit_blocks / self._num_blocks if self._num_blocks else 0.0
 
 
+def num_stored(num_blocks: int, view: NodeView) -> int:
+    """Blocks the node would store for this prompt: every block past its local prefix (computed, or
+    pulled and mirrored)."""
+    return max(0, num_blocks - view.num_local_blocks)
+
+
 def num_evicted(num_blocks: int, view: NodeView) -> int:
-    """Blocks the node would evict to store this prompt: every block past its local prefix is stored
-    (computed or mirrored), and what does not fit in its free room pushes an older block out."""
+    """Blocks the node would evict to store this prompt: what does not fit in its free room pushes an
+    older block out."""
     if not view.capacity_blocks:
         return 0
-    stored = max(0, num_blocks - view.num_local_blocks)
-    free = max(0, view.capacity_blocks - view.held_blocks)
-    return max(0, stored - free)
+    return max(0, num_stored(num_blocks, view) - max(0, view.capacity_blocks - view.held_blocks))
 
 
 def _rendezvous(request_key: bytes, node_id: str) -> bytes:

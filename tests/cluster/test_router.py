@@ -94,18 +94,21 @@ def test_requests_that_share_their_first_blocks_spread_over_the_nodes_that_hold_
 
 
 def test_an_empty_node_grows_a_new_prefix() -> None:
-    """The node holding a shared prefix is full: storing a conversation there evicts as many blocks.
-    An empty node pulls the prefix once instead, and evicts nothing."""
+    """The node holding a shared prefix is full: storing a conversation there evicts as many blocks,
+    and it is fuller than the other. The empty node pulls the prefix once instead, evicts nothing, and
+    its room counts for it."""
     r = Router()
     prompt = _blocks(16)
     full = NodeView("full", ["ram"] * 8, held_blocks=100, capacity_blocks=100)
     empty = NodeView("empty", ["peer"] * 8, held_blocks=0, capacity_blocks=100)
     d = r.choose(prompt, [full, empty])
-    assert (d.node_id, d.reason) == ("empty", "cost") and d.cost == pytest.approx(8 * 0.3 + 8)
-    assert r.cost(16, full) == pytest.approx(8 * 0.05 + 8 + 8)
-    # with room on both, the local prefix wins; room for part of the prompt evicts only the rest
-    roomy = NodeView("roomy", ["ram"] * 8, held_blocks=50, capacity_blocks=100)
-    assert r.choose(prompt, [roomy, empty]).node_id == "roomy"
+    assert (d.node_id, d.reason) == ("empty", "cost")
+    assert d.cost == pytest.approx(8 * 0.3 + 8 - 16 * 0.5)          # mean fill 0.5: 16 blocks into room
+    assert r.cost(16, full, mean_fill=0.5) == pytest.approx(8 * 0.05 + 8 + 8 + 8 * 0.5)
+    # equally full, the local prefix wins; room for part of the prompt evicts only the rest
+    half = NodeView("half", ["ram"] * 8, held_blocks=50, capacity_blocks=100)
+    assert r.choose(prompt, [half, NodeView("other", ["peer"] * 8, held_blocks=50, capacity_blocks=100)]
+                    ).node_id == "half"
     assert r.cost(16, NodeView("x", ["ram"] * 8, held_blocks=95, capacity_blocks=100)) == pytest.approx(0.4 + 8 + 3)
 
 
@@ -146,6 +149,8 @@ def test_empty_views_unknown_tiers_and_bad_settings_are_errors() -> None:
         Router(tier_weights={"device": 2.0})
     with pytest.raises(ValueError):
         Router(queue_weight=-1.0)
+    with pytest.raises(ValueError):
+        Router(fill_weight=-1.0)
     with pytest.raises(ValueError):
         Router(max_queued_blocks=0)
 

@@ -69,10 +69,6 @@ class CacheFill:
     held_blocks: int = 0
     capacity_blocks: int = 0     # 0: not known
 
-    @property
-    def free_blocks(self) -> int:
-        return max(0, self.capacity_blocks - self.held_blocks)
-
 
 @dataclass(frozen=True, slots=True)
 class LookupReply:

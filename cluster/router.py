@@ -82,7 +82,7 @@ class RouteDecision:
 
 
 class Router:
-    """Chooses nodes by prefill cost, queued work and evictions; keeps the cluster hit ratio."""
+    """Chooses nodes by prefill cost, queued work, evictions and fill; keeps the cluster hit ratio."""
 
     def __init__(self, *, tier_weights: Mapping[str, float] | None = None, load_weight: float = 2.0,
                  queue_weight: float = 1.0, evict_weight: float = 1.0, fill_weight: float = 1.0,

@@ -77,13 +77,14 @@ def kv_of(ns: Namespace, hashes: Sequence[bytes]) -> np.ndarray:
 class Engine:
     """Stands in for an inference engine on one node: load what is cached, make and store the rest.
     Requests may overlap; like a real engine adapter it reports its load to its node on every change:
-    requests running, and prompt tokens accepted but not yet computed. As vLLM's scheduler asks its KV
-    connector how many leading tokens it can load before it queues a request's prefill, a request
-    counts its prompt less what its node's lookup matched until its load answers, then less what the
-    load covered, until the rest is stored."""
+    requests running, and prompt tokens accepted but not yet computed: all of a prompt until its load
+    answers, then what the load did not cover, until the rest is stored. With `lookup_first` (what a
+    router reads, `--trace`), a request first asks its node what it matches, as vLLM's scheduler asks
+    its KV connector before it queues a prefill, and counts its prompt less that until its load answers."""
 
-    def __init__(self, node_id: str, namespace: str = "kvfabric") -> None:
+    def __init__(self, node_id: str, namespace: str = "kvfabric", lookup_first: bool = False) -> None:
         self.client = FabricClient.connect(node_id=node_id, namespace=namespace)
+        self.lookup_first = lookup_first
         self._lock = threading.Lock()
         self._running = 0
         self._queued_tokens = 0
@@ -95,8 +96,10 @@ class Engine:
             self.client.report_load(EngineLoad(self._running, 0, self._queued_tokens))
 
     def serve(self, ns: Namespace, tokens: list[int], pulls: bool) -> dict[str, Any]:
-        found = self.client.lookup(ns, tokens)
-        matched = found.num_tokens if pulls else found.num_local_blocks * found.block_size
+        matched = 0
+        if self.lookup_first:
+            found = self.client.lookup(ns, tokens)
+            matched = found.num_tokens if pulls else found.num_local_blocks * found.block_size
         left = [len(tokens) - matched]     # this request's tokens counted as queued prefill
         self._count(+1, left[0])
         try:

@@ -112,8 +112,8 @@ def _replay(engine_cls: Any, trace: list[TraceRequest], args: argparse.Namespace
     local = start_local_cluster(NUM_NODES, root, config, object_store_bytes=256 << 20)
     try:
         nodes = sorted(local.node_ids())
-        engines = {n: engine_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(n)
-                   for n in nodes}
+        engines = {n: engine_cls.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(
+            n, lookup_first=True) for n in nodes}
         clients = {n: FabricClient.connect(node_id=n) for n in nodes}
         ray.get([e.ready.remote() for e in engines.values()])   # started: the first requests do not wait for them
         chosen, pending = _route(trace, requests, ns, clients, engines, args.time_scale, prefix)

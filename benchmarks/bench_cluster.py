@@ -19,13 +19,16 @@ Ray namespace and folders) publishes vLLM-format KV events to a subscriber in th
 request of a fresh workload is served by both fabrics in turn (alternating which goes first), so
 the two load p50s are measured side by side.
 
-`--trace` replays a multi-turn chat trace instead, routed by the router on the nodes' own answers,
-against pooled and isolated LRUs of the same capacity on the same requests (benchmarks/trace_replay.py).
+`--trace` replays two multi-turn chat traces instead (one with 8 system prompts, one whose requests all
+share one system prompt), routed by the router on the nodes' own answers, against pooled and isolated
+LRUs of the same capacity on the same requests (benchmarks/trace_replay.py, which lists its keys).
 
 JSON keys: hit_ratio, ideal_hit_ratio, local_only_hit_ratio, hit_over_ideal, pull_mb_s, load_p50_ms,
 load_p99_ms, handoff_mb_s, object_store_mb_s, handoff_over_object_store; with `--events` also
 events_off_load_p50_ms, events_on_load_p50_ms, events_load_p50_over_off, events_on_hit_ratio,
-events_off_hit_ratio, events_blocks_seen.
+events_off_hit_ratio, events_ideal_hit_ratio (every repeated block of that workload), events_blocks_seen.
+How many hits a pull adds depends on timing (a block is pullable once its owner has advertised it),
+so the two hit ratios need not be equal; both are at most the ideal.
 """
 
 from __future__ import annotations
@@ -73,30 +76,44 @@ def kv_of(ns: Namespace, hashes: Sequence[bytes]) -> np.ndarray:
 @ray.remote(num_cpus=0, max_concurrency=16)
 class Engine:
     """Stands in for an inference engine on one node: load what is cached, make and store the rest.
-    Requests may overlap; like a real engine adapter it reports how many are running to its node."""
+    Requests may overlap; like a real engine adapter it reports its load to its node on every change:
+    requests running, and prompt tokens accepted but not yet computed: all of a prompt until its load
+    answers, then what the load did not cover, until the rest is stored. With `lookup_first` (what a
+    router reads, `--trace`), a request first asks its node what it matches, as vLLM's scheduler asks
+    its KV connector before it queues a prefill, and counts its prompt less that until its load answers."""
 
-    def __init__(self, node_id: str, namespace: str = "kvfabric") -> None:
+    def __init__(self, node_id: str, namespace: str = "kvfabric", lookup_first: bool = False) -> None:
         self.client = FabricClient.connect(node_id=node_id, namespace=namespace)
+        self.lookup_first = lookup_first
         self._lock = threading.Lock()
         self._running = 0
+        self._queued_tokens = 0
 
-    def _count(self, delta: int, num_tokens: int) -> None:
+    def _count(self, requests: int, tokens: int) -> None:
         with self._lock:
-            self._running += delta
-            self.client.report_load(EngineLoad(self._running, 0, self._running * num_tokens))
+            self._running += requests
+            self._queued_tokens += tokens
+            self.client.report_load(EngineLoad(self._running, 0, self._queued_tokens))
 
     def serve(self, ns: Namespace, tokens: list[int], pulls: bool) -> dict[str, Any]:
-        self._count(+1, len(tokens))
+        matched = 0
+        if self.lookup_first:
+            found = self.client.lookup(ns, tokens)
+            matched = found.num_tokens if pulls else found.num_local_blocks * found.block_size
+        left = [len(tokens) - matched]     # this request's tokens counted as queued prefill
+        self._count(+1, left[0])
         try:
-            return self._serve(ns, tokens, pulls)
+            return self._serve(ns, tokens, pulls, left)
         finally:
-            self._count(-1, len(tokens))
+            self._count(-1, -left[0])
 
-    def _serve(self, ns: Namespace, tokens: list[int], pulls: bool) -> dict[str, Any]:
+    def _serve(self, ns: Namespace, tokens: list[int], pulls: bool, left: list[int]) -> dict[str, Any]:
         hashes = block_hashes(ns, tokens)
         start = time.perf_counter()
         reply = self.client.load(ns, tokens, pulls=pulls)
         load_s = time.perf_counter() - start
+        self._count(0, len(tokens) - reply.num_tokens - left[0])    # what the load did not cover
+        left[0] = len(tokens) - reply.num_tokens
         expected = kv_of(ns, hashes[:reply.num_blocks])
         if not np.array_equal(reply.payloads, expected):
             raise AssertionError("a load returned KV that differs from what was stored")
@@ -111,6 +128,10 @@ class Engine:
         for _ in range(repeats):
             self.client.store(ns, tokens, payloads)
         return time.perf_counter() - start
+
+    def ready(self) -> str:
+        """Answers once the actor has started and connected to its node."""
+        return self.client.node_id
 
     def read(self, ref_holder: list[Any]) -> int:
         arr = ray.get(ref_holder[0])
@@ -296,6 +317,7 @@ def measure_events(node_ids: list[str], off: Config, on: Config, args: argparse.
     p50 = {arm: percentile([r["load_s"] * 1e3 for r in rs], 50) for arm, rs in results.items()}
     hit = {arm: sum(r["hits"] for r in rs) / sum(r["blocks"] for r in rs) for arm, rs in results.items()}
     seen = sum(len(v.held) for v in sub.views.values())
+    ideal, total = ideal_hits(ns, requests)
     print_table(f"KV events: {len(requests)} requests served by both fabrics in turn",
                 ["publishing", "hit ratio", "load p50 ms", "load p99 ms"],
                 [[arm, hit[arm], p50[arm], percentile([r["load_s"] * 1e3 for r in results[arm]], 99)]
@@ -303,7 +325,7 @@ def measure_events(node_ids: list[str], off: Config, on: Config, args: argparse.
     return {"events_off_load_p50_ms": round(p50["off"], 2), "events_on_load_p50_ms": round(p50["on"], 2),
             "events_load_p50_over_off": round(p50["on"] / p50["off"], 3),
             "events_off_hit_ratio": round(hit["off"], 4), "events_on_hit_ratio": round(hit["on"], 4),
-            "events_blocks_seen": seen}
+            "events_ideal_hit_ratio": round(ideal / total, 4), "events_blocks_seen": seen}
 
 
 if __name__ == "__main__":

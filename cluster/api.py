@@ -62,13 +62,24 @@ class EngineLoad:
 
 
 @dataclass(frozen=True, slots=True)
+class CacheFill:
+    """How much of a node's cache is in use, in blocks of the namespace asked about: its larger tier's
+    capacity, and what its fuller tier holds. A node with room stores new blocks without evicting."""
+
+    held_blocks: int = 0
+    capacity_blocks: int = 0     # 0: not known
+
+
+@dataclass(frozen=True, slots=True)
 class LookupReply:
-    """The longest cached leading run of a prompt's blocks, local or on a live peer, and the load
-    the answering node's engines last reported (what a router weighs against the cached prefix)."""
+    """The longest cached leading run of a prompt's blocks, local or on a live peer, the load the
+    answering node's engines last reported and how full its cache is (what a router weighs against
+    the cached prefix)."""
 
     block_size: int
     locations: tuple[BlockLocation, ...]   # one per leading cached block
     load: EngineLoad = EngineLoad()
+    fill: CacheFill = CacheFill()
 
     @property
     def num_blocks(self) -> int:

@@ -117,6 +117,7 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     from cluster.launch import start_local_cluster
     from cluster.router import NodeView, Router
     from fabric.config import Config, KVConfig
+    from fabric.keys import block_hashes
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
@@ -144,13 +145,11 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
             for wave in waves(len(prompts), args.wave):
                 pending = []
                 for i in wave:
-                    num_blocks = len(prompts[i]) // args.block_size
                     # Each node's lookup carries the load its engine reported: the router weighs that
                     # against the cached prefix (a busy node holding the prefix may lose to an idle one).
                     replies = {n: clients[n].lookup(ns, prompts[i]) for n in nodes}
-                    views = [NodeView(n, [loc.where.value for loc in replies[n].locations], replies[n].load.requests)
-                             for n in nodes]
-                    node = router.choose(num_blocks, views, prompt_key=_first_block_key(ns, prompts[i])).node_id
+                    views = [NodeView.of(n, replies[n]) for n in nodes]
+                    node = router.choose(block_hashes(ns, prompts[i]), views).node_id
                     pending.append((i, node, engines[node].serve.remote(
                         prompts[i], args.max_new_tokens, eos_token_id=eos, mode=args.mode)))
                     _await_report(clients[node], ns, prompts[i], replies[node].load.requests)
@@ -176,13 +175,6 @@ def _await_report(client: Any, ns: Any, tokens: list[int], before: int, timeout_
     deadline = time.monotonic() + timeout_s
     while client.lookup(ns, tokens).load.requests <= before and time.monotonic() < deadline:
         time.sleep(0.01)
-
-
-def _first_block_key(ns: Any, tokens: list[int]) -> bytes:
-    from fabric.keys import block_hashes
-
-    hashes = block_hashes(ns, tokens[:ns.block_size])
-    return bytes(hashes[0]) if hashes else b""
 
 
 def _short(text: str, words: int = 8) -> str:

@@ -22,6 +22,7 @@ from cryptography import x509
 
 from cluster.api import (
     BlockLocation,
+    CacheFill,
     EngineLoad,
     LoadReply,
     LookupReply,
@@ -95,6 +96,22 @@ class LocalFabric:
             tiers.append(max((t for t in layer_tiers if t is not None), key=_COLDNESS.__getitem__))
         return tiers
 
+    def cache_fill(self, ns: Namespace) -> CacheFill:
+        """How full this node's RAM and SSD are, in `ns`'s blocks (all layers). A tier holds as many
+        blocks as its byte capacity allows, or its block capacity (`ram_blocks` / `ssd_blocks`) if
+        smaller; it holds its distinct blocks, or its share of bytes used (which counts the SSD files'
+        headers on both sides) of that, if more. The node can hold what its larger tier can (the SSD
+        keeps what RAM offloads) and holds at least what its fuller tier does."""
+        stats = self.local_store.stats()
+        per_block = max(1, ns.layout.bytes_per_block(ns.block_size))
+        capacity = held = 0
+        for tier in (stats["ram"], stats["ssd"]):
+            cap_bytes, cap_blocks = int(tier["capacity_bytes"]), int(tier["capacity_blocks"])
+            cap = min(cap_bytes // per_block, cap_blocks) if cap_blocks else cap_bytes // per_block
+            by_bytes = round(int(tier["bytes"]) / cap_bytes * cap) if cap_bytes else 0
+            capacity, held = max(capacity, cap), max(held, int(tier["held_blocks"]), by_bytes)
+        return CacheFill(min(capacity, held), capacity)
+
     def read_block(self, block_hash: BlockHash, out: np.ndarray) -> Tier | None:
         """Copy every layer of one block into `out` (uint8, [layers, bytes]); None if any layer is
         missing, the wrong size, or fails its digest. Returns the coldest tier read."""
@@ -144,7 +161,7 @@ class LocalFabric:
     def lookup_hashes(self, ns: Namespace, hashes: Sequence[BlockHash], *, peek: bool = False) -> LookupReply:
         tiers = self.local_tiers(hashes, ns.layout.num_layers, peek=peek)
         return LookupReply(ns.block_size, tuple(BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers),
-                           self.engine_load)
+                           self.engine_load, self.cache_fill(ns))
 
     def load_hashes(self, ns: Namespace, hashes: Sequence[BlockHash]) -> LoadReply:
         tiers = self.local_tiers(hashes, ns.layout.num_layers)

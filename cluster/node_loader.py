@@ -145,12 +145,13 @@ class NodeLoader:
         # A lookup is a peek: routers ask every node, and asking must not reorder eviction on the nodes
         # that do not serve the request. The load that follows is the access.
         _, tiers, _, runs, _, _ = await self._plan(ns, hashes, peek=True)
+        fill = await asyncio.get_running_loop().run_in_executor(None, self.local.cache_fill, ns)
         locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
         for run in runs:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
         self.metrics.lookups.inc()
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
-        return LookupReply(ns.block_size, tuple(locs), self.local.engine_load)
+        return LookupReply(ns.block_size, tuple(locs), self.local.engine_load, fill)
 
     def _count_disagreements(self, hashes: Sequence[BlockHash], start: int,
                              disagreements: Sequence[tuple[int, bytes, bytes]]) -> None:

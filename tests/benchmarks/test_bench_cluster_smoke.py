@@ -32,23 +32,35 @@ def test_quick_run_with_events_serves_both_fabrics_alike_and_the_subscriber_sees
                           cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert result["events_on_hit_ratio"] == result["events_off_hit_ratio"] > 0
+    # Both fabrics served every request, each load compared byte for byte inside the benchmark. How
+    # many hits pulls add depends on when owners advertise their blocks, so the two hit ratios are not
+    # compared with each other; neither can pass the workload's ideal (every repeated block).
+    for arm in ("off", "on"):
+        assert 0 < result[f"events_{arm}_hit_ratio"] <= result["events_ideal_hit_ratio"], arm
     assert result["events_blocks_seen"] > 0
     assert result["events_load_p50_over_off"] > 0
 
 
 def test_quick_trace_replay_reports_the_cluster_beside_its_baselines() -> None:
-    """The trace bench's baselines are exact models of the same requests: pooled capacity cannot beat
-    an unbounded cache, nor isolated caches of the same total capacity beat a pooled one. Every
-    load the cluster answered was compared byte for byte inside the benchmark."""
+    """Both traces (8 system prompts; one shared by every request). The baselines are exact models of
+    the same requests: pooled capacity cannot beat an unbounded cache, nor isolated caches of the same
+    total capacity beat a pooled one. Every load the cluster answered was compared byte for byte
+    inside the benchmark, and every request was served by one of the 3 nodes."""
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cluster.py"), "--trace", "--quick"],
                           cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
-    assert any("pooled LRU" in line for line in lines[:-1])
+    assert sum("pooled LRU (" in line for line in lines[:-1]) == 2     # one table per trace
+    assert any("requests per node" in line for line in lines[:-1])
     result = json.loads(lines[-1])
-    assert result["trace_requests"] == 60 and result["trace_capacity_blocks"] > 0
-    assert 0 < result["trace_hit_ratio"] <= result["trace_max_hit_ratio"]
-    assert result["trace_isolated_lru_hit_ratio"] <= result["trace_pooled_lru_hit_ratio"] \
-        <= result["trace_max_hit_ratio"]
-    assert sum(result["trace_node_shares"]) == pytest.approx(1.0, abs=0.01)
+    for t in ("trace", "shared_trace"):
+        assert result[f"{t}_requests"] == 60 and result[f"{t}_capacity_blocks"] > 0
+        assert 0 < result[f"{t}_hit_ratio"] <= result[f"{t}_max_hit_ratio"]
+        assert result[f"{t}_isolated_lru_hit_ratio"] <= result[f"{t}_pooled_lru_hit_ratio"] \
+            <= result[f"{t}_max_hit_ratio"]
+        assert result[f"{t}_hit_over_pooled_lru"] == pytest.approx(
+            result[f"{t}_hit_ratio"] / result[f"{t}_pooled_lru_hit_ratio"], abs=1e-3)
+        per_node = result[f"{t}_requests_per_node"]
+        assert len(per_node) == 3 and sum(per_node) == 60
+        assert result[f"{t}_busiest_over_mean"] == pytest.approx(max(per_node) / 20, abs=1e-3)
+        assert sum(result[f"{t}_node_shares"]) == pytest.approx(1.0, abs=0.01)

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cluster.api import Where, payload_shape
+from cluster.api import CacheFill, Where, payload_shape
 from cluster.local import LocalFabric
 from fabric.config import KVConfig
 from fabric.keys import Namespace
@@ -126,3 +126,17 @@ def test_a_peek_at_a_prompt_does_not_save_it_from_eviction(tmp_path: Path, peek:
         fabric = LocalFabric(store)
         hits = (fabric.lookup(NS, first, peek=True).num_blocks, fabric.lookup(NS, second, peek=True).num_blocks)
         assert hits == ((0, 2) if peek else (2, 0))
+
+
+def test_a_lookup_says_how_full_the_node_is_in_the_prompts_blocks(tmp_path: Path) -> None:
+    """A router reads a node's room from every lookup: capacity from the larger tier (here the block
+    caps), what is held from the fuller one, in blocks of the namespace asked about."""
+    with open_store(tmp_path, ram_blocks=6, ssd_blocks=10) as store:
+        fabric = LocalFabric(store)
+        assert fabric.lookup(NS, list(range(16))).fill == CacheFill(held_blocks=0, capacity_blocks=10)
+        fabric.store(NS, list(range(16)), random_payloads(4))
+        fabric.store(NS, list(range(100, 108)), random_payloads(2, seed=1))
+        assert fabric.lookup(NS, [7] * 16).fill == CacheFill(held_blocks=6, capacity_blocks=10)
+    with open_store(tmp_path / "bytes") as store:      # no block caps: bytes decide
+        per_block = NS.layout.bytes_per_block(NS.block_size)
+        assert LocalFabric(store).lookup(NS, []).fill.capacity_blocks == int(0.05 * (1 << 30)) // per_block

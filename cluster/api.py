@@ -187,7 +187,8 @@ class NodeApi(Protocol):
     each call a coroutine, the two layer streams async generators that yield `(num_blocks, sources)`
     first and then one uint8 array `(num_blocks, bytes_per_block_layer)` per layer. The Fabric calls
     mean what they mean in `Fabric`; `pulls=False` answers from this node's own tiers only;
-    `tenant_token` proves the caller's tenant (docs/tenants.md)."""
+    `tenant_token` proves the caller's tenant (docs/tenants.md). `token` of the node-wide calls is a
+    tenant's (who then sees only its own) or the operator's (who sees and may change everything)."""
 
     async def ping(self) -> dict[str, Any]:
         """Start the node if it has not started; its id, incarnation and transport address."""
@@ -226,21 +227,23 @@ class NodeApi(Protocol):
     async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float, *,
                              tenant_token: bytes | None = None) -> None: ...
 
-    async def report_load(self, load: EngineLoad) -> None: ...
+    async def report_load(self, load: EngineLoad, *, tenant_token: bytes | None = None) -> None: ...
 
-    async def held_block_hashes(self) -> list[bytes]:
-        """Every block hash the node holds in any tier (any layer of it)."""
+    async def held_block_hashes(self, *, token: bytes | None = None) -> list[bytes]:
+        """Every block hash the node holds in any tier (any layer of it); a tenant's: those of its namespaces."""
         ...
 
-    async def purge_producer(self, producer: str) -> int:
-        """Delete every block whose provenance names `producer`; how many (block, layer) payloads."""
+    async def purge_producer(self, producer: str, *, token: bytes | None = None) -> int:
+        """Delete every block whose provenance names `producer`; how many (block, layer) payloads. Operator only."""
         ...
 
-    async def set_send_rate(self, mb_s: float) -> None:
-        """Cap (0: uncap) what the node's TLS-TCP server sends, MB/s."""
+    async def set_send_rate(self, mb_s: float, *, token: bytes | None = None) -> None:
+        """Cap (0: uncap) what the node's TLS-TCP server sends, MB/s. Operator only."""
         ...
 
-    async def stats(self) -> dict[str, Any]: ...
+    async def stats(self, *, token: bytes | None = None) -> dict[str, Any]:
+        """The node's statistics; a tenant's: its own blocks held here."""
+        ...
 
 
 def payload_shape(ns: Namespace, num_blocks: int) -> tuple[int, int, int]:

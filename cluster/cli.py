@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 # Modules that add sub-commands; each has register(subparsers: argparse._SubParsersAction).
 COMMAND_MODULES = ("cluster.cli_cluster", "cluster.cli_demo", "cluster.cli_inspect", "cluster.cli_certs",
-                   "cluster.cli_purge")
+                   "cluster.cli_purge", "cluster.cli_unbind")
 
 
 class CLIError(Exception):

@@ -1,5 +1,5 @@
-"""`kvfabric certs init|issue|issue-tenant|revoke`: the operator's cluster CA, node certificates,
-tenant credentials and revocation list.
+"""`kvfabric certs init|issue|issue-tenant|issue-operator|revoke`: the operator's cluster CA, node
+certificates, tenant and operator credentials and revocation list.
 
 These run where the CA key is (`ca.key`), never on a node: nodes get `ca.pem`, `crl.pem` and their
 own `<node>.pem` / `<node>.key` only (docs/operations-certificates.md)."""
@@ -14,7 +14,7 @@ from cryptography import x509
 
 from cluster import cli_events_keys as events_keys
 from cluster.cli import CLIError
-from transports.core.certs import CRL, CertificateError, init_ca, issue_node, issue_tenant, revoke
+from transports.core.certs import CRL, CertificateError, init_ca, issue_node, issue_operator, issue_tenant, revoke
 
 
 def register(sub: Any) -> None:
@@ -39,6 +39,13 @@ def register(sub: Any) -> None:
     tenant.add_argument("--out", default=None, help="folder for NAME.tenant.pem / .key (default: --dir)")
     tenant.add_argument("--days", type=int, default=365)
     tenant.set_defaults(func=_issue_tenant)
+    operator = certs_sub.add_parser("issue-operator", help="issue an operator credential (purge, node-wide stats)")
+    operator.add_argument("name", metavar="NAME", nargs="?", default="operator",
+                          help="operator name (letters, digits, '-', '_', '.'; default: operator)")
+    operator.add_argument("--dir", required=True, help="folder holding the cluster CA")
+    operator.add_argument("--out", default=None, help="folder for NAME.operator.pem / .key (default: --dir)")
+    operator.add_argument("--days", type=int, default=365)
+    operator.set_defaults(func=_issue_operator)
     rev = certs_sub.add_parser("revoke", help="revoke node certificates: add them to the CA's crl.pem")
     rev.add_argument("--dir", required=True, help="folder holding the cluster CA and the node certificates")
     rev.add_argument("nodes", nargs="*", metavar="NODE",
@@ -77,6 +84,16 @@ def _issue_tenant(args: argparse.Namespace) -> int:
         raise CLIError(str(e)) from None
     print(f"tenant {args.name}: {cert} {key}; give both to the tenant's clients "
           f"(FabricClient.connect(credential=...) or [tenancy] credential); revoke with --serial")
+    return 0
+
+
+def _issue_operator(args: argparse.Namespace) -> int:
+    try:
+        cert, key = issue_operator(args.dir, args.name, days=args.days, out_dir=args.out)
+    except CertificateError as e:
+        raise CLIError(str(e)) from None
+    print(f"operator {args.name}: {cert} {key}; keep both with the operator (kvfabric purge/stats --credential, "
+          f"[tenancy] operator_credential, FabricClient.connect(credential=...)); revoke with --serial")
     return 0
 
 

@@ -6,7 +6,8 @@
                                      the same, each Ray node in its own network namespace (a test
                                      bed of hosts on a private bridge, links shaped by the profile)
     kvfabric start --address ADDR    the fabric on an existing Ray cluster (Ray jobs, the Helm chart)
-    kvfabric stats [--config F] [--json]  per node: blocks (of their block capacity) and bytes per tier,
+    kvfabric stats [--config F] [--json] [--credential OPERATOR.pem]
+                                     per node: blocks (of their block capacity) and bytes per tier,
                                           refused puts, hit ratio, pulls by outcome;
                                      directory entries per shard
     kvfabric down                    stop the fabric (and the local cluster `up` started)
@@ -34,9 +35,12 @@ from rich.table import Table
 from cluster.cli import CLIError
 from cluster.netbed import NetBed, pid_alive
 from fabric.config import ClusterConfig, Config, ConfigError, kvfabric_home
-from transports.core.certs import CertificateError
+from transports.core.certs import CA_KEY, OPERATOR_SUFFIX, CertificateError, issue_operator
+from transports.core.tenant_tokens import TenantMinter
 
 logger = logging.getLogger(__name__)
+
+OPERATOR_NAME = "operator"   # the credential the CLI issues itself where it finds the CA key
 
 
 def state_file() -> Path:
@@ -62,6 +66,7 @@ def register(sub: Any) -> None:
     stats.add_argument("--address", help="Ray address (default: the cluster `up` started, else auto)")
     stats.add_argument("--config", help="kvfabric TOML config (its [cluster] namespace and directory)")
     stats.add_argument("--json", action="store_true", help="print one JSON object")
+    add_credential_argument(stats)
     stats.set_defaults(func=cmd_stats)
     down = sub.add_parser("down", help="stop the fabric and the local cluster `up` started")
     down.add_argument("--address", help="Ray address (default: the cluster `up` started)")
@@ -75,6 +80,35 @@ def _config(path: str | None) -> Config:
         return Config.load(path)
     except ConfigError as e:
         raise CLIError(str(e)) from None
+
+
+def add_credential_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--credential", help="operator certificate <name>.operator.pem, key beside it (default: "
+                                             "[tenancy] operator_credential, else the local cluster's, issued "
+                                             "where the CA key is)")
+
+
+def operator_minter(credential: str | None, config: Config, state: dict[str, Any] | None) -> TenantMinter | None:
+    """The operator credential the CLI's node-wide calls carry: `credential`, else [tenancy]
+    operator_credential, else `operator.operator.pem` in the certificate folder of the local cluster
+    `up` started (else [transport] cert_dir), issued there when the CA key is beside it (the CLI then
+    runs as the operator). None: no credential anywhere, the calls go anonymously (which nodes admit
+    only where tenancy is not required)."""
+    from cluster.client import minter
+
+    path = credential or config.tenancy.operator_credential
+    if not path:
+        cert_dir = Path(state["root"]) / "certs" if state and "root" in state else Path(config.transport.cert_dir)
+        found = cert_dir / f"{OPERATOR_NAME}{OPERATOR_SUFFIX}.pem"
+        if not found.exists() and (cert_dir / CA_KEY).exists():
+            issue_operator(cert_dir, OPERATOR_NAME)
+        if not found.exists():
+            return None
+        path = str(found)
+    try:
+        return minter(path, config.tenancy.token_ttl_s)
+    except CertificateError as e:
+        raise CLIError(f"operator credential: {e}") from None
 
 
 def _connect(address: str | None) -> tuple[str, dict[str, Any] | None]:
@@ -228,20 +262,25 @@ def cmd_start(args: argparse.Namespace) -> int:
     return 0
 
 
-def gather_stats(cluster: ClusterConfig) -> dict[str, Any]:
-    """Every NodeActor's stats and every directory shard's, from a connected driver."""
+def gather_stats(cluster: ClusterConfig, operator: TenantMinter | None = None) -> dict[str, Any]:
+    """Every NodeActor's stats and every directory shard's, from a connected driver, calling with
+    `operator`'s tokens (None: anonymously)."""
     import ray
 
     from cluster.directory_actor import DirectoryClient, shard_actor_name
     from cluster.node_actor import node_actor_name
     from cluster.supervisor import alive_node_ids
+    from cluster.tenancy import TenantRefusedError
 
     namespace = cluster.namespace
     nodes = []
+    token = None if operator is None else operator.token(time.time())
     for node_id in alive_node_ids():
         try:
-            nodes.append(ray.get(ray.get_actor(node_actor_name(node_id), namespace=namespace).stats.remote(),
-                                 timeout=10))
+            nodes.append(ray.get(ray.get_actor(node_actor_name(node_id), namespace=namespace)
+                                 .stats.remote(token=token), timeout=10))
+        except TenantRefusedError as e:
+            nodes.append({"node_id": node_id, "error": f"refused: {getattr(e, 'cause', e)}"})
         except (ValueError, ray.exceptions.RayError) as e:
             nodes.append({"node_id": node_id, "error": type(e).__name__})
     num_shards = 0
@@ -268,7 +307,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
     _, state = _connect(args.address)
     # The config the local cluster was started with, unless one is named: its namespace and shards.
     config_path = args.config or (state or {}).get("config")
-    stats = gather_stats(_config(config_path).cluster)
+    config = _config(config_path)
+    stats = gather_stats(config.cluster, operator_minter(args.credential, config, state))
     if args.json:
         print(json.dumps(stats, default=str))
         return 0

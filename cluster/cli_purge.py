@@ -3,7 +3,8 @@
 For a node whose key is compromised or whose engine produced wrong KV: each NodeActor deletes
 the blocks whose provenance record names that producer (mirrors' copies included, since a mirror
 keeps the producer's record), and the directory forgets them through the nodes' removal events.
-Revoke the node's certificate too (`kvfabric certs revoke`, then distribute crl.pem) so that no
+An operator call: it carries the operator credential (`--credential`, else as `kvfabric stats`
+finds it). Revoke the node's certificate too (`kvfabric certs revoke`, then distribute crl.pem) so that no
 block it signs later is accepted.
 """
 
@@ -14,6 +15,7 @@ import json
 from typing import Any
 
 from cluster.cli import CLIError
+from cluster.cli_cluster import add_credential_argument
 
 
 def register(sub: Any) -> None:
@@ -21,17 +23,21 @@ def register(sub: Any) -> None:
     purge.add_argument("--producer", required=True, help="the producer's node name (its certificate's name)")
     purge.add_argument("--address", help="Ray address (default: the cluster `up` started, else auto)")
     purge.add_argument("--json", action="store_true", help="print one JSON object")
+    purge.add_argument("--config", help="kvfabric TOML config (its [tenancy] operator_credential)")
+    add_credential_argument(purge)
     purge.set_defaults(func=cmd_purge)
 
 
 def cmd_purge(args: argparse.Namespace) -> int:
-    from cluster.cli_cluster import _connect
+    from cluster.cli_cluster import _config, _connect, operator_minter
     from cluster.client import purge_producer
 
     if not args.producer.strip():
         raise CLIError("--producer needs a node name")
-    _connect(args.address)
-    removed = purge_producer(args.producer)
+    _, state = _connect(args.address)
+    config = _config(args.config or (state or {}).get("config"))
+    removed = purge_producer(args.producer, namespace=config.cluster.namespace,
+                             operator=operator_minter(args.credential, config, state))
     if not removed:
         raise CLIError("no kvfabric nodes found; start the fabric with `kvfabric start` or `kvfabric up`")
     if args.json:

@@ -5,8 +5,9 @@
     kv = client.load(ns, tokens)               # kv.payloads: uint8 (blocks, layers, bytes), zero-copy
     client.store(ns, tokens, payloads, first_block=kv.num_blocks)
     client.load_blocks(ns, block_ids, parent=parent_id)   # the same, for blocks named by the engine's ids
-    client.purge_producer("node-7")            # every node drops the blocks node-7 produced
+    client.purge_producer("node-7")            # every node drops the blocks node-7 produced (an operator call)
     FabricClient.connect(credential="acme.tenant.pem")   # calls as tenant acme (docs/tenants.md)
+    FabricClient.connect(credential="ops.operator.pem")  # calls as the operator: purge, node-wide stats
 
 Each call is one Ray actor call to the NodeActor on the caller's own Ray node, so payloads move
 through that node's shared-memory object store. Calls name the `NodeApi` method they make
@@ -30,6 +31,7 @@ import ray
 
 from cluster.api import EngineLoad, IncompleteLoadError, LoadReply, LookupReply, NodeApi, StoreReply, Tokens
 from cluster.node_actor import node_actor_name
+from cluster.tenancy import TenantRefusedError
 from fabric.block_ids import BlockId
 from fabric.config import ClusterConfig, TenancyConfig
 from fabric.keys import Namespace
@@ -71,11 +73,11 @@ class FabricClient:
         supervisor to start its NodeActor. Each later call waits at most `call_timeout_s`.
 
         `credential` (else `tenancy.credential`): a tenant certificate `<name>.tenant.pem` with its
-        key beside it (`.key`); every call then carries a token of that tenant (docs/tenants.md)."""
+        key beside it (`.key`); every call then carries a token of that tenant (docs/tenants.md). An
+        operator certificate `<name>.operator.pem` instead makes the node-wide calls (purge, stats)."""
         tenancy = tenancy or TenancyConfig()
         credential = credential or tenancy.credential or None
-        tenant = None if credential is None else TenantMinter(
-            credential, Path(credential).with_suffix(".key"), ttl_s=tenancy.token_ttl_s)
+        tenant = None if credential is None else minter(credential, tenancy.token_ttl_s)
         if not ray.is_initialized():
             raise FabricUnavailableError("Ray is not initialised: call ray.init(address=...) first")
         node_id = node_id or ray.get_runtime_context().get_node_id()
@@ -108,7 +110,7 @@ class FabricClient:
 
     def report_load(self, load: EngineLoad) -> None:
         """Sent without waiting for an answer: a report never delays the engine."""
-        self._remote(NodeApi.report_load, load)
+        self._remote(NodeApi.report_load, load, tenant_token=self._token())
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
                     deadline_s: float | None = None) -> RayLayerStream:
@@ -139,11 +141,14 @@ class FabricClient:
                           tenant_token=self._token())
 
     def held_block_hashes(self) -> list[bytes]:
-        """Every block hash this client's node holds (any layer, any tier)."""
-        return self._call(NodeApi.held_block_hashes)
+        """Every block hash this client's node holds (any layer, any tier); a tenant's client: those
+        of its own namespaces."""
+        return self._call(NodeApi.held_block_hashes, token=self._token())
 
     def stats(self) -> dict[str, Any]:
-        return self._call(NodeApi.stats)
+        """The node's statistics (an operator's client, or anyone where tenancy is off); a tenant's
+        client: how many of its blocks the node holds."""
+        return self._call(NodeApi.stats, token=self._token())
 
     # ---- calls to the node's actor, typed by NodeApi ------------------------------------------------
 
@@ -177,8 +182,15 @@ class FabricClient:
                        timeout_s: float = 60.0) -> dict[str, int | str]:
         """On every alive node, delete every block whose provenance names `producer` (a node's
         certificate name). Per node id: how many (block, layer) payloads it removed, or the error
-        that kept it from answering (run it again once that node is back)."""
-        return purge_producer(producer, namespace=namespace, timeout_s=timeout_s)
+        that kept it from answering (run it again once that node is back). An operator call: this
+        client's credential must be the operator's where anonymous callers are not served."""
+        return purge_producer(producer, namespace=namespace, timeout_s=timeout_s, operator=self.tenant)
+
+    def unbind_node(self, node_id: str, *, cluster: ClusterConfig | None = None) -> dict[int, str | None]:
+        """`unbind_node` with this client's (operator's) credential."""
+        if self.tenant is None:
+            raise TenantRefusedError("unbind_node is an operator call: connect with an operator credential")
+        return unbind_node(node_id, operator=self.tenant, cluster=cluster)
 
     # ---- asyncio -----------------------------------------------------------------------------------
 
@@ -223,25 +235,43 @@ class RayLayerStream:
                 raise
 
 
-def purge_producer(producer: str, *, namespace: str = DEFAULT_NAMESPACE,
-                   timeout_s: float = 60.0) -> dict[str, int | str]:
-    """`FabricClient.purge_producer` for a driver that has no node of its own (the CLI)."""
+def minter(credential: str | os.PathLike[str], ttl_s: float = TenancyConfig().token_ttl_s) -> TenantMinter:
+    """The token maker of a tenant or operator certificate, its key beside it (`.key`)."""
+    return TenantMinter(credential, Path(credential).with_suffix(".key"), ttl_s=ttl_s)
+
+
+def purge_producer(producer: str, *, namespace: str = DEFAULT_NAMESPACE, timeout_s: float = 60.0,
+                   operator: TenantMinter | None = None) -> dict[str, int | str]:
+    """`FabricClient.purge_producer` for a driver that has no node of its own (the CLI), calling
+    with `operator`'s tokens (None: anonymously, which only nodes without required tenancy admit)."""
     if not producer:
         raise ValueError("purge needs a producer node name")
     calls: dict[str, Any] = {}
     out: dict[str, int | str] = {}
+    token = None if operator is None else operator.token(time.time())
     for node_id in sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive")):
         try:
             actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
-            calls[node_id] = actor.purge_producer.remote(producer)
+            calls[node_id] = actor.purge_producer.remote(producer, token=token)
         except ValueError:
             out[node_id] = "no NodeActor"
     for node_id, ref in calls.items():
         try:
             out[node_id] = int(ray.get(ref, timeout=timeout_s))
+        except TenantRefusedError as e:
+            out[node_id] = f"refused: {getattr(e, 'cause', e)}"   # Ray's wrapper keeps the node's error
         except ray.exceptions.RayError as e:
             out[node_id] = type(e).__name__
     return out
+
+
+def unbind_node(node_id: str, *, operator: TenantMinter, cluster: ClusterConfig | None = None) -> dict[int, str | None]:
+    """Clear which certificate the directory binds Ray node `node_id` to, on every shard, and drop what
+    it listed under that id (a squatter's reports): the next certificate to report the id binds it.
+    An operator call (raises TenantRefusedError otherwise). Per shard: the certificate name it was bound to."""
+    from cluster.directory_actor import DirectoryClient
+
+    return asyncio.run(DirectoryClient(cluster or ClusterConfig()).unbind(node_id, operator.token(time.time())))
 
 
 def _tokens(tokens: Tokens) -> np.ndarray:

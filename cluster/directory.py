@@ -28,9 +28,15 @@ dict itself; `benchmarks/bench_directory.py` measures the bytes, docs/benchmarks
     _nodes  : list[_Node | None]                   per node index: incarnation, address, seq, lease, entries
     _index  : dict[str, int]                       node id -> index; interned for the shard's lifetime
 
+    _versions: dict[bytes, dict[int, bytes]]      hash -> owner index -> block version, grouped by content
+
 A single owner is stored as a bare int (the same int object as the node's index, so it costs nothing
-beyond the dict slot); only shared blocks pay for a tuple. Each node keeps the set of its hashes so a
-new incarnation, a resync or an expiry touches only that node's entries.
+beyond the dict slot); only shared blocks pay for a tuple. Block versions (a tag of the bytes and the
+producer's name, fabric.provenance.block_version) are kept only for hashes whose owners reported one:
+`locate` answers each owner's version and the oldest version (by when its content was first reported)
+an owner still holds (the one pullers take: docs/provenance.md), so owners holding different bytes at
+one address are told apart. Each node keeps the set of its hashes so a new incarnation, a resync or an
+expiry touches only that node's entries.
 
 Complexity: apply O(entries in the batch); locate O(hashes x owners); dropping or resyncing a node
 O(its entries); the set of dead nodes is recomputed only when a lease may have passed (O(nodes)).
@@ -52,6 +58,7 @@ from cluster.directory_types import (
     leading_runs,
     shard_of,
 )
+from fabric.provenance import VERSION_TAG_SIZE
 
 DIGESTS_KEPT = 16   # per node: content digests of its last applied batches, to tell a retry from a conflict
 
@@ -71,12 +78,13 @@ class _Node:
 
 
 class _Resync:
-    __slots__ = ("incarnation", "resync_id", "staged")
+    __slots__ = ("incarnation", "resync_id", "staged", "versions")
 
     def __init__(self, resync_id: int, incarnation: int) -> None:
         self.resync_id = resync_id
         self.incarnation = incarnation
         self.staged: set[bytes] = set()
+        self.versions: dict[bytes, bytes] = {}
 
 
 class DirectoryShard:
@@ -91,6 +99,7 @@ class DirectoryShard:
         self.num_shards = num_shards
         self.lease_s = lease_s
         self._owners: dict[bytes, int | tuple[int, ...]] = {}
+        self._versions: dict[bytes, dict[int, bytes]] = {}
         self._nodes: list[_Node | None] = []
         self._ids: list[NodeId] = []
         self._index: dict[str, int] = {}
@@ -132,8 +141,11 @@ class DirectoryShard:
         return ApplyOutcome.ACCEPTED
 
     def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              now: float, address: NodeAddress | None = None) -> ApplyOutcome:
-        """Apply one register/unregister batch (removals first, then stores); see the module rules."""
+              now: float, address: NodeAddress | None = None, versions: Sequence[bytes] = ()) -> ApplyOutcome:
+        """Apply one register/unregister batch (removals first, then stores); see the module rules.
+        `versions`: per stored hash its block version (b"": unknown), or () for none."""
+        if versions and len(versions) != len(stored):
+            raise ValueError(f"{len(versions)} block versions for {len(stored)} stored hashes")
         if seq < 1:
             raise ValueError(f"sequence numbers start at 1, got {seq}")
         self._check_owned(stored)
@@ -161,6 +173,8 @@ class DirectoryShard:
             if h not in node.entries:
                 node.entries.add(h)
                 self._add_owner(h, node.idx)
+        for h, version in zip(stored, versions, strict=False):
+            self._set_version(h, node.idx, version)
         node.last_seq = seq
         node.digests[seq] = batch_digest(stored, removed)
         node.digests.pop(seq - DIGESTS_KEPT, None)
@@ -194,14 +208,18 @@ class DirectoryShard:
         return resync_id
 
     def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes],
-                     now: float) -> bool:
-        """Stage hashes of a resync; False: the resync is unknown or superseded (start over)."""
+                     now: float, versions: Sequence[bytes] = ()) -> bool:
+        """Stage hashes of a resync (with their block versions, if given); False: the resync is unknown
+        or superseded (start over)."""
+        if versions and len(versions) != len(hashes):
+            raise ValueError(f"{len(versions)} block versions for {len(hashes)} hashes")
         self._check_owned(hashes)
         found = self._resync_of(node_id, incarnation, resync_id, now)
         if found is None:
             return False
         resync = found[1]
         resync.staged.update(hashes)
+        resync.versions.update((h, v) for h, v in zip(hashes, versions, strict=False) if v)
         return True
 
     def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float) -> bool:
@@ -224,6 +242,8 @@ class DirectoryShard:
             self._remove_owner(h, node.idx)
         for h in staged - old:
             self._add_owner(h, node.idx)
+        for h, version in resync.versions.items():
+            self._set_version(h, node.idx, version)
         node.entries = staged
         node.digests.clear()   # the snapshot supersedes every earlier batch; the node retries none of them
         node.incarnation = incarnation
@@ -256,13 +276,42 @@ class DirectoryShard:
             node = self._nodes[self._index[n]]
             assert node is not None and node.address is not None, f"locate named node {n} without an address"
             addresses[n] = node.address
-        return LocateReply(tuple(owners), leading_runs(owners), addresses)
+        versions, firsts = self._versions_of(hashes, owners, dead)
+        return LocateReply(tuple(owners), leading_runs(owners), addresses, versions, firsts)
+
+    def _versions_of(self, hashes: Sequence[bytes], owners: Sequence[tuple[NodeId, ...]], dead: frozenset[int]
+                     ) -> tuple[tuple[tuple[bytes, ...], ...], tuple[bytes, ...]]:
+        """Per hash, each listed owner's block version and the first-reported version of a live owner
+        (both empty when no owner of any hash reported one)."""
+        if not self._versions:
+            return (), ()
+        index, get = self._index, self._versions.get
+        versions: list[tuple[bytes, ...]] = []
+        firsts: list[bytes] = []
+        for h, listed in zip(hashes, owners, strict=True):
+            known = get(h)
+            if not known:
+                versions.append(())
+                firsts.append(b"")
+                continue
+            versions.append(tuple(known.get(index[n], b"") for n in listed))
+            firsts.append(next((v for idx, v in known.items() if idx not in dead), b""))
+        return tuple(versions), tuple(firsts)
 
     def nodes(self, now: float) -> list[NodeInfo]:
         """Live nodes that have an address, by node id."""
         out = [NodeInfo(n.node_id, n.incarnation, n.address, n.last_seq, n.lease_expiry, len(n.entries))
                for n in self._nodes if n is not None and n.address is not None and now < n.lease_expiry]
         return sorted(out, key=lambda i: i.node_id)
+
+    def forget_node(self, node_id: str) -> bool:
+        """Drop `node_id`'s record and entries now (its id was bound to another certificate); whether it had one."""
+        idx = self._index.get(node_id)
+        node = None if idx is None else self._nodes[idx]
+        if node is None:
+            return False
+        self._drop(node)
+        return True
 
     def expire(self, now: float) -> list[NodeId]:
         """Drop the records (and entries) of nodes whose lease has passed; returns their ids."""
@@ -369,7 +418,30 @@ class DirectoryShard:
         assert idx not in v, f"node {self._ids[idx]} already owns {h.hex()}"
         self._owners[h] = tuple(sorted((*v, idx), key=self._ids.__getitem__))
 
+    def _set_version(self, h: bytes, idx: int, version: bytes) -> None:
+        known = self._versions.get(h)
+        if not version:
+            if known is not None:
+                known.pop(idx, None)
+            return
+        if known is None:
+            self._versions[h] = {idx: version}
+        elif known.get(idx) != version:
+            # Owners stay grouped by content tag, groups in the order their tag was first reported,
+            # so the first entry is the oldest version any owner still holds (O(owners of h)).
+            known.pop(idx, None)
+            tag = version[:VERSION_TAG_SIZE]
+            entries = list(known.items())
+            at = max((i + 1 for i, (_, v) in enumerate(entries) if v[:VERSION_TAG_SIZE] == tag), default=len(entries))
+            entries.insert(at, (idx, version))
+            self._versions[h] = dict(entries)
+
     def _remove_owner(self, h: bytes, idx: int) -> None:
+        known = self._versions.get(h)
+        if known is not None:
+            known.pop(idx, None)
+            if not known:
+                del self._versions[h]
         self._num_entries -= 1
         v = self._owners[h]
         if isinstance(v, int):

@@ -40,10 +40,12 @@ from cluster.directory import DirectoryShard
 from cluster.directory_auth import DirectoryGate, Proof
 from cluster.directory_types import ApplyOutcome, LocateReply, NodeAddress, NodeInfo, shard_of
 from cluster.directory_upkeep import ShardUnavailable
+from cluster.tenancy import TenantRefusedError
 from fabric.config import ClusterConfig
 from transports.core.certs import CA_CERT, CRL, CertificateError, revoked_serials
 from transports.core.identity import TrustAnchor
 from transports.core.revocation import RevocationFile
+from transports.core.tenant_tokens import TenantError, TenantVerifier
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +68,8 @@ class DirectoryActor:
         self._ca = x509.load_pem_x509_certificate(ca_pem)
         self._given = revoked_serials(crl_pem, self._ca) if crl_pem else frozenset()
         self._crl = RevocationFile(Path(cert_dir) / CRL, self._ca) if cert_dir else None
-        self.gate = DirectoryGate(DirectoryShard(shard, num_shards, lease_s=lease_s),
-                                  TrustAnchor(self._ca, self._given))
+        self.trust = TrustAnchor(self._ca, self._given)
+        self.gate = DirectoryGate(DirectoryShard(shard, num_shards, lease_s=lease_s), self.trust)
         self.shard = self.gate.shard
         logger.info("directory shard %d/%d up with epoch %s", shard, num_shards, self.epoch)
 
@@ -81,7 +83,7 @@ class DirectoryActor:
                 logger.error("keeping the previous revocation list: %s", e)
                 revoked = None
             if revoked is not None:
-                self.gate.verifier = TrustAnchor(self._ca, self._given | revoked)
+                self.trust = self.gate.verifier = TrustAnchor(self._ca, self._given | revoked)
                 logger.info("revocation list reloaded: %d certificate(s) revoked", len(self._given | revoked))
         return now
 
@@ -98,16 +100,19 @@ class DirectoryActor:
                                                acked_seq=acked_seq)
 
     def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              address: NodeAddress | None = None, proof: object = None) -> tuple[str, ApplyOutcome]:
-        return self.epoch, self.gate.apply(node_id, incarnation, seq, stored, removed, self._now(), address, proof)
+              address: NodeAddress | None = None, proof: object = None, versions: Sequence[bytes] = ()
+              ) -> tuple[str, ApplyOutcome]:
+        return self.epoch, self.gate.apply(node_id, incarnation, seq, stored, removed, self._now(), address, proof,
+                                           versions)
 
     def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress,
                      proof: object = None) -> tuple[str, int]:
         return self.epoch, self.gate.begin_resync(node_id, incarnation, address, self._now(), proof)
 
     def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes],
-                     proof: object = None) -> tuple[str, bool]:
-        return self.epoch, self.gate.resync_batch(node_id, incarnation, resync_id, hashes, self._now(), proof)
+                     proof: object = None, versions: Sequence[bytes] = ()) -> tuple[str, bool]:
+        return self.epoch, self.gate.resync_batch(node_id, incarnation, resync_id, hashes, self._now(), proof,
+                                                  versions)
 
     def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int,
                    proof: object = None) -> tuple[str, bool]:
@@ -122,6 +127,20 @@ class DirectoryActor:
         now = time.monotonic()
         self.shard.expire(now)
         return self.epoch, self.shard.nodes(now)
+
+    def unbind(self, node_id: str, token: bytes | None) -> tuple[str, str | None]:
+        """The operator clears which certificate `node_id` is bound to (directory_auth.py), dropping the
+        id's record; the certificate name it was bound to. Raises TenantRefusedError unless `token`
+        is an operator's."""
+        self._now()   # a revocation of the operator's credential counts at once
+        try:
+            principal = TenantVerifier(self.trust).verify_principal(token, time.time()) if token else None
+        except TenantError as e:
+            raise TenantRefusedError(f"unbind: token refused: {e}") from None
+        if principal is None or not principal.operator:
+            raise TenantRefusedError("unbind is an operator call: connect with an operator credential "
+                                     "(kvfabric certs issue-operator)")
+        return self.epoch, self.gate.unbind(node_id)
 
     def stats(self) -> tuple[str, dict[str, Any]]:
         now = self._now()
@@ -165,6 +184,8 @@ class Located:
 
     owners: tuple[tuple[str, ...], ...]
     addresses: dict[str, NodeAddress]
+    versions: tuple[tuple[bytes, ...], ...] = ()   # per hash, each owner's block version (LocateReply)
+    firsts: tuple[bytes, ...] = ()                 # per hash, the first-reported version still held
 
 
 class DirectoryClient:
@@ -236,9 +257,10 @@ class DirectoryClient:
         return outcome
 
     async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
-                    removed: Sequence[bytes], address: NodeAddress, proof: Proof) -> ApplyOutcome:
+                    removed: Sequence[bytes], address: NodeAddress, proof: Proof,
+                    versions: Sequence[bytes] = ()) -> ApplyOutcome:
         outcome: ApplyOutcome = await self._report(shard, "apply", lambda h: h.apply.remote(
-            node_id, incarnation, seq, stored, removed, address, proof))
+            node_id, incarnation, seq, stored, removed, address, proof, versions))
         return outcome
 
     async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
@@ -248,9 +270,9 @@ class DirectoryClient:
         return rid
 
     async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
-                           hashes: Sequence[bytes], proof: Proof) -> bool:
+                           hashes: Sequence[bytes], proof: Proof, versions: Sequence[bytes] = ()) -> bool:
         ok: bool = await self._report(shard, "resync_batch", lambda h: h.resync_batch.remote(
-            node_id, incarnation, resync_id, hashes, proof))
+            node_id, incarnation, resync_id, hashes, proof, versions))
         return ok
 
     async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
@@ -276,6 +298,8 @@ class DirectoryClient:
     async def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> Located:
         """Live owners per hash; a shard that does not answer contributes no owners."""
         owners: list[tuple[str, ...]] = [()] * len(hashes)
+        versions: list[tuple[bytes, ...]] = [()] * len(hashes)
+        firsts: list[bytes] = [b""] * len(hashes)
         addresses: dict[str, NodeAddress] = {}
         parts = self.split(hashes)
 
@@ -294,15 +318,26 @@ class DirectoryClient:
                 return
             for i, per_hash in zip(positions, reply.owners, strict=True):
                 owners[i] = tuple(per_hash)
+            for i, per_owner, first in zip(positions, reply.versions, reply.firsts, strict=False):
+                versions[i], firsts[i] = per_owner, first
             addresses.update(addrs)
 
         await asyncio.gather(*(one(s, pos) for s, pos in parts.items()))
-        return Located(tuple(owners), addresses)
+        known = any(firsts)
+        return Located(tuple(owners), addresses, tuple(versions) if known else (), tuple(firsts) if known else ())
 
     def breaker_stats(self) -> dict[str, Any]:
         return {"breaker_states": [b.state.name.lower() for b in self.breakers],
                 "breaker_opened": sum(b.num_opened for b in self.breakers),
                 "lookups_answered_local_only": self.num_skipped}
+
+    async def unbind(self, node_id: str, token: bytes | None) -> dict[int, str | None]:
+        """The operator's call on every shard: per shard, the certificate name `node_id` was bound to.
+        Raises TenantRefusedError without an operator's `token`; a shard that does not answer raises too."""
+        out: dict[int, str | None] = {}
+        for k in range(self.num_shards):
+            out[k] = await self._invoke(k, "unbind", lambda h: h.unbind.remote(node_id, token))
+        return out
 
     async def stats(self) -> list[dict[str, Any]]:
         out = []

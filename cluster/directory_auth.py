@@ -9,13 +9,21 @@ A report (heartbeat, batch, begin/end resync, resync batch) counts only if, in t
    revocation list) accepts as a node certificate: else `unsigned`, `untrusted`, `expired`,
    `revoked`, `not_a_node`, `malformed`;
 2. the signature is the certificate key's over the canonical encoding of every field of the call
-   (operation, shard, node id, incarnation, nonce, and the operation's own fields): else `bad_signature`;
-3. the node id belongs to that certificate. A node id is bound to the certificate name (its DNS SAN)
-   that first reported it, one id per name: a name whose id still has a live record cannot speak for
-   another id (after that record's lease passed, a restarted node may bind a new id): else `wrong_node`;
+   (operation, shard, node id, incarnation, nonce, and the operation's own fields, block versions
+   included when the report carries any): else `bad_signature`;
+3. the node id belongs to that certificate: else `wrong_node`. A node id is bound to one certificate
+   name (its DNS SAN), one id per name, for as long as the id's record is live:
+   - a name of the form a Ray node id derives (`node-<16 hex>`, `derived_node_name`) speaks only
+     for the ids it is derived from, and takes such an id over from any other name at once (the
+     other name's record under that id is dropped);
+   - otherwise the first name to report an id holds it until the id's record lease passes (its
+     holder stopped reporting, or was revoked), then the next name may bind it;
+   - a name whose id still has a live record cannot speak for another id (after that lease passed,
+     a restarted node may bind a new id);
+   - the operator may clear a binding at once (`unbind`), dropping the id's record.
 4. an advertised address names the certificate's node and a host among its SANs: else `address`;
-5. the nonce is above every nonce the gate saw from that node id (so a recorded report cannot be
-   replayed): else `replay`.
+5. the nonce is above every nonce the gate saw from that node id under that name (so a recorded
+   report cannot be replayed, and a squatter's nonces never block the id's rightful name): else `replay`.
 
 A refused report changes nothing and is counted by reason (`stats()["refused_<reason>"]`). Nonces
 start at the node's incarnation (wall-clock nanoseconds at its start) and count up, so they also
@@ -34,7 +42,7 @@ from typing import Any, Protocol
 import msgpack
 
 from cluster.directory import DirectoryShard
-from cluster.directory_types import ApplyOutcome, NodeAddress
+from cluster.directory_types import ApplyOutcome, NodeAddress, derived_node_name, is_derived_node_name
 from transports.core.identity import IdentityError, NodeIdentity
 
 logger = logging.getLogger(__name__)
@@ -78,8 +86,15 @@ def report_message(op: Op, shard: int, node_id: str, incarnation: int, nonce: in
     return DOMAIN + msgpack.packb([op.value, shard, node_id, incarnation, nonce, body], use_bin_type=True)
 
 
-def apply_body(seq: int, stored: Sequence[bytes], removed: Sequence[bytes], address: NodeAddress | None) -> list[Any]:
-    return [seq, list(stored), list(removed), _address(address)]
+def apply_body(seq: int, stored: Sequence[bytes], removed: Sequence[bytes], address: NodeAddress | None,
+               versions: Sequence[bytes] = ()) -> list[Any]:
+    body = [seq, list(stored), list(removed), _address(address)]
+    return [*body, list(versions)] if versions else body   # a report without versions signs as before
+
+
+def resync_body(resync_id: int, hashes: Sequence[bytes], versions: Sequence[bytes] = ()) -> list[Any]:
+    body = [resync_id, list(hashes)]
+    return [*body, list(versions)] if versions else body
 
 
 def heartbeat_body(address: NodeAddress, acked_seq: int | None) -> list[Any]:
@@ -104,14 +119,15 @@ class ReportSigner:
         return self._proof(Op.HEARTBEAT, shard, heartbeat_body(address, acked_seq))
 
     def apply(self, shard: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              address: NodeAddress | None) -> Proof:
-        return self._proof(Op.APPLY, shard, apply_body(seq, stored, removed, address))
+              address: NodeAddress | None, versions: Sequence[bytes] = ()) -> Proof:
+        return self._proof(Op.APPLY, shard, apply_body(seq, stored, removed, address, versions))
 
     def begin_resync(self, shard: int, address: NodeAddress) -> Proof:
         return self._proof(Op.BEGIN_RESYNC, shard, [_address(address)])
 
-    def resync_batch(self, shard: int, resync_id: int, hashes: Sequence[bytes]) -> Proof:
-        return self._proof(Op.RESYNC_BATCH, shard, [resync_id, list(hashes)])
+    def resync_batch(self, shard: int, resync_id: int, hashes: Sequence[bytes], versions: Sequence[bytes] = ()
+                     ) -> Proof:
+        return self._proof(Op.RESYNC_BATCH, shard, resync_body(resync_id, hashes, versions))
 
     def end_resync(self, shard: int, resync_id: int, seq: int) -> Proof:
         return self._proof(Op.END_RESYNC, shard, [resync_id, seq])
@@ -131,7 +147,7 @@ class DirectoryGate:
         self.verifier = verifier          # replaced when the revocation list changes
         self._name_of: dict[str, str] = {}    # node id -> certificate name it is bound to
         self._id_of: dict[str, str] = {}      # certificate name -> node id bound to it
-        self._nonce: dict[str, int] = {}      # node id -> highest nonce accepted
+        self._nonce: dict[tuple[str, str], int] = {}   # (node id, name) -> highest nonce accepted
         self.refused: Counter[str] = Counter()
 
     # ---- reports -----------------------------------------------------------------------------------
@@ -144,11 +160,12 @@ class DirectoryGate:
         return self.shard.heartbeat(node_id, incarnation, address, now, acked_seq=acked_seq)
 
     def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              now: float, address: NodeAddress | None, proof: object) -> ApplyOutcome:
-        if not self._admit(Op.APPLY, node_id, incarnation, proof, apply_body(seq, stored, removed, address),
-                           address, now):
+              now: float, address: NodeAddress | None, proof: object, versions: Sequence[bytes] = ()
+              ) -> ApplyOutcome:
+        if not self._admit(Op.APPLY, node_id, incarnation, proof,
+                           apply_body(seq, stored, removed, address, versions), address, now):
             return ApplyOutcome.REFUSED
-        return self.shard.apply(node_id, incarnation, seq, stored, removed, now, address)
+        return self.shard.apply(node_id, incarnation, seq, stored, removed, now, address, versions)
 
     def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress, now: float, proof: object) -> int:
         if not self._admit(Op.BEGIN_RESYNC, node_id, incarnation, proof, [_address(address)], address, now):
@@ -156,16 +173,36 @@ class DirectoryGate:
         return self.shard.begin_resync(node_id, incarnation, address, now)
 
     def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes], now: float,
-                     proof: object) -> bool:
-        if not self._admit(Op.RESYNC_BATCH, node_id, incarnation, proof, [resync_id, list(hashes)], None, now):
+                     proof: object, versions: Sequence[bytes] = ()) -> bool:
+        if not self._admit(Op.RESYNC_BATCH, node_id, incarnation, proof, resync_body(resync_id, hashes, versions),
+                           None, now):
             return False
-        return self.shard.resync_batch(node_id, incarnation, resync_id, hashes, now)
+        return self.shard.resync_batch(node_id, incarnation, resync_id, hashes, now, versions)
 
     def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float,
                    proof: object) -> bool:
         if not self._admit(Op.END_RESYNC, node_id, incarnation, proof, [resync_id, seq], None, now):
             return False
         return self.shard.end_resync(node_id, incarnation, resync_id, seq, now)
+
+    def unbind(self, node_id: str) -> str | None:
+        """The operator's call: forget which certificate name `node_id` is bound to, and drop the id's
+        record and entries, so the next name to report the id binds it. Returns the name it was bound to."""
+        name = self._release(node_id)
+        logger.warning("directory shard %d: node id %r unbound from %s by the operator", self.shard.shard, node_id,
+                       name)
+        return name
+
+    def _release(self, node_id: str) -> str | None:
+        name = self._name_of.pop(node_id, None)
+        if name is not None:
+            del self._id_of[name]
+        self.shard.forget_node(node_id)
+        return name
+
+    def bindings(self) -> dict[str, str]:
+        """Node id -> the certificate name it is bound to."""
+        return dict(self._name_of)
 
     def stats(self, now: float) -> dict[str, int | float]:
         out = dict(self.shard.stats(now))
@@ -185,13 +222,18 @@ class DirectoryGate:
                            node_id, e.reason)
             return False
         assert isinstance(proof, Proof)
+        bound = self._name_of.get(node_id)
+        if bound is not None and bound != ident.node:   # the id changes hands: the old name's record goes
+            logger.warning("directory shard %d: node id %r moves from %s to %s", self.shard.shard, node_id, bound,
+                           ident.node)
+            self._release(node_id)
         holder = self._id_of.get(ident.node)
         if holder != node_id:
             if holder is not None:
                 del self._name_of[holder]
             self._id_of[ident.node] = node_id
             self._name_of[node_id] = ident.node
-        self._nonce[node_id] = proof.nonce
+        self._nonce[(node_id, ident.node)] = proof.nonce
         return True
 
     def _check(self, op: Op, node_id: str, incarnation: int, proof: object, body: list[Any],
@@ -211,14 +253,21 @@ class DirectoryGate:
             raise _Refused("malformed") from None
         if not ident.verify(proof.signature, message):
             raise _Refused("bad_signature")
-        bound = self._name_of.get(node_id)
-        holder = self._id_of.get(ident.node)
-        if bound is not None and bound != ident.node:
-            raise _Refused("wrong_node")
-        if holder is not None and holder != node_id and self.shard.live_incarnation(holder, now) is not None:
+        if not self._may_speak_for(node_id, ident.node, now):
             raise _Refused("wrong_node")
         if address is not None and (address.name != ident.node or not ident.may_advertise(address.host)):
             raise _Refused("address")
-        if proof.nonce <= self._nonce.get(node_id, -1):
+        if proof.nonce <= self._nonce.get((node_id, ident.node), -1):
             raise _Refused("replay")
         return ident
+
+    def _may_speak_for(self, node_id: str, name: str, now: float) -> bool:
+        """Rule 3 of the module docstring."""
+        derived = is_derived_node_name(name)
+        if derived and derived_node_name(node_id) != name:
+            return False
+        holder = self._id_of.get(name)
+        if holder is not None and holder != node_id and self.shard.live_incarnation(holder, now) is not None:
+            return False
+        bound = self._name_of.get(node_id)
+        return bound is None or bound == name or derived or self.shard.live_incarnation(node_id, now) is None

@@ -6,6 +6,7 @@ tells a retried batch from a conflicting one. The shard state and its rules are 
 from __future__ import annotations
 
 import enum
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NewType
@@ -13,10 +14,23 @@ from typing import NewType
 import blake3
 import msgpack
 
-__all__ = ["ApplyOutcome", "LocateReply", "NodeAddress", "NodeId", "NodeInfo", "batch_digest", "leading_runs",
-           "shard_of"]
+__all__ = ["ApplyOutcome", "LocateReply", "NodeAddress", "NodeId", "NodeInfo", "batch_digest", "derived_node_name",
+           "is_derived_node_name", "leading_runs", "shard_of"]
 
 NodeId = NewType("NodeId", str)
+
+_DERIVED = re.compile(r"node-[0-9a-f]{16}")
+
+
+def derived_node_name(node_id: str) -> str:
+    """The certificate name of a Ray node whose environment names none (`$KVFABRIC_NODE_NAME`):
+    derived from its Ray node id, so the name says which id it may speak for."""
+    return f"node-{node_id[:16]}"
+
+
+def is_derived_node_name(name: str) -> bool:
+    """Whether `name` has the form `derived_node_name` gives (then it speaks only for its own id)."""
+    return _DERIVED.fullmatch(name) is not None
 
 
 class ApplyOutcome(enum.StrEnum):
@@ -51,6 +65,10 @@ class LocateReply:
     owners: tuple[tuple[NodeId, ...], ...]   # per requested hash: live owners, sorted by node id
     runs: dict[NodeId, int]                   # node -> length of its leading run; nodes with none are absent
     addresses: dict[NodeId, NodeAddress] = field(default_factory=dict)   # of every node named in owners
+    # Block versions (fabric.provenance.block_version), when owners reported them: per hash, each
+    # listed owner's (b"": unknown), and the first-reported version a live owner still holds.
+    versions: tuple[tuple[bytes, ...], ...] = ()
+    firsts: tuple[bytes, ...] = ()
 
 
 def shard_of(block_hash: bytes, num_shards: int) -> int:

@@ -11,8 +11,9 @@ resynced after a random delay of up to `resync_jitter_s`, so a cluster does not 
 a resync that fails is retried a heartbeat later. It owns no Ray handle and no clock: the directory
 comes in as a `DirectoryApi` (the `DirectoryClient` of directory_actor.py in a node; a real
 `DirectoryShard` behind an in-memory adapter in tests), time as `clock`, the node's held hashes
-as `held`. Every report is signed by `reports` (directory_auth.py). A call to a shard that does
-not answer raises `ShardUnavailable`; the other shards carry on.
+as `held` (a mapping to their block versions, where known). Every report is signed by `reports`
+(directory_auth.py). A call to a shard that does not answer raises `ShardUnavailable`; the other
+shards carry on.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Protocol
 
 from cluster.directory_auth import Proof, ReportSigner
@@ -46,13 +47,14 @@ class DirectoryApi(Protocol):
                         acked_seq: int | None, proof: Proof) -> ApplyOutcome: ...
 
     async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
-                    removed: Sequence[bytes], address: NodeAddress, proof: Proof) -> ApplyOutcome: ...
+                    removed: Sequence[bytes], address: NodeAddress, proof: Proof,
+                    versions: Sequence[bytes] = ()) -> ApplyOutcome: ...
 
     async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
                            proof: Proof) -> int: ...
 
     async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
-                           hashes: Sequence[bytes], proof: Proof) -> bool: ...
+                           hashes: Sequence[bytes], proof: Proof, versions: Sequence[bytes] = ()) -> bool: ...
 
     async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
                          proof: Proof) -> bool: ...
@@ -84,13 +86,14 @@ class DirectoryUpkeep:
 
     # ---- what the node feeds in ----------------------------------------------------------------------
 
-    def record(self, ops: Collection[tuple[bytes, bool]], overflowed: bool = False) -> None:
-        """Hash operations from the store, in order: (hash, stored?)."""
+    def record(self, ops: Collection[tuple[bytes, bool]], overflowed: bool = False,
+               versions: Mapping[bytes, bytes] | None = None) -> None:
+        """Hash operations from the store, in order: (hash, stored?); `versions`: stored blocks' versions."""
         if overflowed:
             logger.warning("store event queue overflowed; resyncing the directory")
             self.metrics.resyncs.labels("store_overflow").inc()
             self.sync.mark_all_resync()
-        self.sync.record(ops, self.clock())
+        self.sync.record(ops, self.clock(), versions)
 
     def reset(self) -> None:
         """After a failed pass: start over from a full resync of every shard."""
@@ -164,7 +167,8 @@ class DirectoryUpkeep:
         try:
             outcome = await self.directory.apply(
                 batch.shard, self.node_id, self.incarnation, batch.seq, batch.stored, batch.removed, self.address,
-                self.reports.apply(batch.shard, batch.seq, batch.stored, batch.removed, self.address))
+                self.reports.apply(batch.shard, batch.seq, batch.stored, batch.removed, self.address, batch.versions),
+                batch.versions)
         except ShardUnavailable:
             return None
         self._check_epoch(batch.shard)
@@ -174,14 +178,18 @@ class DirectoryUpkeep:
         seq = self.sync.start_resync(shard)
         ok = False
         try:
-            hashes = self.sync.group_by_shard(set(await self.held()))[shard]
+            held = await self.held()
+            known = held if isinstance(held, Mapping) else {}
+            hashes = self.sync.group_by_shard(set(held))[shard]
             rid = await self.directory.begin_resync(shard, self.node_id, self.incarnation, self.address,
                                                     self.reports.begin_resync(shard, self.address))
             step = self.config.resync_batch
             for i in range(0, len(hashes), step):
                 part = hashes[i:i + step]
+                versions = tuple(known.get(h, b"") for h in part) if known else ()
                 if not await self.directory.resync_batch(shard, self.node_id, self.incarnation, rid, part,
-                                                         self.reports.resync_batch(shard, rid, part)):
+                                                         self.reports.resync_batch(shard, rid, part, versions),
+                                                         versions):
                     return
             ok = await self.directory.end_resync(shard, self.node_id, self.incarnation, rid, seq,
                                                  self.reports.end_resync(shard, rid, seq))

@@ -7,7 +7,9 @@ A block counts as held only when every layer of it is: `lookup` asks the store f
 (block, layer) addresses of the prompt, block-major, and a block's tier is its coldest layer's.
 `load` reads the same addresses and stops at the first block with a layer that is missing or
 fails its digest (the store re-hashes anything it reads from a file), so the reply is always a
-verified leading run.
+verified leading run. A block whose record names a producer whose certificate is revoked
+(`revoked`, the node's revocation list) is not served either: it is deleted on that read, so a
+mirror of a revoked producer's block is gone once its node reads the new list, wherever it lives.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
+from cryptography import x509
 
 from cluster.api import (
     BlockLocation,
@@ -37,6 +40,7 @@ from fabric.store import Store
 from fabric.tiers.base import Tier, digest_of
 
 WHERE_OF_TIER = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
+MAX_PRODUCER_CERTS = 4096   # producer certificates whose serials a node remembers
 _COLDNESS = {Tier.DEVICE: 0, Tier.RAM: 1, Tier.SSD: 2}
 
 
@@ -53,6 +57,22 @@ class LocalFabric:
         self.node_id = node_id
         self.engine_load = EngineLoad()
         self.prefill = PrefillRates()
+        self.revoked: frozenset[int] = frozenset()   # serials of revoked certificates (set by the node)
+        self._serials: dict[bytes, int] = {}         # producer certificate (DER) -> its serial
+
+    def _of_revoked_producer(self, record: Provenance | None) -> bool:
+        if record is None or not self.revoked:
+            return False
+        serial = self._serials.get(record.cert_der)
+        if serial is None:
+            try:
+                serial = x509.load_der_x509_certificate(record.cert_der).serial_number
+            except ValueError:   # a record the store kept with no readable certificate vouches for nothing
+                return True
+            if len(self._serials) >= MAX_PRODUCER_CERTS:
+                self._serials.clear()
+            self._serials[record.cert_der] = serial
+        return serial in self.revoked
 
     # ---- building blocks the NodeActor reuses ------------------------------------------------------
 
@@ -82,6 +102,10 @@ class LocalFabric:
         for layer in range(out.shape[0]):
             block = self.local_store.get_block(BlockAddress(block_hash, layer))
             if block is None or len(block.payload) != out.shape[1]:
+                return None
+            if self._of_revoked_producer(block.provenance):
+                for gone in range(out.shape[0]):
+                    self.local_store.delete(BlockAddress(block_hash, gone))
                 return None
             out[layer] = np.frombuffer(block.payload, dtype=np.uint8)
             if _COLDNESS[block.tier] > _COLDNESS[coldest]:

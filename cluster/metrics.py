@@ -43,6 +43,14 @@ class ClusterMetrics:
             "kvfabric_provenance_rejections_total",
             "Pulled payloads refused because their producer's signature did not hold, by reason",
             ["reason"], registry=registry)
+        self.disagreements = Counter("kvfabric_producer_disagreements_total",
+                                     "Blocks whose owners held different bytes at one address, by the producer of "
+                                     "the version taken (the first reported) and of the one passed over",
+                                     ["first_producer", "other_producer"], registry=registry)
+        self.crl_seconds_left = Gauge("kvfabric_crl_seconds_to_next_update",
+                                      "Seconds until the CA's revocation list (crl.pem) passes its nextUpdate, after "
+                                      "which every handshake is refused on both transports (+Inf: no list)",
+                                      registry=registry)
         self.purged = Counter("kvfabric_purged_blocks_total", "(block, layer) payloads removed by purge --producer",
                               registry=registry)
         self.resyncs = Counter("kvfabric_directory_resyncs_total", "Full resyncs of this node's entries, by reason",

@@ -39,6 +39,7 @@ import ray
 
 from cluster.api import EngineLoad, LoadReply, LookupReply, StoreReply, Tokens, check_block_payloads, check_payloads
 from cluster.directory_actor import DirectoryClient
+from cluster.directory_types import derived_node_name
 from cluster.directory_upkeep import DirectoryUpkeep
 from cluster.node_loader import NodeLoader
 from cluster.node_runtime import NodeRuntime
@@ -73,7 +74,7 @@ def node_name_for(node_id: str) -> str:
     node's environment sets it (e.g. the Kubernetes node name, so a restarted pod finds its SSD
     blocks again under a new Ray node id), else derived from the Ray node id (stable across restarts
     of the actor on that node)."""
-    return os.environ.get(NODE_NAME_ENV) or f"node-{node_id[:16]}"
+    return os.environ.get(NODE_NAME_ENV) or derived_node_name(node_id)
 
 
 # Every method may run twice: reads are reads, and a store of the same tokens writes the same
@@ -116,7 +117,7 @@ class NodeActor:
         self.directory = DirectoryClient(c)
         rt.metrics.watch_breakers(self.directory.breakers)
         self.upkeep = DirectoryUpkeep(self.directory, c, node_id=self.node_id, incarnation=self.incarnation,
-                                      address=rt.address, reports=rt.reports, held=self._held_hashes,
+                                      address=rt.address, reports=rt.reports, held=rt.held_versions,
                                       metrics=rt.metrics, clock=time.monotonic)
         self.loader = NodeLoader(self.config, node_id=self.node_id, transport=rt.address.transport, local=rt.local,
                                  directory=self.directory, client=rt.client, verifier=rt.verifier,
@@ -153,10 +154,11 @@ class NodeActor:
         ns = self.rt.tenancy.bind(ns, tenant_token)
         return await self.loader.lookup(ns, block_hashes(ns, tokens))
 
-    async def set_send_rate(self, mb_s: float) -> None:
+    async def set_send_rate(self, mb_s: float, *, token: bytes | None = None) -> None:
         """Cap (or, with 0, uncap) what this node's TLS-TCP server sends, MB/s, at run time: an
         operator's throttle, e.g. while the node's NIC serves inference traffic."""
         await self._ensure_started()
+        self.rt.tenancy.operator(token, "set_send_rate")
         self.rt.set_send_rate(mb_s)
 
     async def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float, *,
@@ -166,9 +168,11 @@ class NodeActor:
         ns = self.rt.tenancy.bind(ns, tenant_token)
         self.loader.report_prefill(ns, num_tokens, seconds)
 
-    async def report_load(self, load: EngineLoad) -> None:
-        """The load an engine on this node reports; every lookup returns it (for routers)."""
+    async def report_load(self, load: EngineLoad, *, tenant_token: bytes | None = None) -> None:
+        """The load an engine on this node reports; every lookup returns it (for routers). Any caller
+        this node serves may report (engines run as tenants); others are refused."""
         await self._ensure_started()
+        self.rt.tenancy.admit(tenant_token)
         self.loader.report_load(load)
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
@@ -242,24 +246,43 @@ class NodeActor:
 
     # ---- operations --------------------------------------------------------------------------------
 
-    async def held_block_hashes(self) -> list[bytes]:
-        """Every block hash this node holds in any tier (any layer of it): what its KV events announce."""
+    async def held_block_hashes(self, *, token: bytes | None = None) -> list[bytes]:
+        """Every block hash this node holds in any tier (any layer of it): what its KV events announce.
+        A tenant's `token`: only the blocks of its own namespaces."""
         await self._ensure_started()
-        return sorted(await self._held_hashes())
+        return sorted(await self._visible_hashes(token, "held_block_hashes"))
 
-    async def purge_producer(self, producer: str) -> int:
+    async def purge_producer(self, producer: str, *, token: bytes | None = None) -> int:
         """Delete every block held here whose provenance names `producer`; returns how many
-        (block, layer) payloads. The directory forgets them through the usual removal events."""
+        (block, layer) payloads. The directory forgets them through the usual removal events.
+        An operator call (docs/tenants.md)."""
         await self._ensure_started()
+        self.rt.tenancy.operator(token, "purge_producer")
         removed = await asyncio.get_running_loop().run_in_executor(None, self.rt.kv_store.purge_producer,
                                                                    producer)
         self.rt.metrics.purged.inc(removed)
         logger.warning("purged %d payloads produced by %s", removed, producer)
         return removed
 
-    async def stats(self) -> dict[str, Any]:
+    async def stats(self, *, token: bytes | None = None) -> dict[str, Any]:
+        """The node's statistics (the operator's); a tenant's `token`: its own blocks held here."""
         await self._ensure_started()
-        return node_stats(self.rt, self.loader, self.upkeep, self.directory)
+        tenants = self.rt.tenancy.scope(token, "stats")
+        if tenants is None:
+            return node_stats(self.rt, self.loader, self.upkeep, self.directory)
+        return {"node_id": self.node_id, "node_name": self.node_name, "tenants": sorted(tenants),
+                "held_blocks": len(await self._visible_hashes(token, "stats"))}
+
+    async def _visible_hashes(self, token: bytes | None, call: str) -> set[bytes]:
+        """The block hashes held here that the caller of `call` may list (see `TenantGate.scope`)."""
+        gate = self.rt.tenancy
+        tenants = gate.scope(token, call)
+        if tenants is None:
+            return await self._held_hashes()
+        held = await asyncio.get_running_loop().run_in_executor(
+            None, self.rt.kv_store.held_addresses_where,
+            lambda prov: prov is not None and gate.in_scope(prov.namespace, tenants))
+        return {a.hash for a in held}
 
 
 if TYPE_CHECKING:

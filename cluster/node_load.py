@@ -17,6 +17,13 @@ certificate of the cluster CA that is not revoked (transports/core/provenance_ch
 fails is a miss counted by reason (`PullOutcome.rejections`), never filled, so never mirrored or
 advertised, and its peer's blocks move to the next owner. The answer is the leading run of
 blocks complete in every layer — any failure makes a shorter hit, never wrong KV.
+
+One record per block: the first record a block's layer is accepted under is the block's; a layer
+under any other record (a peer interleaving two producers' layers) is refused as `mixed_records`.
+A block-major pull then drops what it had of that block and asks the next owner for the whole
+block; a layer-wise consumer may have read the accepted layers already, so there the block
+completes under its first record or stays missing. So every block a load returns, and every
+mirror it makes, carries exactly one producer's record, which purge and revocation can find.
 """
 
 from __future__ import annotations
@@ -67,8 +74,7 @@ class PullSample:
 @dataclass(slots=True)
 class Provenances:
     """What a pull checks provenance against, and the record each pulled block keeps (for a mirror):
-    `records[b]` is the record its layers were accepted under, or None when they came under
-    different records (the block is then kept unsigned)."""
+    `records[b]` is the one record its layers were accepted under (None: none yet)."""
 
     verifier: ProvenanceVerifier
     namespace: bytes
@@ -79,12 +85,18 @@ class Provenances:
     def __post_init__(self) -> None:
         self._seen = [False] * len(self.records)
 
-    def accept(self, b: int, record: Provenance | None) -> None:
+    def accept(self, b: int, record: Provenance | None) -> bool:
+        """Whether a layer of block b under `record` may join the block: its first record, or that one again."""
         if not self._seen[b]:
             self._seen[b] = True
             self.records[b] = record
-        elif self.records[b] != record:
-            self.records[b] = None
+            return True
+        return record is self.records[b] or record == self.records[b]
+
+    def forget(self, b: int) -> None:
+        """Block b starts over (its layers are pulled again, whole, from another owner)."""
+        self._seen[b] = False
+        self.records[b] = None
 
 
 @dataclass(slots=True)
@@ -112,6 +124,14 @@ class LayerProgress:
         self._missing[layer] -= 1
         if self._missing[layer] == 0:
             self.layer_ready[layer].set()
+
+    def unfill_block(self, block: int) -> None:
+        """Every layer of `block` is missing again (a block-major pull re-pulls it whole)."""
+        for layer in range(self.num_layers):
+            if self.done[block, layer]:
+                self.done[block, layer] = False
+                self._missing[layer] += 1
+                self.layer_ready[layer].clear()
 
     def complete_blocks(self) -> int:
         """Length of the leading run of blocks filled in every layer."""
@@ -179,6 +199,7 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
         slot = {BlockAddress(hashes[b], layer): (b, layer) for b, layer in missing}
         got_miss = False
         refused: dict[Rejection, int] = {}   # this attempt's provenance rejections, by reason
+        mixed: set[int] = set()              # blocks this peer served under two records: the rest is ignored
         source = f"peer:{node_id}"
         check, namespace, tenants, rejections = provs.verifier.check, provs.namespace, provs.tenants, \
             outcome.rejections
@@ -197,6 +218,8 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                         got_miss = True
                         continue
                     b, layer = where
+                    if b in mixed:
+                        continue
                     view = memoryview(result.payload)
                     if view.nbytes != nbytes:
                         logger.warning("peer %s sent %d bytes for a %d-byte block; ignored", node_id,
@@ -208,7 +231,15 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                         rejections[rejected] = rejections.get(rejected, 0) + 1
                         refused[rejected] = refused.get(rejected, 0) + 1
                         continue
-                    provs.accept(b, result.provenance)
+                    if not provs.accept(b, result.provenance):
+                        rejected = Rejection.MIXED_RECORDS
+                        rejections[rejected] = rejections.get(rejected, 0) + 1
+                        refused[rejected] = refused.get(rejected, 0) + 1
+                        if not layer_major:   # nothing of it was handed on yet: the next owner sends it whole
+                            mixed.add(b)
+                            progress.unfill_block(b)
+                            provs.forget(b)
+                        continue
                     if flat is None or view.obj is not flat:   # type: ignore[comparison-overlap]  # not received in its slot: copied there
                         out[b, layer] = np.frombuffer(view, dtype=np.uint8)
                     digests[b][layer] = result.digest

@@ -43,13 +43,13 @@ from cluster.kv_events_zmq import KvEventPublisher
 from cluster.local import WHERE_OF_TIER, LocalFabric
 from cluster.metrics import ClusterMetrics
 from cluster.node_load import LayerProgress, PullOutcome, pull_prefix
-from cluster.planner import PullRun, plan_pulls
+from cluster.planner import PullRun, agreeing_owners, plan_pulls
 from cluster.reply_buffers import ReplyBuffers
 from fabric.config import Config
 from fabric.keys import BlockHash, Namespace
 from fabric.layout import LayoutKind
 from fabric.priority import lower_thread_priority
-from fabric.provenance import Provenance
+from fabric.provenance import Provenance, version_producer
 from fabric.tiers.base import Tier
 from transports.core.base import Peer, TransportClient
 from transports.core.provenance_check import ProvenanceVerifier
@@ -89,6 +89,7 @@ class NodeLoader:
         self.tenants_of = tenants_of
         self.peer_estimates = PeerEstimates()
         self.pending_mirrors = 0
+        self._logged_pairs: set[tuple[str, str]] = set()   # producer pairs whose disagreement was logged
         self._replies = ReplyBuffers(int(config.kv.reply_pool_gib * (1 << 30)))
         # Mirroring pulled blocks is background work: one thread, at the store's lower priority.
         self._mirror_pool = ThreadPoolExecutor(1, thread_name_prefix="kvfabric-mirror",
@@ -123,7 +124,10 @@ class NodeLoader:
         if not pulls or len(tiers) == len(hashes):
             return hashes, tiers, [], [], {}
         located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
-        owners: list[Sequence[str]] = [()] * len(tiers) + [list(o) for o in located.owners]
+        agreeing, disagreements = agreeing_owners(located.owners, located.versions, located.firsts)
+        self._count_disagreements(hashes, len(tiers), disagreements)
+        owners: list[Sequence[str]] = [[] for _ in tiers]
+        owners += agreeing
         peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
@@ -140,6 +144,18 @@ class NodeLoader:
         self.metrics.lookups.inc()
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
         return LookupReply(ns.block_size, tuple(locs), self.local.engine_load)
+
+    def _count_disagreements(self, hashes: Sequence[BlockHash], start: int,
+                             disagreements: Sequence[tuple[int, bytes, bytes]]) -> None:
+        """Count (and log, once per pair of producers) blocks whose owners hold different versions."""
+        for b, first, other in disagreements:
+            pair = (version_producer(first), version_producer(other))
+            self.metrics.disagreements.labels(*pair).inc()
+            if pair not in self._logged_pairs:
+                self._logged_pairs.add(pair)
+                logger.warning("producers %s and %s hold different bytes for block %s (and maybe more); "
+                               "pulling %s's, the version the directory learned first", pair[0], pair[1],
+                               bytes(hashes[start + b]).hex()[:16], pair[0])
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -257,11 +273,15 @@ class NodeLoader:
         # Off the critical path of the request that pulled: its engine is computing on this node's
         # cores right now, and a mirror (verify, copy, write-behind flush, disk writeback) would
         # compete with it. A copy is an optimisation; a node that dies first just has none.
+        # A mirror only of blocks one producer's record vouches for (every pulled block has one):
+        # an unsigned copy would be found by no purge and checked by no revocation.
+        signed = next((i for i, p in enumerate(provenance) if p is None), len(provenance))
         try:
             await asyncio.sleep(self.config.kv.mirror_delay_s)
             await asyncio.get_running_loop().run_in_executor(
                 self._mirror_pool,   # the producer's records, verbatim: a mirror never signs
-                lambda: self.local.write_blocks(ns, hashes, payloads, digests=digests, provenance=provenance))
+                lambda: self.local.write_blocks(ns, hashes[:signed], payloads[:signed], digests=digests[:signed],
+                                                provenance=provenance[:signed]))
         finally:
             self.pending_mirrors -= 1
 

@@ -16,7 +16,9 @@ import asyncio
 import dataclasses
 import gc
 import logging
+import math
 import os
+import time
 from pathlib import Path
 
 import ray
@@ -34,7 +36,7 @@ from fabric.events import EventKind
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
 from transports.core.buffers import tune_allocator
-from transports.core.certs import CA_CERT, CRL, CertificateError
+from transports.core.certs import CA_CERT, CRL, CertificateError, crl_next_update
 from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.metrics import TransportMetrics
 from transports.core.provenance_check import ProvenanceVerifier
@@ -77,8 +79,11 @@ class NodeRuntime:
         gc.set_threshold(GC_THRESHOLD, *gc.get_threshold()[1:])
         self.registry = CollectorRegistry()
         self.metrics = ClusterMetrics(self.registry)
+        self.metrics.crl_seconds_left.set_function(
+            lambda: math.inf if self.crl_next_update is None else self.crl_next_update - time.time())
         self.kv_store = Store.open(kv, registry=self.registry)
         self.local = LocalFabric(self.kv_store, self.node_id)
+        self.local.revoked = self.trust.revoked
         self.tenancy = TenantGate(cfg.tenancy, self.trust,
                                   (Path(transport.cert_dir) / f"{self.node_name}.pem").read_bytes(), self.registry)
         tmetrics = TransportMetrics(self.registry)
@@ -115,6 +120,7 @@ class NodeRuntime:
         self.verifier = ProvenanceVerifier(self.trust)
         self._crl_path = cert_dir / CRL
         self._crl_mtime = self._crl_path.stat().st_mtime_ns if self._crl_path.exists() else 0
+        self.crl_next_update = crl_next_update(self._crl_path)
 
     def reload_revocations(self) -> None:
         """Pick up a new revocation list (crl.pem beside ca.pem) without a restart."""
@@ -129,6 +135,11 @@ class NodeRuntime:
             return
         self.verifier.trust = self.trust
         self.tenancy.verifier.trust = self.trust
+        self.local.revoked = self.trust.revoked
+        try:
+            self.crl_next_update = crl_next_update(self._crl_path)
+        except (OSError, ValueError) as e:   # the list was verified just now: only a race with a writer
+            logger.warning("cannot read the revocation list's nextUpdate: %s", e)
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     def set_send_rate(self, mb_s: float) -> None:
@@ -149,7 +160,11 @@ class NodeRuntime:
         while True:
             try:
                 events = store.take_events()
-                upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events], events.overflowed)
+                stored = [a for kind, a in events.events if kind is EventKind.STORED]
+                versions: dict[bytes, bytes] | None = dict(
+                    zip((bytes(a.hash) for a in stored), store.versions_of(stored), strict=True)) if stored else None
+                upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events], events.overflowed,
+                              versions)
                 if self.kv_events is not None:
                     self.kv_events.drain(events, store.held_addresses)
                 if await upkeep.tick():
@@ -159,6 +174,10 @@ class NodeRuntime:
                 logger.exception("directory sync pass failed; resyncing every shard")
                 upkeep.reset()
             await asyncio.sleep(tick)
+
+    async def held_versions(self) -> dict[bytes, bytes]:
+        """Every block hash the store holds (any tier, any layer), with its block version."""
+        return await asyncio.get_running_loop().run_in_executor(None, self.kv_store.held_versions)
 
     async def held_hashes(self) -> set[bytes]:
         """Every block hash the store holds (any tier, any layer)."""

@@ -19,12 +19,16 @@ Rules:
 - A resync takes the next seq for itself; ops queued after its snapshot keep later numbers and are
   sent after it ends, so the directory ends in the state of the last operation.
 
+Each stored hash may carry its block version (fabric.provenance.block_version: a tag of the bytes
+and the producer's name); a batch carries them beside its stored hashes, so the directory can tell
+owners holding different bytes at one address apart.
+
 Cost: O(1) per operation; a batch is O(hashes in it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from cluster.directory_types import ApplyOutcome, shard_of
@@ -36,11 +40,13 @@ class Batch:
     seq: int
     stored: tuple[bytes, ...]
     removed: tuple[bytes, ...]
+    versions: tuple[bytes, ...] = ()   # per stored hash, its block version (b"": unknown); () none known
 
 
 @dataclass(slots=True)
 class _ShardState:
     ops: dict[bytes, bool] = field(default_factory=dict)   # hash -> stored? (insertion = last op order)
+    versions: dict[bytes, bytes] = field(default_factory=dict)   # stored hash in ops -> its block version
     num_ops: int = 0            # operations since the last batch (before coalescing), bounded
     oldest: float | None = None  # when the oldest queued op arrived
     next_seq: int = 1
@@ -65,8 +71,10 @@ class DirectorySync:
 
     # ---- input -------------------------------------------------------------------------------------
 
-    def record(self, ops: Iterable[tuple[bytes, bool]], now: float) -> None:
-        """Queue hash operations in order: (hash, True) stored, (hash, False) removed."""
+    def record(self, ops: Iterable[tuple[bytes, bool]], now: float,
+               versions: Mapping[bytes, bytes] | None = None) -> None:
+        """Queue hash operations in order: (hash, True) stored, (hash, False) removed; `versions`: the
+        block version of stored hashes, where known."""
         for block_hash, stored in ops:
             k = shard_of(block_hash, self.num_shards)
             st = self.shards[k]
@@ -74,6 +82,11 @@ class DirectorySync:
                 continue  # the resync's snapshot will carry the current truth
             st.ops.pop(block_hash, None)  # re-insert: dict order is the order of last operations
             st.ops[block_hash] = stored
+            version = versions.get(block_hash) if stored and versions is not None else None
+            if version:
+                st.versions[block_hash] = version
+            else:
+                st.versions.pop(block_hash, None)
             st.num_ops += 1
             if st.oldest is None:
                 st.oldest = now
@@ -85,6 +98,7 @@ class DirectorySync:
         """Forget the queue of `shard`; it must be rebuilt from a snapshot of what the node holds."""
         st = self.shards[shard]
         st.ops.clear()
+        st.versions.clear()
         st.num_ops = 0
         st.oldest = None
         st.needs_resync = True
@@ -109,9 +123,11 @@ class DirectorySync:
             raise RuntimeError(f"shard {shard}: a batch or resync is already in flight")
         stored = tuple(h for h, s in st.ops.items() if s)
         removed = tuple(h for h, s in st.ops.items() if not s)
-        batch = Batch(shard, st.next_seq, stored, removed)
+        versions = tuple(st.versions.get(h, b"") for h in stored) if st.versions else ()
+        batch = Batch(shard, st.next_seq, stored, removed, versions)
         st.next_seq += 1
         st.ops.clear()
+        st.versions.clear()
         st.num_ops = 0
         st.oldest = None
         st.inflight = batch

@@ -18,6 +18,10 @@ Ties (equal run length and load) go by rendezvous hashing: BLAKE3(block hash ‖
 first. So no node wins every tie by its name (a node called "0-…" would otherwise be asked first
 for everything), and the same block is still asked of the same owner every time.
 Complexity: O(blocks x owners per block).
+
+Owners that hold another version of a block (different bytes at one address: two producers, or a
+producer and a liar) are not mixed: `agreeing_owners` keeps, per block, the owners of the version
+the directory learned first (and owners that reported none) and names the producers that disagree.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 import blake3
+
+from fabric.provenance import VERSION_TAG_SIZE
 
 _NO_LOAD: Mapping[str, float] = MappingProxyType({})
 
@@ -81,3 +87,31 @@ def _run_length(members: Sequence[frozenset[str]], node: str, i: int) -> int:
     while j < len(members) and node in members[j]:
         j += 1
     return j - i
+
+
+def agreeing_owners(owners: Sequence[Sequence[str]], versions: Sequence[Sequence[bytes]], firsts: Sequence[bytes]
+                    ) -> tuple[list[list[str]], list[tuple[int, bytes, bytes]]]:
+    """Per block, the owners of its first-reported version (by content tag) and those whose version
+    is unknown; and each disagreement as (block, first version, other version). Without versions
+    (`firsts` empty) every owner is kept."""
+    if not firsts:
+        return [list(o) for o in owners], []
+    kept: list[list[str]] = []
+    disagreements: list[tuple[int, bytes, bytes]] = []
+    for b, per_block in enumerate(owners):
+        first = firsts[b] if b < len(firsts) else b""
+        per_owner = versions[b] if b < len(versions) else ()
+        if not first or len(per_owner) != len(per_block):
+            kept.append(list(per_block))
+            continue
+        tag = first[:VERSION_TAG_SIZE]
+        keep: list[str] = []
+        others: dict[bytes, bytes] = {}
+        for node, version in zip(per_block, per_owner, strict=True):
+            if not version or version[:VERSION_TAG_SIZE] == tag:
+                keep.append(node)
+            else:
+                others.setdefault(version, version)
+        kept.append(keep)
+        disagreements.extend((b, first, other) for other in others)
+    return kept, disagreements

@@ -184,11 +184,13 @@ class TenancyConfig:
     """Tenants by certificate (docs/tenants.md). `required`: calls without a valid tenant token are
     refused (false: they are the anonymous tenant with the empty salt). `shared`: groups of tenant
     names that share one namespace (explicit opt-in). `credential`: a client's tenant certificate
-    (`<name>.tenant.pem`, its key beside as `.key`; "": calls carry no token)."""
+    (`<name>.tenant.pem`, its key beside as `.key`; "": calls carry no token). `operator_credential`:
+    the operator's (`<name>.operator.pem`), for the CLI's node-wide calls (`purge`, `stats`)."""
 
     required: bool = False
     shared: list[list[str]] = field(default_factory=list)
     credential: str = ""
+    operator_credential: str = ""
     token_ttl_s: float = 300.0
 
 

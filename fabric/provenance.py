@@ -91,6 +91,24 @@ class Rejection(enum.StrEnum):
     NOT_A_NODE = "not_a_node"
     MALFORMED = "malformed"
     UNAUTHORISED = "unauthorised"            # the producer's certificate restricts it to other tenants
+    MIXED_RECORDS = "mixed_records"          # another layer of the block came under a different record
+
+
+VERSION_TAG_SIZE = 8   # bytes of a block version's content tag (see `block_version`)
+
+
+def block_version(record: Provenance | None) -> bytes:
+    """What a node tells the directory about the version of a block it holds: an 8-byte tag of the
+    layers' digests its record signs, then the producer's name (b"": unsigned, version unknown).
+    Two holders whose tags differ hold different bytes at one address; the name says whose."""
+    if record is None:
+        return b""
+    return blake3.blake3(record.layer_digests).digest()[:VERSION_TAG_SIZE] + record.producer.encode()
+
+
+def version_producer(version: bytes) -> str:
+    """The producer a `block_version` names ("" for an unknown version)."""
+    return version[VERSION_TAG_SIZE:].decode(errors="replace")
 
 
 def layers_digest(digests: Sequence[bytes]) -> bytes:

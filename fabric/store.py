@@ -78,7 +78,7 @@ from fabric.eviction import TierPolicy
 from fabric.index import Index, IndexUnavailableError, reconcile
 from fabric.keys import BlockAddress, BlockHash
 from fabric.metrics import StoreMetrics
-from fabric.provenance import Provenance
+from fabric.provenance import Provenance, block_version
 from fabric.store_core import StoreCore
 from fabric.store_types import CloseReport, Lifecycle, LookupResult, PutResult, StoreClosedError, VerifyReport
 from fabric.store_writes import Writer
@@ -210,8 +210,9 @@ class Store:
         return in_ram or pending is not None or entry is not None
 
     def purge_producer(self, producer: str) -> int:
-        """Delete every (block, layer) whose provenance names `producer`, from every tier; returns
-        how many. Each leaves with a REMOVED event, so the directory forgets it."""
+        """Delete every (block, layer) whose provenance names `producer`, and every unsigned one (a
+        block stored before provenance, or a mirror no record vouches for: it may be that producer's),
+        from every tier; returns how many. Each leaves with a REMOVED event, so the directory forgets it."""
         with self._lock:
             self._check_open_locked()
             named = self._core.addresses_of_producer_locked(producer)
@@ -308,6 +309,27 @@ class Store:
         """
         with self._lock:
             return list(self._core.held.values())
+
+    def held_versions(self) -> dict[bytes, bytes]:
+        """Every held block hash with its `block_version` (the record of its first layer found)."""
+        with self._lock:
+            core = self._core
+            out: dict[bytes, bytes] = {}
+            for key, address in core.held.items():
+                if address.hash not in out:
+                    out[address.hash] = block_version(core.provenance_locked(key))
+            return out
+
+    def versions_of(self, addresses: Sequence[BlockAddress]) -> list[bytes]:
+        """The `block_version` of each held address (b"": not held, or unsigned)."""
+        with self._lock:
+            return [block_version(self._core.provenance_locked(a.storage_key)) for a in addresses]
+
+    def held_addresses_where(self, keep: Callable[[Provenance | None], bool]) -> list[BlockAddress]:
+        """`held_addresses` whose provenance record (None: unsigned) `keep` accepts, e.g. those of one
+        tenant's namespaces."""
+        with self._lock:
+            return self._core.addresses_where_locked(keep)
 
     def take_events(self, max_events: int | None = None) -> StoreEvents:
         """Drain up to `max_events` STORED / REMOVED events in the order they happened.

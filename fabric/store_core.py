@@ -106,9 +106,13 @@ class StoreCore:
         return None if entry is None else entry.provenance
 
     def addresses_of_producer_locked(self, producer: str) -> list[BlockAddress]:
-        """Every held address whose provenance names `producer`: O(held addresses)."""
-        return [address for key, address in self.held.items()
-                if (prov := self.provenance_locked(key)) is not None and prov.producer == producer]
+        """Every held address whose provenance names `producer`, and every unsigned one (no record
+        says whose it is, so it may be that producer's): O(held addresses)."""
+        return self.addresses_where_locked(lambda prov: prov is None or prov.producer == producer)
+
+    def addresses_where_locked(self, keep: Callable[[Provenance | None], bool]) -> list[BlockAddress]:
+        """Every held address whose provenance record (None: unsigned) `keep` accepts: O(held addresses)."""
+        return [address for key, address in self.held.items() if keep(self.provenance_locked(key))]
 
     def hold_locked(self, key: StorageKey, p: Pending) -> None:
         """An acknowledged put: queue STORED unless the key was held already."""

@@ -217,3 +217,27 @@ def test_stats_report_compact_entries() -> None:
     s = d.stats(0.0)
     assert s["num_nodes"] == 30 and s["num_entries"] == 30 * 400 - 200 and s["num_hashes"] == 6000
     assert 40 < s["bytes_per_entry"] <= 200
+
+
+def _version(tag: int, producer: str) -> bytes:
+    return bytes([tag]) * 8 + producer.encode()
+
+
+def test_owners_of_one_address_are_told_apart_by_block_version_first_reported_first() -> None:
+    d = DirectoryShard(lease_s=10.0)
+    for node in ("a", "b", "m"):
+        d.heartbeat(node, 1, ADDR, 0.0)
+    d.apply("b", 1, 1, [H[0], H[1]], [], 0.0, versions=[_version(2, "node-b"), _version(2, "node-b")])
+    d.apply("a", 1, 1, [H[0], H[1]], [], 0.0, versions=[_version(1, "node-a"), b""])
+    d.apply("m", 1, 1, [H[0]], [], 0.0, versions=[_version(2, "node-b")])   # a mirror of b's
+    reply = d.locate([H[0], H[1], H[2]], 0.0)
+    assert reply.owners[0] == ("a", "b", "m")
+    assert reply.versions[0] == (_version(1, "node-a"), _version(2, "node-b"), _version(2, "node-b"))
+    assert reply.firsts == (_version(2, "node-b"), _version(2, "node-b"), b"")   # b reported first
+    d.apply("b", 1, 2, [], [H[0]], 1.0)   # b drops it: the mirror's copy of b's version stays first
+    assert d.locate([H[0]], 1.0).firsts == (_version(2, "node-b"),)
+    d.apply("m", 1, 2, [], [H[0]], 1.0)
+    assert d.locate([H[0]], 1.0).firsts == (_version(1, "node-a"),)
+    d.apply("a", 1, 2, [], [H[0], H[1]], 1.0)
+    assert d.locate([H[0]], 1.0).versions == ((),)
+    assert DirectoryShard().locate([H[0]], 0.0).versions == ()   # no versions reported: none answered

@@ -11,7 +11,7 @@ import pytest
 
 from cluster.directory import DirectoryShard
 from cluster.directory_auth import DirectoryGate, Proof, ReportSigner
-from cluster.directory_types import ApplyOutcome, NodeAddress
+from cluster.directory_types import ApplyOutcome, NodeAddress, derived_node_name
 from transports.core.certs import init_ca, issue_node
 from transports.core.identity import NodeSigner, TrustAnchor
 
@@ -19,6 +19,7 @@ H = [bytes([i]) * 32 for i in range(6)]
 A, B = "ray-id-a", "ray-id-b"            # Ray node ids; the certificates name "node-a" / "node-b"
 ADDR_A = NodeAddress("127.0.0.1", 7000, "tls-tcp", "node-a")
 ADDR_B = NodeAddress("127.0.0.1", 7001, "tls-tcp", "node-b")
+JOINING, OTHER = "a1b2c3d4e5f60718" + "0" * 40, "ffeeddccbbaa9988" + "1" * 40   # Ray node ids (56 hex digits)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +29,8 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     for node in ("node-a", "node-b"):
         issue_node(d, node, extra_sans=("127.0.0.1",))
     issue_node(d, "node-c")                # no IP SAN: may not advertise 127.0.0.1
+    for node in ("spare-1", derived_node_name(JOINING), derived_node_name(OTHER)):   # named as kvfabric names them
+        issue_node(d, node, extra_sans=("127.0.0.1",))
     other = d / "other"
     init_ca(other)
     issue_node(other, "node-a", extra_sans=("127.0.0.1",))
@@ -125,3 +128,51 @@ def test_a_resync_is_signed_end_to_end(certs: Path) -> None:
     assert g.resync_batch(A, 5, rid, [H[3]], 0.0, a.resync_batch(0, rid, [H[3]]))
     assert g.end_resync(A, 5, rid, 1, 0.0, a.end_resync(0, rid, 1))
     assert g.shard.locate([H[2], H[3]], 0.0).owners == ((), (A,))
+
+
+def _address(name: str) -> NodeAddress:
+    return NodeAddress("127.0.0.1", 7100, "tls-tcp", name)
+
+
+def test_a_squatter_cannot_keep_a_joining_node_out_of_its_own_id(certs: Path) -> None:
+    g = gate(certs)
+    squat, real = signer(certs, "spare-1", JOINING, incarnation=2**62), signer(certs, derived_node_name(JOINING),
+                                                                             JOINING)
+    # a valid certificate bound to no live node reports first under the joining node's Ray id,
+    # with an incarnation and nonces far above any the real node will use
+    assert g.heartbeat(JOINING, 2**62, _address("spare-1"), 0.0, squat.heartbeat(0, _address("spare-1"), None)) \
+        is ApplyOutcome.ACCEPTED
+    assert g.apply(JOINING, 2**62, 1, [H[0]], [], 0.0, _address("spare-1"),
+                   squat.apply(0, 1, [H[0]], [], _address("spare-1"))) is ApplyOutcome.ACCEPTED
+    # the node whose id it is (its certificate's name derives from the id) takes its id back at once
+    addr = _address(derived_node_name(JOINING))
+    assert g.heartbeat(JOINING, 5, addr, 1.0, real.heartbeat(0, addr, None)) is ApplyOutcome.ACCEPTED
+    assert g.apply(JOINING, 5, 1, [H[1]], [], 1.0, addr, real.apply(0, 1, [H[1]], [], addr)) is ApplyOutcome.ACCEPTED
+    assert g.shard.locate([H[0], H[1]], 1.0).owners == ((), (JOINING,))   # the squatter's entries are gone
+    assert [n.address for n in g.shard.nodes(1.0)] == [addr]
+    # and the squatter, still reporting, is refused from then on
+    assert g.heartbeat(JOINING, 2**62, _address("spare-1"), 2.0, squat.heartbeat(0, _address("spare-1"), None)) \
+        is ApplyOutcome.REFUSED
+    # a name derived from another id never speaks for this one, first or not
+    other = signer(certs, derived_node_name(OTHER), JOINING)
+    assert g.heartbeat(JOINING, 5, _address(derived_node_name(OTHER)), 2.0,
+                       other.heartbeat(0, _address(derived_node_name(OTHER)), None)) is ApplyOutcome.REFUSED
+    assert g.stats(2.0)["refused_wrong_node"] == 2
+
+
+def test_a_binding_of_other_names_lasts_one_lease_and_the_operator_can_clear_it(certs: Path) -> None:
+    # nodes named by $KVFABRIC_NODE_NAME: no name says which id is whose
+    g, squat, real = gate(certs), signer(certs, "spare-1", A), signer(certs, "node-a", A)
+    assert g.heartbeat(A, 5, _address("spare-1"), 0.0, squat.heartbeat(0, _address("spare-1"), None)) \
+        is ApplyOutcome.ACCEPTED
+    assert g.heartbeat(A, 5, ADDR_A, 9.9, real.heartbeat(0, ADDR_A, None)) is ApplyOutcome.REFUSED   # still live
+    assert g.heartbeat(A, 5, ADDR_A, 10.0, real.heartbeat(0, ADDR_A, None)) is ApplyOutcome.ACCEPTED  # one lease on
+    assert g.bindings() == {A: "node-a"}
+    # a squatter that keeps reporting holds the id only until the operator clears it
+    assert g.heartbeat(B, 5, _address("spare-1"), 20.0, signer(certs, "spare-1", B).heartbeat(
+        0, _address("spare-1"), None)) is ApplyOutcome.ACCEPTED
+    real_b = signer(certs, "node-b", B)
+    assert g.heartbeat(B, 5, ADDR_B, 21.0, real_b.heartbeat(0, ADDR_B, None)) is ApplyOutcome.REFUSED
+    assert g.unbind(B) == "spare-1" and g.shard.live_incarnation(B, 21.0) is None
+    assert g.heartbeat(B, 5, ADDR_B, 21.0, real_b.heartbeat(0, ADDR_B, None)) is ApplyOutcome.ACCEPTED
+    assert g.bindings() == {A: "node-a", B: "node-b"}

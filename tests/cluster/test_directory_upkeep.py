@@ -69,16 +69,19 @@ class MemoryDirectory:
                                               acked_seq=acked_seq)
 
     async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
-                    removed: Sequence[bytes], address: NodeAddress, proof: Proof) -> ApplyOutcome:
-        return self._gate_of(shard).apply(node_id, incarnation, seq, stored, removed, self.clock(), address, proof)
+                    removed: Sequence[bytes], address: NodeAddress, proof: Proof,
+                    versions: Sequence[bytes] = ()) -> ApplyOutcome:
+        return self._gate_of(shard).apply(node_id, incarnation, seq, stored, removed, self.clock(), address, proof,
+                                          versions)
 
     async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
                            proof: Proof) -> int:
         return self._gate_of(shard).begin_resync(node_id, incarnation, address, self.clock(), proof)
 
     async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
-                           hashes: Sequence[bytes], proof: Proof) -> bool:
-        return self._gate_of(shard).resync_batch(node_id, incarnation, resync_id, hashes, self.clock(), proof)
+                           hashes: Sequence[bytes], proof: Proof, versions: Sequence[bytes] = ()) -> bool:
+        return self._gate_of(shard).resync_batch(node_id, incarnation, resync_id, hashes, self.clock(), proof,
+                                                 versions)
 
     async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
                          proof: Proof) -> bool:

@@ -20,7 +20,7 @@ from cryptography import x509
 
 from cluster.api import payload_shape
 from cluster.local import LocalFabric
-from cluster.node_load import LayerProgress, Provenances, PullOutcome, pull_prefix
+from cluster.node_load import LayerProgress, PullOutcome, pull_prefix
 from cluster.planner import plan_pulls
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
@@ -225,20 +225,69 @@ def test_a_revoked_producers_blocks_are_refused(cert_dir: Path, open_node, tmp_p
     assert outcome.rejections == {Rejection.REVOKED: NUM_BLOCKS * LAYOUT.num_layers}
 
 
-def test_a_block_whose_layers_came_under_two_records_is_kept_unsigned(cert_dir: Path) -> None:
-    # Two producers computed the same block (their records differ): a mirror cannot vouch for a
-    # mix, so the block's record for mirroring is None (kept, never served to peers as verified).
-    records = {}
-    for node in ("node-honest", "node-mirror"):
-        signer = _signer(cert_dir, node)
-        records[node] = sign_block(NS.root, HASHES[0], [b"d" * 32] * LAYOUT.num_layers, signer.node,
-                                   signer.cert_der, signer.sign)
-    provs = Provenances(ProvenanceVerifier(TrustAnchor.from_files(cert_dir / "ca.pem")), NS.root, [None, None])
-    provs.accept(0, records["node-honest"])
-    provs.accept(0, records["node-honest"])
-    provs.accept(1, records["node-honest"])
-    provs.accept(1, records["node-mirror"])
-    assert provs.records == [records["node-honest"], None]
+def _interleave(liar: Node, honest: Node, cert_dir: Path) -> np.ndarray:
+    """The liar, a producer in its own right, holds block 0 wholly its own (signed, wrong bytes) and
+    every later block mixed: layer 0 the honest producer's (its bytes and record) and the other
+    layers its own wrong bytes under its own valid record. Every layer verifies on its own."""
+    fake = _random_payloads(98)
+    signer = _signer(cert_dir, liar.name)
+    items, digests, records = [], [], []
+    for b, h in enumerate(HASHES):
+        own = sign_block(NS.root, h, [blake3.blake3(fake[b, layer]).digest() for layer in range(LAYOUT.num_layers)],
+                         liar.name, signer.cert_der, signer.sign)
+        for layer in range(LAYOUT.num_layers):
+            address = BlockAddress(BlockHash(h), layer)
+            held = honest.store.get_block(address) if b > 0 and layer == 0 else None
+            payload = bytes(held.payload) if held is not None else fake[b, layer].tobytes()
+            items.append((address, memoryview(payload)))
+            digests.append(blake3.blake3(payload).digest())
+            records.append(held.provenance if held is not None else own)
+    assert all(r.ok for r in liar.store.put_many(items, digests=digests, provenance=records))
+    return fake
+
+
+@pytest.mark.parametrize("layer_major", [True, False], ids=["layer_major", "into_slots"])
+def test_a_mixed_block_is_never_mirrored_and_purge_and_revocation_leave_none_of_the_producers_layers(
+        cert_dir: Path, open_node, tmp_path: Path, layer_major: bool) -> None:
+    honest, liar = open_node("node-honest"), open_node(_liar_first())
+    mirror, other_mirror = open_node("node-mirror"), open_node("node-mirror-2")
+    truth = _random_payloads(4)
+    honest.fabric.write_blocks(NS, HASHES, truth, signer=_signer(cert_dir, "node-honest"))
+    fake = _interleave(liar, honest, cert_dir)
+    trust = TrustAnchor.from_files(cert_dir / "ca.pem")
+
+    # the interleaver alone: block 0 is its own (it is that block's producer); no mixed block is accepted
+    _, complete, provenance, outcome = asyncio.run(
+        _pull(cert_dir, [liar], [[liar.name]] * NUM_BLOCKS, trust, layer_major))
+    assert complete == 1 and provenance[0] is not None and provenance[0].producer == liar.name
+    assert outcome.rejections[Rejection.MIXED_RECORDS] >= NUM_BLOCKS - 1
+
+    # the interleaver first, the honest producer next: each later block comes whole from one record
+    out, complete, provenance, outcome = asyncio.run(
+        _pull(cert_dir, [liar, honest], [[liar.name, "node-honest"]] * NUM_BLOCKS, trust, layer_major))
+    assert complete == NUM_BLOCKS and outcome.rejections[Rejection.MIXED_RECORDS] > 0
+    assert np.array_equal(out[0], fake[0]) and np.array_equal(out[1:], truth[1:])
+    assert [p.producer if p is not None else None for p in provenance] == \
+        [liar.name] + ["node-honest"] * (NUM_BLOCKS - 1)
+    digests = [[blake3.blake3(out[b, layer]).digest() for layer in range(LAYOUT.num_layers)]
+               for b in range(NUM_BLOCKS)]
+    for node in (mirror, other_mirror):   # what the NodeActor mirrors: the producers' records, verbatim
+        node.fabric.write_blocks(NS, HASHES, out, digests=digests, provenance=provenance)
+        assert not node.store.held_addresses_where(lambda record: record is None)   # nothing unsigned
+
+    # one mirror is purged of the interleaver's blocks; the other only reads the revocation
+    assert mirror.store.purge_producer(liar.name) == LAYOUT.num_layers
+    other_mirror.fabric.revoked = frozenset(
+        {x509.load_pem_x509_certificate((cert_dir / f"{liar.name}.pem").read_bytes()).serial_number})
+    for node in (mirror, other_mirror):
+        served = np.zeros((LAYOUT.num_layers, out.shape[2]), dtype=np.uint8)
+        liar_layers = 0
+        for b, h in enumerate(HASHES):
+            if node.fabric.read_block(h, served) is not None:
+                liar_layers += sum(np.array_equal(served[layer], fake[b, layer]) for layer in range(LAYOUT.num_layers))
+        assert liar_layers == 0
+        assert node.fabric.read_block(HASHES[1], served) is not None and np.array_equal(served, truth[1])
+        assert node.store.get_block(BlockAddress(BlockHash(HASHES[0]), 1)) is None   # gone, not only hidden
 
 
 def test_a_producer_restricted_to_another_tenant_is_refused_for_this_namespace(cert_dir: Path, open_node) -> None:

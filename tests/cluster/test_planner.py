@@ -5,7 +5,7 @@ from __future__ import annotations
 import blake3
 import pytest
 
-from cluster.planner import PullRun, plan_pulls
+from cluster.planner import PullRun, agreeing_owners, plan_pulls
 
 
 def test_longest_run_wins_and_the_plan_continues_where_it_ends() -> None:
@@ -54,3 +54,13 @@ def test_ties_are_not_won_by_the_lowest_node_id() -> None:
         assert plan == plan_pulls([["node-b", "0-liar"]] * 4, 0, hashes=hashes)
         winners.append(plan[0].node_id)
     assert 16 < winners.count("0-liar") < 48
+
+
+def test_owners_of_another_version_are_passed_over_and_named() -> None:
+    a, b, same = b"\1" * 8 + b"node-a", b"\2" * 8 + b"node-b", b"\1" * 8 + b"node-c"   # c computed a's bytes
+    owners = [("A", "B", "C", "old"), ("A", "B"), ("B",)]
+    versions = [(a, b, same, b""), (a, b), (b,)]
+    kept, disagreements = agreeing_owners(owners, versions, [a, b, b])
+    assert kept == [["A", "C", "old"], ["B"], ["B"]]   # an owner that reports no version is kept
+    assert disagreements == [(0, a, b), (1, b, a)]
+    assert agreeing_owners(owners, (), ()) == ([list(o) for o in owners], [])

@@ -24,6 +24,7 @@ from cluster.launch import LocalCluster, start_local_cluster
 from fabric.config import ClusterConfig, Config, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
+from fabric.provenance import version_producer
 from transports.core.certs import revoke
 
 LAYOUT = KVLayout.mha(4, 2, 64, "f16")
@@ -94,6 +95,29 @@ def test_a_block_pulled_from_its_producer_is_mirrored_and_purged_everywhere(fabr
     assert b.load(NS, tokens).num_blocks == 0
 
 
+def test_producers_that_disagree_are_counted_by_name_and_the_first_version_is_taken(fabric: LocalCluster) -> None:
+    a, b, c = _nodes(fabric)
+    tokens, data = _prompt(3, 4)
+    other = np.bitwise_xor(data, 0x5A)   # another engine's bytes at the same addresses
+    assert a.store(NS, tokens, data).num_stored == 4
+    _wait(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), 10, "the directory lists A")
+    assert b.store(NS, tokens, other).num_stored == 4
+    _wait(lambda: all(o == {a.node_id, b.node_id} for o in _owners(fabric, tokens)), 10, "the directory lists B")
+    names = {client.node_id: client.stats()["node_name"] for client in (a, b)}
+
+    async def versions() -> tuple[list[set[str]], list[str]]:
+        located = await DirectoryClient(fabric.config.cluster).locate(block_hashes(NS, tokens), exclude=())
+        producers = [{version_producer(v) for v in per_hash} for per_hash in located.versions]
+        return producers, [version_producer(v) for v in located.firsts]
+    producers, firsts = asyncio.run(versions())   # the directory groups the owners by version
+    assert producers == [{names[a.node_id], names[b.node_id]}] * 4 and firsts == [names[a.node_id]] * 4
+    reply = c.load(NS, tokens)
+    assert reply.num_blocks == 4 and np.array_equal(reply.payloads, data)   # the version reported first
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{c.stats()['metrics_port']}/metrics", timeout=10).read()
+    pair = f'first_producer="{names[a.node_id]}",other_producer="{names[b.node_id]}"'.encode()
+    assert b"kvfabric_producer_disagreements_total{" + pair + b"} 4.0" in metrics
+
+
 def test_a_revoked_producers_blocks_are_refused_by_pullers(fabric: LocalCluster) -> None:
     a, b, _ = _nodes(fabric)
     tokens, data = _prompt(2, 6)
@@ -105,11 +129,15 @@ def test_a_revoked_producers_blocks_are_refused_by_pullers(fabric: LocalCluster)
     assert b.stats()["revoked_certificates"] == 0
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{b.stats()['metrics_port']}/metrics", timeout=10).read()
     assert b'reason="sync_error"' not in metrics   # the directory upkeep was not disturbed by it
+    assert b"kvfabric_crl_seconds_to_next_update +Inf" in metrics   # no list yet: nothing to expire
     (cert_dir / "crl.pem").unlink()
     name = a.stats()["node_name"]
     serial = x509.load_pem_x509_certificate((cert_dir / f"{name}.pem").read_bytes()).serial_number
     revoke(cert_dir, {serial})
     _wait(lambda: b.stats()["revoked_certificates"] == 1, 10, "B reads the new revocation list")
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{b.stats()['metrics_port']}/metrics", timeout=10).read()
+    left = float(metrics.split(b"\nkvfabric_crl_seconds_to_next_update ")[1].split()[0])
+    assert 29 * 86400 < left <= 30 * 86400   # `revoke` signs the list for 30 days by default
     assert b.load(NS, tokens).num_blocks == 0
     assert b.stats()["provenance_rejections"]["revoked"] == 6 * LAYOUT.num_layers
     time.sleep(1.0)   # a mirror would have been written and advertised by now

@@ -2,7 +2,8 @@
 
 One local cluster for the module (as in test_provenance_cluster.py) that requires tenants, with
 tenants c and d in a shared group. Tenant credentials are issued by the cluster's CA (the
-operator's role). Anonymous calls where tenants are optional are what every other cluster test makes.
+operator's role), and so is the operator's credential, which node-wide calls need here. Anonymous
+calls where tenants are optional are what every other cluster test makes.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import ray
 from cryptography import x509
 
 from cluster.api import payload_shape
-from cluster.client import FabricClient
+from cluster.client import FabricClient, purge_producer
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import node_name_for
 from cluster.tenancy import TenantRefusedError
@@ -29,7 +30,7 @@ from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.tenancy import TenancyPolicy
 from transports.core.base import Hit, Peer
-from transports.core.certs import init_ca, issue_node, issue_tenant, revoke
+from transports.core.certs import init_ca, issue_node, issue_operator, issue_tenant, revoke
 from transports.core.identity import NodeSigner
 from transports.core.tenant_tokens import TenantToken
 from transports.factory import create_client
@@ -53,11 +54,16 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 
 @pytest.fixture(scope="module")
 def wallet(fabric: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Tenant credentials a, b, c, d, e from the cluster's CA."""
+    """Tenant credentials a, b, c, d, e and the operator's (ops) from the cluster's CA."""
     out = tmp_path_factory.mktemp("tenants")
     for name in "abcde":
         issue_tenant(fabric.config.transport.cert_dir, name, out_dir=out)
+    issue_operator(fabric.config.transport.cert_dir, "ops", out_dir=out)
     return out
+
+
+def _operator(wallet: Path, node_id: str) -> FabricClient:
+    return FabricClient.connect(node_id=node_id, credential=wallet / "ops.operator.pem")
 
 
 def _nodes(fabric: LocalCluster) -> tuple[str, str]:
@@ -141,7 +147,7 @@ def test_a_pull_that_names_no_namespace_gets_misses_where_tenants_are_required(f
     here, there = _nodes(fabric)
     tokens, data = _prompt(5, 2)
     assert _client(wallet, "a", here).store(NS, tokens, data).num_stored == 2
-    host, port = _client(wallet, "a", here).stats()["address"].rsplit(":", 1)
+    host, port = _operator(wallet, here).stats()["address"].rsplit(":", 1)
     peer = Peer(node_name_for(here), host, int(port))
     root = _with_salt_of("a").root
     addresses = [BlockAddress(h, layer) for h in block_hashes(_with_salt_of("a"), tokens)
@@ -178,9 +184,43 @@ def test_foreign_node_and_revoked_credentials_are_refused_and_counted(fabric: Lo
     e = _client(wallet, "e", here)
     assert e.store(NS, tokens, data).num_stored == 2
     revoke(cert_dir, {x509.load_pem_x509_certificate((wallet / "e.tenant.pem").read_bytes()).serial_number})
-    _wait(lambda: e.stats()["revoked_certificates"] == 1, "the node reads the new revocation list")
+    operator = _operator(wallet, here)
+    _wait(lambda: operator.stats()["revoked_certificates"] == 1, "the node reads the new revocation list")
     with pytest.raises(TenantRefusedError, match="revoked"):
         e.load(NS, tokens)
-    metrics = urllib.request.urlopen(f"http://127.0.0.1:{e.stats()['metrics_port']}/metrics", timeout=10).read()
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{operator.stats()['metrics_port']}/metrics",
+                                     timeout=10).read()
     for reason in (b"untrusted", b"not_a_tenant", b"revoked"):   # each refused once, on this node
         assert b'kvfabric_tenant_refusals_total{reason="' + reason + b'"} 1.0' in metrics
+
+
+def test_a_tenant_can_neither_purge_nor_list_other_tenants_blocks_and_the_operator_can(fabric: LocalCluster,
+                                                                                      wallet: Path) -> None:
+    here, _ = _nodes(fabric)   # last in this module: the operator's purge empties node `here`
+    alice, bob = _client(wallet, "a", here), _client(wallet, "b", here)
+    tokens, data = _prompt(6, 5)
+    assert alice.store(NS, tokens, data).num_stored == 5
+    mine = set(block_hashes(_with_salt_of("a"), tokens))
+    producer = node_name_for(here)
+    for refused in (bob.purge_producer(producer), purge_producer(producer)):   # bob's token, then none at all
+        assert set(refused) == set(fabric.node_ids())
+        assert all(isinstance(v, str) and v.startswith("refused:") for v in refused.values()), refused
+    with pytest.raises(TenantRefusedError, match="operator call"):
+        ray.get(bob.actor.set_send_rate.remote(1.0, token=bob._token()))
+    reply = alice.load(NS, tokens, pulls=False)   # nothing of alice's was removed
+    assert reply.num_blocks == 5 and np.array_equal(reply.payloads, data)
+    assert not mine & set(bob.held_block_hashes())   # bob lists only his own namespaces ...
+    assert mine <= set(alice.held_block_hashes())
+    assert bob.stats()["held_blocks"] < alice.stats()["held_blocks"]
+    assert "store" not in bob.stats()   # ... and no node-wide figures
+    with pytest.raises(TenantRefusedError, match="operator call"):
+        _client(None, None, here).stats()
+    operator = _operator(wallet, here)
+    assert mine <= set(operator.held_block_hashes())
+    removed = operator.purge_producer(producer)
+    assert removed[here] >= 5 * LAYOUT.num_layers
+    assert alice.load(NS, tokens, pulls=False).num_blocks == 0
+    metrics = urllib.request.urlopen(f"http://127.0.0.1:{operator.stats()['metrics_port']}/metrics",
+                                     timeout=10).read()
+    for reason in (b"not_operator", b"operator_required"):
+        assert b'kvfabric_tenant_refusals_total{reason="' + reason + b'"}' in metrics

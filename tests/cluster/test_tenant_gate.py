@@ -12,7 +12,7 @@ from fabric.config import TenancyConfig
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 from fabric.tenancy import TenancyPolicy
-from transports.core.certs import init_ca, issue_node, issue_tenant
+from transports.core.certs import init_ca, issue_node, issue_operator, issue_tenant
 from transports.core.identity import TrustAnchor
 from transports.core.tenant_tokens import TenantMinter
 
@@ -100,3 +100,31 @@ def test_the_transport_learns_each_bound_roots_tenants(ca: Path) -> None:
     assert gate.tenants_of_root(initech.root) == {"initech"}
     assert gate.tenants_of_root(anonymous.root) == frozenset()
     assert gate.tenants_of_root(Namespace("m", NS.layout, 16, tenant_salt=b"never bound here").root) is None
+
+
+def test_operator_calls_need_the_operator_where_anonymous_callers_are_not_served(ca: Path) -> None:
+    operator = TenantMinter(*issue_operator(ca, "ops")).token(NOW)
+    for node, required in (("node-open", True), ("node-acme", False)):
+        gate, registry = _gate(ca, node, required=required)
+        with pytest.raises(TenantRefusedError, match="operator call"):
+            gate.operator(None, "purge_producer")
+        with pytest.raises(TenantRefusedError, match="tenant acme may not"):
+            gate.operator(_token(ca, "acme"), "purge_producer")
+        assert (_refused(registry, "operator_required"), _refused(registry, "not_operator")) == (1, 1)
+        gate.operator(operator, "purge_producer")
+        assert gate.scope(operator, "stats") is None
+        with pytest.raises(TenantRefusedError, match="not a tenant"):   # an operator is no tenant
+            gate.bind(NS, operator)
+    gate, _ = _gate(ca)   # tenancy off, a node serving everyone: the anonymous caller is the operator
+    gate.operator(None, "purge_producer")
+    assert gate.scope(None, "stats") is None
+
+
+def test_a_tenant_lists_only_the_namespaces_of_its_own_group(ca: Path) -> None:
+    gate, _ = _gate(ca, shared=[["c", "d"]])
+    roots = {t: gate.bind(NS, _token(ca, t)).root for t in ("acme", "c")}
+    anonymous_root = gate.bind(NS, None).root
+    scope = gate.scope(_token(ca, "d"), "held_block_hashes")
+    assert scope == {"c", "d"}
+    assert gate.in_scope(roots["c"], scope) and not gate.in_scope(roots["acme"], scope)
+    assert not gate.in_scope(anonymous_root, scope) and not gate.in_scope(b"\0" * 32, scope)

@@ -80,7 +80,7 @@ def test_a_record_of_a_signed_run_survives_its_index_row() -> None:
     assert again == run[2] and again is not None and again.message() == run[0].message()
 
 
-def test_purge_by_producer_removes_only_that_producers_blocks(tmp_path: Path) -> None:
+def test_purge_by_producer_removes_that_producers_blocks_and_every_unsigned_one(tmp_path: Path) -> None:
     bad_items, bad = _block("node-bad")
     good_items, good = _block("node-good")
     unsigned_items, _ = _block("node-x")
@@ -89,13 +89,14 @@ def test_purge_by_producer_removes_only_that_producers_blocks(tmp_path: Path) ->
         _put(store, good_items, good)
         _put(store, unsigned_items, None)
         store.take_events()
-        assert store.purge_producer("node-bad") == NUM_LAYERS
-        assert all(store.get_block(a) is None for a, _ in bad_items)
-        assert all(store.get_block(a) is not None for a, _ in good_items + unsigned_items)
+        assert store.purge_producer("node-bad") == 2 * NUM_LAYERS   # no record says whose the unsigned are
+        assert all(store.get_block(a) is None for a, _ in bad_items + unsigned_items)
+        assert all(store.get_block(a) is not None for a, _ in good_items)
         removed = [a for kind, a in store.take_events().events if kind is EventKind.REMOVED]
-        assert sorted(removed, key=lambda a: a.layer) == [a for a, _ in bad_items]
+        assert sorted(removed, key=lambda a: (a.hash, a.layer)) == sorted(
+            [a for a, _ in bad_items + unsigned_items], key=lambda a: (a.hash, a.layer))
     with Store.open(_kv(tmp_path, True), background=False) as store:   # gone from the SSD too
-        assert all(store.get_block(a) is None for a, _ in bad_items)
+        assert all(store.get_block(a) is None for a, _ in bad_items + unsigned_items)
         assert store.purge_producer("node-bad") == 0
 
 

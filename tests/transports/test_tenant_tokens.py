@@ -12,10 +12,19 @@ from cryptography.hazmat.primitives import serialization
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transports.core.certs import CertificateError, init_ca, issue_node, issue_tenant, node_name_of, revoke
+from transports.core.certs import (
+    CertificateError,
+    init_ca,
+    issue_node,
+    issue_operator,
+    issue_tenant,
+    node_name_of,
+    revoke,
+)
 from transports.core.identity import IdentityError, TrustAnchor
 from transports.core.tenant_tokens import (
     MAX_TTL_S,
+    Principal,
     TenantError,
     TenantMinter,
     TenantToken,
@@ -162,3 +171,18 @@ def test_any_bytes_are_refused_with_a_reason_never_an_internal_error(module_ca: 
     with pytest.raises(TenantError) as e:
         verifier.verify(raw, NOW)
     assert e.value.reason in ("malformed", "untrusted")
+
+
+def test_an_operator_token_proves_the_operator_and_never_a_tenant(ca: Path) -> None:
+    cert, key = issue_operator(ca, "ops")
+    token = TenantMinter(cert, key).token(NOW)
+    verifier = TenantVerifier(_anchor(ca))
+    assert verifier.verify_principal(token, NOW) == Principal("ops", operator=True)
+    with pytest.raises(TenantError) as e:
+        verifier.verify(token, NOW)
+    assert e.value.reason == "not_a_tenant"
+    assert verifier.verify_principal(_minter(ca, "ops").token(NOW), NOW) == Principal("ops")   # a tenant "ops"
+    revoke(ca, {x509.load_pem_x509_certificate(cert.read_bytes()).serial_number})
+    with pytest.raises(TenantError) as e:
+        TenantVerifier(_anchor(ca)).verify_principal(token, NOW)
+    assert e.value.reason == "revoked"

@@ -4,6 +4,7 @@
     <dir>/<node>.pem, <node>.key    node certificate; its DNS SAN is the node name
     <dir>/crl.pem                   revocation list signed by the CA (`revoke`), when any
     <dir>/<name>.tenant.pem, .key   tenant credential (`issue_tenant`): URI SAN kvfabric-tenant:<name>
+    <dir>/<name>.operator.pem, .key operator credential (`issue_operator`): URI SAN kvfabric-operator:<name>
 
 A node's identity is the DNS name in its certificate's SAN. Node certificates carry both the
 serverAuth and clientAuth usages because every node dials and answers. Private keys are written
@@ -33,6 +34,8 @@ CA_KEY = "ca.key"
 CRL = "crl.pem"   # the CA's revocation list, read by every node beside ca.pem
 TENANT_URI_PREFIX = "kvfabric-tenant:"   # a URI SAN naming a tenant (transports/core/tenant_tokens.py)
 TENANT_SUFFIX = ".tenant"                # <name>.tenant.pem / .key: a tenant credential
+OPERATOR_URI_PREFIX = "kvfabric-operator:"   # a URI SAN naming an operator: node-wide calls (purge, stats)
+OPERATOR_SUFFIX = ".operator"            # <name>.operator.pem / .key: an operator credential
 
 
 class CertificateError(Exception):
@@ -130,18 +133,34 @@ def issue_tenant(cert_dir: str | os.PathLike[str], tenant: str, days: int = 365,
     """Issue a tenant credential `<tenant>.tenant.pem` / `.key` (in `out_dir`, default `cert_dir`)
     signed by the CA in `cert_dir`: its only SAN is the URI `kvfabric-tenant:<tenant>`, so it never
     proves a node identity (transports/core/tenant_tokens.py). Returns (cert, key) paths."""
+    return _issue_credential(cert_dir, "tenant", tenant, days, not_before, out_dir)
+
+
+def issue_operator(cert_dir: str | os.PathLike[str], name: str = "operator", days: int = 365,
+                   not_before: dt.datetime | None = None, out_dir: str | os.PathLike[str] | None = None
+                   ) -> tuple[Path, Path]:
+    """Issue an operator credential `<name>.operator.pem` / `.key`, as `issue_tenant` does a tenant's:
+    its only SAN is the URI `kvfabric-operator:<name>`. It proves the caller of node-wide calls
+    (purge, send rate, node-wide listings and stats; docs/tenants.md), never a tenant or a node."""
+    return _issue_credential(cert_dir, "operator", name, days, not_before, out_dir)
+
+
+def _issue_credential(cert_dir: str | os.PathLike[str], kind: str, holder: str, days: int,
+                      not_before: dt.datetime | None, out_dir: str | os.PathLike[str] | None) -> tuple[Path, Path]:
+    prefix, suffix = (TENANT_URI_PREFIX, TENANT_SUFFIX) if kind == "tenant" else (OPERATOR_URI_PREFIX,
+                                                                                  OPERATOR_SUFFIX)
     d = Path(cert_dir)
-    name = _tenant_name(tenant)
+    name = _tenant_name(holder, kind)
     ca_cert, ca_key = _load_ca(d)
     key = ec.generate_private_key(ec.SECP256R1())
     start = not_before or (_now() - dt.timedelta(minutes=5))
     cert = (
         x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvfabric tenant {name}")]))
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, f"kvfabric {kind} {name}")]))
         .issuer_name(ca_cert.subject).public_key(key.public_key())
         .serial_number(x509.random_serial_number())
         .not_valid_before(start).not_valid_after(start + dt.timedelta(days=days))
-        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(TENANT_URI_PREFIX + name)]),
+        .add_extension(x509.SubjectAlternativeName([x509.UniformResourceIdentifier(prefix + name)]),
                        critical=False)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
@@ -149,16 +168,16 @@ def issue_tenant(cert_dir: str | os.PathLike[str], tenant: str, days: int = 365,
     )
     out = Path(out_dir) if out_dir is not None else d
     out.mkdir(parents=True, exist_ok=True)
-    cert_path, key_path = out / f"{name}{TENANT_SUFFIX}.pem", out / f"{name}{TENANT_SUFFIX}.key"
+    cert_path, key_path = out / f"{name}{suffix}.pem", out / f"{name}{suffix}.key"
     _write(key_path, _key_pem(key), private=True)
     _write(cert_path, cert.public_bytes(serialization.Encoding.PEM), private=False)
-    logger.info("issued credential for tenant %s in %s", name, out)
+    logger.info("issued credential for %s %s in %s", kind, name, out)
     return cert_path, key_path
 
 
-def _tenant_name(tenant: str) -> str:
+def _tenant_name(tenant: str, kind: str = "tenant") -> str:
     if not tenant or not all(c.isalnum() or c in "-_." for c in tenant) or tenant.startswith("."):
-        raise CertificateError(f"invalid tenant name {tenant!r}: letters, digits, '-', '_' and '.' only")
+        raise CertificateError(f"invalid {kind} name {tenant!r}: letters, digits, '-', '_' and '.' only")
     return tenant
 
 
@@ -193,6 +212,14 @@ def revoke(cert_dir: str | os.PathLike[str], serials: set[int], days: int = 30) 
     _write(crl_path, crl.public_bytes(serialization.Encoding.PEM), private=False)
     logger.info("revocation list %s now names %d certificate(s)", crl_path, len(revoked))
     return crl_path
+
+
+def crl_next_update(crl_path: Path) -> float | None:
+    """The nextUpdate (unix s) of the revocation list at `crl_path`; None without a list or a nextUpdate."""
+    if not crl_path.is_file():
+        return None
+    next_update = x509.load_pem_x509_crl(crl_path.read_bytes()).next_update_utc
+    return None if next_update is None else next_update.timestamp()
 
 
 def revoked_serials(crl_pem: bytes, ca_cert: x509.Certificate, where: str = "the revocation list") -> frozenset[int]:
@@ -275,8 +302,15 @@ class NodeCredentials:
         self._stamp: tuple[int, ...] = ()
         self._contexts: dict[bool, ssl.SSLContext] = {}
         self.revoked: frozenset[int] = frozenset()
+        self.crl_next_update: float | None = None   # unix s: the revocation list's nextUpdate (None: no list)
         self.generation = 0
         self.refresh()
+
+    def crl_expired(self, now: float) -> bool:
+        """Whether the CA's revocation list is past its nextUpdate at `now` (unix s). Both transports
+        then refuse every peer, as OpenSSL does for TLS-TCP: a list the CA no longer vouches for may
+        miss revocations, so a handshake fails closed until the operator publishes a fresh crl.pem."""
+        return self.crl_next_update is not None and now > self.crl_next_update
 
     @property
     def node(self) -> str:
@@ -298,6 +332,7 @@ class NodeCredentials:
             for server in (True, False):
                 self._build(server)
             revoked = self._load_revoked()
+            next_update = crl_next_update(self.files.crl)
         except (ssl.SSLError, OSError, ValueError, CertificateError) as e:
             if not self._stamp:
                 raise CertificateError(f"cannot load node credentials {self.files}: {e}") from None
@@ -305,6 +340,7 @@ class NodeCredentials:
             return False
         self._contexts = {server: self._build(server) for server in (True, False)}
         self.revoked = revoked
+        self.crl_next_update = next_update
         self._stamp = stamp
         self.generation += 1
         if self.generation > 1:

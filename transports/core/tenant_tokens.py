@@ -16,6 +16,10 @@ Token (msgpack array; the signature covers the canonical message below, nothing 
     [version, tenant certificate (DER), issued at (unix ms), expires at (unix ms), signature]
     message = DOMAIN || issued (i64 LE) || expires (i64 LE) || BLAKE3(certificate DER)
 
+An operator credential (`certs.issue_operator`, URI SAN `kvfabric-operator:NAME`) makes tokens the
+same way; a verifier tells the two apart by the certificate (`Principal.operator`), so a tenant's
+token never proves an operator and an operator's never proves a tenant.
+
 A token is a bearer credential for its lifetime (at most `MAX_TTL_S`): it is not bound to one call.
 Verifying costs a certificate check and a signature check; results are cached by the token's bytes
 (bounded), so a client that reuses its token pays them once. Revocation is checked on every call.
@@ -36,7 +40,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from transports.core.certs import TENANT_URI_PREFIX, CertificateError
+from transports.core.certs import OPERATOR_URI_PREFIX, TENANT_URI_PREFIX, CertificateError
 from transports.core.identity import PrivateKey, PublicKey, TrustAnchor, sign_with, verify_signature
 
 DOMAIN = b"kvfabric/tenant-token/v1\0"
@@ -108,9 +112,26 @@ def tenants_of_node(cert_pem_or_der: bytes) -> frozenset[str]:
     return frozenset(tenant_names(cert))
 
 
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who a verified token speaks for: a tenant, or (`operator`) the cluster's operator."""
+
+    name: str
+    operator: bool = False
+
+
 def tenant_of(cert: x509.Certificate) -> str:
     """The tenant a tenant certificate names; raises TenantError("not_a_tenant") for any other
-    certificate (a CA, a node certificate, one naming no tenant or several)."""
+    certificate (a CA, a node certificate, an operator's, one naming no tenant or several)."""
+    principal = principal_of(cert)
+    if principal.operator:
+        raise TenantError("not_a_tenant", "an operator credential is not a tenant credential")
+    return principal.name
+
+
+def principal_of(cert: x509.Certificate) -> Principal:
+    """The tenant or operator a credential certificate names; raises TenantError("not_a_tenant")
+    for any other certificate (a CA, a node certificate, one naming none, several, or both kinds)."""
     try:
         if cert.extensions.get_extension_for_class(x509.BasicConstraints).value.ca:
             raise TenantError("not_a_tenant", "a CA certificate is not a tenant credential")
@@ -123,14 +144,19 @@ def tenant_of(cert: x509.Certificate) -> str:
     if san.get_values_for_type(x509.DNSName) or san.get_values_for_type(x509.IPAddress):
         raise TenantError("not_a_tenant", "a node certificate is not a tenant credential")
     names = tenant_names(cert)
-    if len(names) != 1 or not names[0]:
-        raise TenantError("not_a_tenant", f"a tenant certificate names exactly one tenant, this one {names}")
-    return names[0]
+    operators = [u[len(OPERATOR_URI_PREFIX):] for u in san.get_values_for_type(x509.UniformResourceIdentifier)
+                 if u.startswith(OPERATOR_URI_PREFIX)]
+    if len(operators) == 1 and operators[0] and not names:
+        return Principal(operators[0], operator=True)
+    if len(names) != 1 or not names[0] or operators:
+        raise TenantError("not_a_tenant", f"a tenant certificate names exactly one tenant, this one {names}"
+                                          + (f" and operators {operators}" if operators else ""))
+    return Principal(names[0])
 
 
 class TenantMinter:
-    """Makes tokens from a tenant's certificate and key (the client side); reuses a token until
-    half of its lifetime has passed."""
+    """Makes tokens from a tenant's (or the operator's) certificate and key (the client side); reuses
+    a token until half of its lifetime has passed."""
 
     def __init__(self, cert_path: str | os.PathLike[str], key_path: str | os.PathLike[str], *,
                  ttl_s: float = 300.0) -> None:
@@ -148,9 +174,10 @@ class TenantMinter:
                 cert.public_key().public_bytes(serialization.Encoding.DER, spki):
             raise CertificateError(f"{key_path} is not the key of {cert_path}")
         try:
-            self.tenant = tenant_of(cert)
+            self.principal = principal_of(cert)
         except TenantError as e:
             raise CertificateError(f"{cert_path}: {e}") from None
+        self.tenant = self.principal.name   # the operator's name for an operator credential
         self.cert_der = cert.public_bytes(serialization.Encoding.DER)
         self.ttl_s = ttl_s
         self._key: PrivateKey = key
@@ -170,7 +197,7 @@ class TenantMinter:
 
 @dataclass(frozen=True, slots=True)
 class _Checked:
-    tenant: str
+    principal: Principal
     serial: int
     not_after_ms: int    # the earlier of the token's expiry and the certificate's
 
@@ -185,7 +212,15 @@ class TenantVerifier:
         self._cache_size = cache_size
 
     def verify(self, raw: bytes, now: float) -> str:
-        """The tenant `raw` proves at `now` (unix seconds); raises TenantError saying why not."""
+        """The tenant `raw` proves at `now` (unix seconds); raises TenantError saying why not (an
+        operator's token: "not_a_tenant")."""
+        principal = self.verify_principal(raw, now)
+        if principal.operator:
+            raise TenantError("not_a_tenant", "an operator token is not a tenant's")
+        return principal.name
+
+    def verify_principal(self, raw: bytes, now: float) -> Principal:
+        """The tenant or operator `raw` proves at `now` (unix seconds); raises TenantError saying why not."""
         now_ms = int(now * 1000)
         checked = self._cache.get(raw) if isinstance(raw, bytes) else None
         if checked is None:
@@ -195,12 +230,12 @@ class TenantVerifier:
                 self._cache.popitem(last=False)
         else:
             self._cache.move_to_end(raw)
+        who = _who(checked.principal)
         if now_ms > checked.not_after_ms:
-            raise TenantError("expired", f"the token of tenant {checked.tenant} has expired")
+            raise TenantError("expired", f"the token of {who} has expired")
         if checked.serial in self.trust.revoked:
-            raise TenantError("revoked", f"the certificate of tenant {checked.tenant} "
-                                         f"(serial {checked.serial:x}) is revoked")
-        return checked.tenant
+            raise TenantError("revoked", f"the certificate of {who} (serial {checked.serial:x}) is revoked")
+        return checked.principal
 
     def _check(self, raw: bytes, now_ms: int) -> _Checked:
         token = TenantToken.decode(raw)
@@ -212,19 +247,24 @@ class TenantVerifier:
             cert.verify_directly_issued_by(self.trust.ca_cert)
         except (ValueError, TypeError, InvalidSignature):
             raise TenantError("untrusted", "tenant certificate was not issued by the cluster CA") from None
-        tenant = tenant_of(cert)
+        principal = principal_of(cert)
+        tenant = _who(principal)
         key = cert.public_key()
         if not isinstance(key, PublicKey) or not verify_signature(key, token.signature, token.message()):
-            raise TenantError("bad_signature", f"the token of tenant {tenant} is not signed by its certificate's key")
+            raise TenantError("bad_signature", f"the token of {tenant} is not signed by its certificate's key")
         if token.expires_ms - token.issued_ms > MAX_TTL_S * 1000 or token.expires_ms <= token.issued_ms:
-            raise TenantError("expired", f"the token of tenant {tenant} claims a lifetime over {MAX_TTL_S:g} s")
+            raise TenantError("expired", f"the token of {tenant} claims a lifetime over {MAX_TTL_S:g} s")
         if token.issued_ms > now_ms + CLOCK_SKEW_S * 1000:
-            raise TenantError("expired", f"the token of tenant {tenant} is issued in the future")
+            raise TenantError("expired", f"the token of {tenant} is issued in the future")
         cert_start = int(cert.not_valid_before_utc.timestamp() * 1000)
         if now_ms < cert_start:
-            raise TenantError("expired", f"the certificate of tenant {tenant} is not valid yet")
+            raise TenantError("expired", f"the certificate of {tenant} is not valid yet")
         cert_end = int(cert.not_valid_after_utc.timestamp() * 1000)
-        return _Checked(tenant, cert.serial_number, min(token.expires_ms, cert_end))
+        return _Checked(principal, cert.serial_number, min(token.expires_ms, cert_end))
+
+
+def _who(principal: Principal) -> str:
+    return f"operator {principal.name}" if principal.operator else f"tenant {principal.name}"
 
 
 def pull_authoriser(tenant_roots: Callable[[bytes], frozenset[str] | None] | None, peer_tenants: frozenset[str]

@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import logging
 import socket
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from functools import cache, partial
@@ -329,6 +330,12 @@ class QuicTransportClient:
                                    session_ticket=self._tickets.get(peer.node))
 
     async def _connect(self, peer: Peer) -> _ClientConnection | None:
+        self.tls.current()   # rereads the credentials, a republished crl.pem included
+        if self.tls.credentials.crl_expired(time.time()):   # as TLS-TCP: fail closed (certs.py)
+            self.metrics.auth_failures.labels(TRANSPORT, "server_crl_expired").inc()   # as TLS-TCP labels it
+            logger.warning("not dialling QUIC peer %s: the revocation list crl.pem is past its nextUpdate; "
+                           "publish a fresh one (kvfabric certs revoke --dir <ca>)", peer.node)
+            return None
         loop = asyncio.get_running_loop()
         quic = cast(QuicConnection, self.backend.connection(
             configuration=self._client_configuration(peer),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable, Collection
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
@@ -30,6 +31,7 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 
+from transports.core.certs import NodeCredentials
 from transports.core.metrics import TransportMetrics
 from transports.quic.backend import QuicBackend
 from transports.quic.base import TRANSPORT
@@ -158,6 +160,7 @@ class HandshakeOwner(GuardOwner, Protocol):
     metrics: TransportMetrics
     handshake_timeout_s: float
     max_connections_per_peer: int
+    credentials: NodeCredentials
 
     @property
     def _connections(self) -> Collection[GuardedConnection]: ...
@@ -222,6 +225,13 @@ class GuardedConnection(QuicConnectionProtocol):
             self._quic.close(QuicErrorCode.CRYPTO_ERROR + 116, reason_phrase="client not authenticated")
             return
         server = self._server
+        if server.credentials.crl_expired(time.time()):   # as TLS-TCP: fail closed (certs.py)
+            self._refused = True
+            server.metrics.auth_failures.labels(TRANSPORT, "crl_expired").inc()
+            logger.warning("refused QUIC connection of %s: the revocation list crl.pem is past its nextUpdate; "
+                           "publish a fresh one (kvfabric certs revoke --dir <ca>)", node)
+            self._quic.close(QuicErrorCode.CONNECTION_REFUSED, reason_phrase="revocation list expired")
+            return
         if sum(1 for c in server._connections if c.node == node) >= server.max_connections_per_peer:
             self._refused = True   # authenticated, but over its connection budget: no auth failure
             server.count_overloaded(node, "connections")

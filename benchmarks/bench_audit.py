@@ -44,7 +44,7 @@ WITHIN = (10, 25, 50)
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="40 prefixes per rate (smoke test)")
+    parser.add_argument("--quick", action="store_true", help="30 prefixes per rate, 3 at rate 0 (smoke test)")
     parser.add_argument("--rates", default="0.1", help="comma-separated sampling rates")
     parser.add_argument("--prefixes", type=int, default=200, help="served prefixes per rate")
     parser.add_argument("--baseline", type=int, default=10, help="served prefixes at rate 0")
@@ -52,7 +52,8 @@ def main() -> int:
     rates = [float(r) for r in args.rates.split(",")]
     if any(not 0 < r <= 1 for r in rates):
         parser.error("rates are probabilities in (0, 1]")
-    prefixes = 40 if args.quick else args.prefixes
+    prefixes = 30 if args.quick else args.prefixes
+    baseline = 3 if args.quick else args.baseline
     os.environ.setdefault("TQDM_DISABLE", "1")
 
     import numpy as np
@@ -111,7 +112,7 @@ def main() -> int:
                 caught = pre.audit is not None and liar_name in pre.audit.quarantined
                 return tokens, caught, pre.pulled_bytes
 
-            for _ in range(args.baseline):
+            for _ in range(baseline):
                 _, caught, used = serve_lie()
                 assert not caught
                 baseline_wrong_bytes += used
@@ -141,7 +142,7 @@ def main() -> int:
 
     result: dict[str, object] = {"quick": args.quick, "rates": rates, "prefixes_per_rate": prefixes,
                                  "block_size": BLOCK, "blocks_per_prefix": NUM_BLOCKS,
-                                 "baseline_prefixes": args.baseline, "baseline_wrong_bytes": baseline_wrong_bytes,
+                                 "baseline_prefixes": baseline, "baseline_wrong_bytes": baseline_wrong_bytes,
                                  "wrong_blocks_after_quarantine": wrong_after,
                                  "seconds": round(time.perf_counter() - started, 1)}
     rows = []
@@ -151,8 +152,7 @@ def main() -> int:
         # A run still open at the end counts as "not caught within N" only once N served prefixes passed.
         for n in WITHIN:
             total = len(gaps) + (censored[key] >= n)
-            measured = sum(g <= n for g in gaps) / total if total else float("nan")
-            result[f"caught_within_{n}_{key}"] = round(measured, 4)
+            result[f"caught_within_{n}_{key}"] = round(sum(g <= n for g in gaps) / total, 4) if total else None
             result[f"predicted_within_{n}_{key}"] = round(1 - (1 - rate) ** n, 4)
         result[f"catches_{key}"] = len(gaps)
         result[f"prefixes_{key}"] = prefixes
@@ -164,7 +164,7 @@ def main() -> int:
                 "measured / predicted 1-(1-p)^N)",
                 ["rate", "served prefixes", "catches", "mean prefixes to catch", "predicted mean 1/p",
                  *(f"caught within {n}" for n in WITHIN)], rows)
-    print(f"baseline (rate 0): {args.baseline} prefixes, {baseline_wrong_bytes} wrong bytes handed to the engine; "
+    print(f"baseline (rate 0): {baseline} prefixes, {baseline_wrong_bytes} wrong bytes handed to the engine; "
           f"after each quarantine: {wrong_after} of the liar's blocks loaded on any node")
     emit_json(result)
     return 0

@@ -210,6 +210,8 @@ class NodeAuditor:
         from cluster.node_actor import node_actor_name
 
         def find() -> list[Any]:
+            if not ray.is_initialized():   # a node outside Ray (tests of the read path): no peers to tell
+                return []
             actors = []
             for node in ray.nodes():
                 if not node.get("Alive") or node["NodeID"] == self.node_id:

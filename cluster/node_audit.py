@@ -21,7 +21,7 @@ import logging
 import os
 import random
 import time
-from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Collection, Coroutine, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -42,6 +42,12 @@ from transports.core.identity import NodeSigner, TrustAnchor
 logger = logging.getLogger(__name__)
 
 PEER_CALL_TIMEOUT_S = 10.0
+TICKET_TTL_S = 600.0      # an engine has this long to hand in the KV of a sampled load
+MAX_TICKETS = 4096
+
+
+class AuditRefusedError(ValueError):
+    """An audit of blocks this node did not sample: nobody picks which producer to accuse."""
 
 
 class NodeAuditor:
@@ -66,6 +72,8 @@ class NodeAuditor:
         self.sampler = AuditSampler(self.config, random.Random(seed))
         self.book = QuarantineBook(book_path)
         self._outvoted: dict[str, set[bytes]] = {}   # producer -> blocks where others outvoted it
+        # (namespace root, last block hash) of each sampled load -> until when its audit is taken
+        self._tickets: dict[tuple[bytes, bytes], float] = {}
         loader.sampler = self
         self._apply()
 
@@ -77,10 +85,20 @@ class NodeAuditor:
 
     # ---- what NodeLoader asks (its `Sampler`) ------------------------------------------------------
 
-    def sample(self, ns: Namespace, producers: Collection[str]) -> bool:
-        others = [p for p in producers if p != self.node_name]
+    def sample(self, ns: Namespace, producers: Collection[str], hashes: Sequence[BlockHash]) -> bool:
+        """Draw for a load of `hashes`; a sampled one leaves a ticket its engine's audit hands in."""
+        # Owners that report no version name no producer: drawn at the base rate ("" is nobody's name).
+        others = [p for p in producers if p != self.node_name] if producers else [""]
         tenants = self.loader.tenants_of(ns)
-        return self.sampler.sample(others, min(tenants) if tenants else "", time.time())
+        now = time.time()
+        if not hashes or not self.sampler.sample(others, min(tenants) if tenants else "", now):
+            return False
+        if len(self._tickets) >= MAX_TICKETS:
+            self._tickets = {k: t for k, t in self._tickets.items() if t > now}
+            while len(self._tickets) >= MAX_TICKETS:
+                del self._tickets[next(iter(self._tickets))]
+        self._tickets[(ns.root, bytes(hashes[-1]))] = now + TICKET_TTL_S
+        return True
 
     def disputed(self, producers: Collection[str]) -> None:
         now = time.time()
@@ -115,7 +133,13 @@ class NodeAuditor:
     # ---- the audit ---------------------------------------------------------------------------------
 
     async def audit(self, ns: Namespace, hashes: list[BlockHash], payloads: np.ndarray) -> AuditReport:
-        """Compare `payloads` (the engine's KV of `hashes`) with what their producers signed."""
+        """Compare `payloads` (the engine's KV of `hashes`) with what their producers signed. Only
+        for a load this node sampled (its ticket: the chain's last hash), so an engine cannot choose
+        which producer's blocks to accuse; raises AuditRefusedError otherwise."""
+        expiry = self._tickets.pop((ns.root, bytes(hashes[-1])), None) if hashes else None
+        if expiry is None or expiry < time.time():
+            raise AuditRefusedError(f"no load of these {len(hashes)} blocks was sampled for audit here (or its "
+                                    f"ticket is over {TICKET_TTL_S:g} s old): compare only what the node asked for")
         records: list[Provenance | None] = []
         signed = await self.loader.load(ns, hashes, True, deadline_s=float("inf"), mirror=False,
                                          records=records)
@@ -150,7 +174,7 @@ class NodeAuditor:
         return AuditReport(checked, mismatched, tuple(sorted(producers)), tuple(sorted(caught)))
 
     def _local_record(self, block_hash: BlockHash) -> Provenance | None:
-        block = self.store.get_block(BlockAddress(block_hash, 0))
+        block = self.store.get_block(BlockAddress(block_hash, 0), promote=False)
         return None if block is None else block.provenance
 
     # ---- quarantine --------------------------------------------------------------------------------

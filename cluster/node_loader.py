@@ -70,7 +70,7 @@ class Locator(Protocol):
 class Sampler(Protocol):
     """Whether a load whose pulled blocks name `producers` is recomputed (cluster/node_audit.py)."""
 
-    def sample(self, ns: Namespace, producers: Collection[str]) -> bool: ...
+    def sample(self, ns: Namespace, producers: Collection[str], hashes: Sequence[BlockHash]) -> bool: ...
 
     def disputed(self, producers: Collection[str]) -> None: ...
 
@@ -231,7 +231,7 @@ class NodeLoader:
             runs, planned = [], num_local   # a local block failed its check: stop there
         # Sampled: nothing is pulled; the engine computes the planned blocks and `audit` pulls them to compare.
         audit_blocks = planned if sample and runs and self.sampler is not None and \
-            self.sampler.sample(ns, producers) else 0
+            self.sampler.sample(ns, producers, hashes[:planned]) else 0
         if audit_blocks:
             self.metrics.audit_samples.inc()
             runs, planned = [], num_local

@@ -15,9 +15,10 @@ import math
 from pathlib import Path
 
 import numpy as np
+import pytest
 from test_node_loader import HASHES, NS, NUM_BLOCKS, NUM_LOCAL, TRUTH, Pair, _run, _signer, cert_dir
 
-from cluster.node_audit import NodeAuditor
+from cluster.node_audit import AuditRefusedError, NodeAuditor
 from fabric.config import AuditConfig, Config
 from transports.core.identity import TrustAnchor
 
@@ -33,15 +34,25 @@ def _auditor(p: Pair, certs: Path, tmp_path: Path, audit: AuditConfig) -> NodeAu
                        spawn=lambda coro: p.tasks.append(asyncio.get_running_loop().create_task(coro)))
 
 
+async def _sampled(p: Pair) -> None:
+    """An engine's load that the node samples (rate 1): nothing is pulled, a ticket is left for its audit."""
+    reply = await p.loader.load(NS, HASHES, True, deadline_s=math.inf, sample=True)
+    assert reply.audit_blocks == NUM_BLOCKS and reply.num_blocks == NUM_LOCAL and reply.pulled_bytes == 0
+
+
 def test_kv_that_differs_from_the_signed_kv_quarantines_its_producer_and_its_records_are_refused(
         cert_dir: Path, tmp_path: Path) -> None:
     async def body(p: Pair) -> None:
-        auditor = _auditor(p, cert_dir, tmp_path, AuditConfig(bitwise_models=[NS.model_id]))
+        auditor = _auditor(p, cert_dir, tmp_path, AuditConfig(rate=1.0, bitwise_models=[NS.model_id]))
+        with pytest.raises(AuditRefusedError, match="sampled"):   # nobody picks whom to accuse
+            await auditor.audit(NS, HASHES, np.zeros_like(TRUTH))
+        await _sampled(p)
         honest = await auditor.audit(NS, HASHES, TRUTH.copy())
         assert (honest.num_checked, honest.num_mismatched, honest.producers) == (NUM_BLOCKS - NUM_LOCAL, 0, ("node-a",))
         assert auditor.book.quarantined() == frozenset()
         wrong = TRUTH.copy()
         wrong[NUM_LOCAL + 1, 2, 7] ^= 0x40                  # one bit of one block B pulls from A
+        await _sampled(p)
         report = await auditor.audit(NS, HASHES, wrong)
         assert report.num_mismatched == 1 and report.quarantined == ("node-a",)
         evidence = auditor.book.entries["node-a"]["evidence"]
@@ -57,7 +68,8 @@ def test_kv_that_differs_from_the_signed_kv_quarantines_its_producer_and_its_rec
 
 def test_float_noise_within_the_tolerance_is_checked_and_not_a_lie(cert_dir: Path, tmp_path: Path) -> None:
     async def body(p: Pair) -> None:
-        auditor = _auditor(p, cert_dir, tmp_path, AuditConfig(atol=1e-3, rtol=1e-2))
+        auditor = _auditor(p, cert_dir, tmp_path, AuditConfig(rate=1.0, atol=1e-3, rtol=1e-2))
+        await _sampled(p)
         values = TRUTH.view(np.float16).astype(np.float64)
         with np.errstate(invalid="ignore", over="ignore"):   # random bytes: NaNs, infinities, f16 maxima (kept)
             noisy = np.where(np.abs(values) < 6e4, values * (1 + 2e-3), values).astype(np.float16).view(np.uint8)

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 _CLUSTER_MODULES = frozenset({
+    "test_audit_cluster.py",
     "test_cli_cluster.py",
     "test_cli_demo.py",
     "test_cli_inspect.py",

@@ -62,7 +62,7 @@ def main() -> int:
     from cluster.engines.hf_actor import spawn_engines
     from cluster.launch import start_local_cluster
     from cluster.node_actor import node_actor_name
-    from fabric.config import Config, KVConfig
+    from fabric.config import AuditConfig, Config, KVConfig
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     ttft: dict[str, list[float]] = {p: [] for p in (*PHASES, "recompute")}
@@ -70,7 +70,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-deadline-") as tmp:
         checkpoint, fingerprint = smollm2_checkpoint()
         vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
-        local = start_local_cluster(2, Path(tmp) / "fabric", Config(kv=KVConfig(ram_gib=1.0)),
+        # No sampled recompute: which tokens were pulled is what this bench measures.
+        local = start_local_cluster(2, Path(tmp) / "fabric", Config(kv=KVConfig(ram_gib=1.0),
+                                                                    audit=AuditConfig(rate=0.0)),
                                     object_store_bytes=1 << 30)
         try:
             a, b = sorted(local.node_ids())

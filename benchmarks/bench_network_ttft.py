@@ -49,7 +49,7 @@ from benchmarks.bench_ttft import settle
 from benchmarks.network_runs import profile_figures
 from cluster.netbed import NetBed, NetbedUnavailable
 from cluster.netbed_plan import NetbedError, parse_profile
-from fabric.config import ClusterConfig, Config, KVConfig
+from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_RESULTS = ROOT / "benchmarks" / "results" / "bench_network_ttft.json"
@@ -161,7 +161,8 @@ def run(profiles: list[str], num_prefix: int, reps: int) -> dict[str, Any]:
     from cluster.netbed_ray import driver, node_hosts, start_bed_fabric, start_ray
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
-    base = Config(kv=KVConfig(ram_gib=1.5), cluster=ClusterConfig(pull_timeout_s=PULL_TIMEOUT_S))
+    base = Config(kv=KVConfig(ram_gib=1.5), cluster=ClusterConfig(pull_timeout_s=PULL_TIMEOUT_S),
+                  audit=AuditConfig(rate=0.0))   # pulls are measured: no sampled recompute (bench_ttft pairs it)
     bed = NetBed.create(2, profile=profiles[0])
     try:
         bed_ray = start_ray(bed, object_store_bytes=1 << 30)

@@ -7,6 +7,12 @@ For each prompt size (1k, 2k, 4k tokens of prefix + a 16-token suffix), in one r
     pull              node B: the prefix is pulled from A over TLS, then the suffix is computed
     layer-wise pull   node C: the same, but layer i computes as soon as layer i has arrived
                       (the overlap: compute done while later layers were still arriving)
+    sampled pull      node B, before its pull: the load is sampled for audit (B's rate set to 1 for
+                      this request), so B's engine computes the prefix and the node compares it
+                      with A's signed KV (docs/security.md); its TTFT is what one sampled request
+                      costs. At rate p a share p of pulls costs that instead of a pull: the added
+                      prefill time is p x (sampled - pull), which must stay within p x recompute.
+                      Every other request runs at rate 0 (no draw changes what is measured).
 
 B and C swap order on every repetition. Every TTFT is measured inside the engine actor (lookup +
 load + suffix prefill up to the first token's logits). Before each measured request the bench waits
@@ -45,7 +51,8 @@ SIZES = {"1k": 1024, "2k": 2048, "4k": 4096}
 QUICK_SIZES = {"256": 256, "512": 512}
 SUFFIX = 16
 BLOCK = 16   # tokens per block, vLLM's default; --block-size changes it
-PATHS = ("recompute", "local", "remote", "remote_layerwise")
+PATHS = ("recompute", "local", "remote", "remote_layerwise", "remote_sampled")
+DEFAULT_RATE = 0.01   # [audit] rate's default
 
 
 def prompt_pair(num_prefix: int, seed: int, vocab: int) -> tuple[list[int], list[int]]:
@@ -110,7 +117,7 @@ def main() -> int:
     from cluster.engines.hf_actor import Answer, spawn_engines
     from cluster.launch import start_local_cluster
     from cluster.node_actor import node_actor_name
-    from fabric.config import Config, KVConfig
+    from fabric.config import AuditConfig, Config, KVConfig
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     sizes = QUICK_SIZES if args.quick else {k: v for k, v in SIZES.items() if k in args.sizes.split(",")}
@@ -121,7 +128,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="kvfabric-bench-ttft-") as tmp:
         checkpoint, fingerprint = smollm2_checkpoint()
         vocab = int(json.loads((checkpoint / "config.json").read_text())["vocab_size"])
-        local = start_local_cluster(3, Path(tmp) / "fabric", Config(kv=KVConfig(ram_gib=2.0)),
+        local = start_local_cluster(3, Path(tmp) / "fabric", Config(kv=KVConfig(ram_gib=2.0),
+                                                                    audit=AuditConfig(rate=0.0)),
                                     object_store_bytes=1 << 30)
         try:
             a, b, c = sorted(local.node_ids())
@@ -153,6 +161,15 @@ def main() -> int:
                     assert cold.num_reused_tokens == 0, "the recompute found cached blocks"
                     settle(nodes)   # A's blocks are flushed and listed in the directory
                     hit = measured(label, "local", a, second, mode="full", export=False)
+                    settle(nodes)   # B holds nothing of it yet: a sampled load is not mirrored
+                    ray.get(nodes[1].set_audit_rate.remote(1.0))
+                    sampled = measured(label, "remote_sampled", b, second, mode="full", export=False,
+                                       deadline_s=math.inf)
+                    ray.get(nodes[1].set_audit_rate.remote(0.0))
+                    audit = sampled.audit
+                    if audit is None or audit.num_checked < num_prefix // args.block_size or audit.num_mismatched:
+                        raise RuntimeError(f"the sampled load on {b[:8]} was not audited as expected: {audit}")
+                    samples[label]["remote_sampled"].append(sampled.ttft_s)
                     order = [(b, "full"), (c, "layerwise")]
                     for node, mode in order if rep % 2 == 0 else order[::-1]:
                         settle(nodes)
@@ -177,6 +194,7 @@ def main() -> int:
     result: dict[str, object] = {"quick": args.quick, "reps": args.reps, "block_size": args.block_size,
                                  "kv_bytes_per_token": kv_bytes_per_token}
     rows = []
+    audit_rows: list[list[object]] = []
     for label, num_prefix in sizes.items():
         med = {p: median(samples[label][p]) for p in PATHS}
         best_remote = min(med["remote"], med["remote_layerwise"])
@@ -184,6 +202,12 @@ def main() -> int:
             result[f"ttft_{p}_{label}_s"] = round(med[p], 4)
         result[f"ratio_remote_{label}"] = round(best_remote / med["recompute"], 4)
         result[f"remote_over_local_{label}"] = round(best_remote / med["local"], 4)
+        # What sampling at the default rate adds to a pull's prefill time, as a share of a recompute's.
+        added = DEFAULT_RATE * (med["remote_sampled"] - med["remote"])
+        result[f"audit_added_s_{label}"] = round(added, 5)
+        result[f"audit_added_share_{label}"] = round(added / med["recompute"], 5)
+        audit_rows.append([label, med["remote"], med["remote_sampled"], med["recompute"], added,
+                           added / med["recompute"], DEFAULT_RATE])
         rows.append([label, num_prefix + SUFFIX, med["recompute"], med["local"], med["remote"],
                      med["remote_layerwise"], best_remote / med["recompute"], best_remote / med["local"]])
     cores = os.cpu_count() or 1
@@ -203,9 +227,14 @@ def main() -> int:
     print_table("TTFT, SmolLM2-135M-Instruct (f32) on a local 3-node Ray cluster, medians in seconds",
                 ["prompt", "tokens", "recompute", "local RAM hit", "pull", "layer-wise pull",
                  "best remote / recompute", "best remote / local"], rows)
+    print_table(f"Sampled recompute (audit): what the default rate {DEFAULT_RATE:g} adds to a pull's TTFT, medians "
+                "in seconds (bound: the added share of a recompute <= the rate)",
+                ["prompt", "pull", "sampled pull", "recompute", "added at the default rate", "added / recompute",
+                 "rate"], audit_rows)
+    result["audit_default_rate"] = DEFAULT_RATE
     print_table(f"CPU seconds per request, the 3 NodeActors + 3 engines together (medians; {cores} cores here; "
                 "recompute includes exporting its blocks)",
-                ["prompt", "recompute", "local RAM hit", "pull", "layer-wise pull", "pull / local",
+                ["prompt", "recompute", "local RAM hit", "pull", "layer-wise pull", "sampled pull", "pull / local",
                  "pull's TTFT floor (CPU / cores)"], cpu_rows)
     overlaps = [f"{label} {result[f'overlap_layerwise_{label}_s']:.3f} s of "
                 f"{result[f'ttft_remote_layerwise_{label}_s']:.3f} s" for label in sizes]

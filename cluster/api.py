@@ -108,6 +108,9 @@ class LoadReply:
     payloads: np.ndarray          # uint8 (num_blocks, num_layers, bytes_per_block_layer), read-only
     sources: tuple[str, ...]      # per block: "device" / "ram" / "ssd" / "peer:<node id>"
     pulled_bytes: int             # bytes that came over a transport for this request
+    # Sampled for audit: nothing was pulled (only local blocks are here); the engine computes blocks
+    # 0 .. audit_blocks itself and passes them to `Fabric.audit`. An engine that ignores it just misses.
+    audit_blocks: int = 0
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +123,16 @@ class LoadReply:
     @property
     def num_pulled_blocks(self) -> int:
         return sum(1 for s in self.sources if s.startswith("peer:"))
+
+
+@dataclass(frozen=True, slots=True)
+class AuditReport:
+    """What `Fabric.audit` found: blocks compared with their producer's signed payload."""
+
+    num_checked: int                       # blocks compared (another producer's, signed, found)
+    num_mismatched: int                    # of those, beyond the tolerance (or not bitwise equal)
+    producers: tuple[str, ...] = ()        # the producers whose blocks were compared
+    quarantined: tuple[str, ...] = ()      # producers this audit caught (quarantined cluster-wide)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,6 +153,7 @@ class LayerStream(Protocol):
 
     num_blocks: int
     sources: tuple[str, ...]
+    audit_blocks: int    # as LoadReply's: sampled, only local blocks come; compute and audit this many
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]: ...
 
@@ -154,15 +168,16 @@ class Fabric(Protocol):
     def lookup(self, ns: Namespace, tokens: Tokens) -> LookupReply: ...
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-             deadline_s: float | None = None) -> LoadReply:
+             deadline_s: float | None = None, audit: bool = False) -> LoadReply:
         """The longest verified cached prefix. Pulls are made only where they are expected to land
         before the engine could compute the same tokens, and are cut at `deadline_s` (by default the
         node's own estimate of that break-even); what arrived in time is returned. `deadline_s=math.inf`
-        pulls everything the owners hold and never cuts."""
+        pulls everything the owners hold and never cuts. `audit=True`: the caller (an engine) computes
+        the blocks and calls `audit` when the reply names `audit_blocks`; only such loads are sampled."""
         ...
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-                    deadline_s: float | None = None) -> LayerStream:
+                    deadline_s: float | None = None, audit: bool = False) -> LayerStream:
         """`load`, layer by layer; pulls are planned by `deadline_s` the same way but never cut."""
         ...
 
@@ -178,14 +193,22 @@ class Fabric(Protocol):
         """Store `payloads` for blocks `first_block .. first_block + len(payloads)` of `tokens`."""
         ...
 
+    def audit(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray) -> AuditReport:
+        """Compare KV the engine computed itself, `payloads` for blocks `0 .. len(payloads)` of `tokens`
+        (as `store` takes them), with what those blocks' producers signed: the node reads its own
+        copies or pulls them (verified as any pull), skips blocks it produced itself, and quarantines
+        a producer whose signed KV differs beyond the `[audit]` tolerance (docs/security.md). Call it
+        after computing the blocks of a load whose reply named `audit_blocks`; any engine may call it."""
+        ...
+
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
                       parent: BlockId | None = None) -> LookupReply: ...
 
     def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
-                    max_blocks: int | None = None) -> LoadReply: ...
+                    max_blocks: int | None = None, audit: bool = False) -> LoadReply: ...
 
     def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
-                           max_blocks: int | None = None) -> LayerStream: ...
+                           max_blocks: int | None = None, audit: bool = False) -> LayerStream: ...
 
     def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
                      parent: BlockId | None = None, first_block: int = 0) -> StoreReply:
@@ -195,8 +218,8 @@ class Fabric(Protocol):
 
 class NodeApi(Protocol):
     """The calls a node's actor answers, as a caller passes them through Ray: positional arguments,
-    each call a coroutine, the two layer streams async generators that yield `(num_blocks, sources)`
-    first and then one uint8 array `(num_blocks, bytes_per_block_layer)` per layer. The Fabric calls
+    each call a coroutine, the two layer streams async generators that yield `(num_blocks, sources,
+    audit_blocks)` first and then one uint8 array `(num_blocks, bytes_per_block_layer)` per layer. The Fabric calls
     mean what they mean in `Fabric`; `pulls=False` answers from this node's own tiers only;
     `tenant_token` proves the caller's tenant (docs/tenants.md). `token` of the node-wide calls is a
     tenant's (who then sees only its own) or the operator's (who sees and may change everything)."""
@@ -211,10 +234,10 @@ class NodeApi(Protocol):
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
                    pulls: bool = True, deadline_s: float | None = None, *,
-                   tenant_token: bytes | None = None) -> LoadReply: ...
+                   tenant_token: bytes | None = None, audit: bool = False) -> LoadReply: ...
 
     def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
-                    deadline_s: float | None = None, *, tenant_token: bytes | None = None
+                    deadline_s: float | None = None, *, tenant_token: bytes | None = None, audit: bool = False
                     ) -> AsyncIterator[Any]: ...
 
     async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0, *,
@@ -225,11 +248,11 @@ class NodeApi(Protocol):
 
     async def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
                           max_blocks: int | None = None, pulls: bool = True, *,
-                          tenant_token: bytes | None = None) -> LoadReply: ...
+                          tenant_token: bytes | None = None, audit: bool = False) -> LoadReply: ...
 
     def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
-                           max_blocks: int | None = None, *, tenant_token: bytes | None = None
-                           ) -> AsyncIterator[Any]: ...
+                           max_blocks: int | None = None, *, tenant_token: bytes | None = None,
+                           audit: bool = False) -> AsyncIterator[Any]: ...
 
     async def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray,
                            parent: BlockId | None = None, first_block: int = 0, *,
@@ -239,6 +262,25 @@ class NodeApi(Protocol):
                              tenant_token: bytes | None = None) -> None: ...
 
     async def report_load(self, load: EngineLoad, *, tenant_token: bytes | None = None) -> None: ...
+
+    async def audit(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *,
+                    tenant_token: bytes | None = None) -> AuditReport: ...
+
+    async def quarantine_notice(self, entry: dict[str, Any]) -> bool:
+        """A peer's signed quarantine (or a release it learned): merged if newer; True if it changed anything."""
+        ...
+
+    async def quarantine_entries(self) -> list[dict[str, Any]]:
+        """Every producer's latest quarantine or release this node knows (what a restarted peer merges)."""
+        ...
+
+    async def set_audit_rate(self, rate: float, *, token: bytes | None = None) -> None:
+        """Set this node's base sampling rate (`[audit] rate`) until it restarts. Operator only."""
+        ...
+
+    async def release_producer(self, producer: str, *, token: bytes | None = None) -> bool:
+        """Lift `producer`'s quarantine here (True if it was quarantined). Operator only."""
+        ...
 
     async def held_block_hashes(self, *, token: bytes | None = None) -> list[bytes]:
         """Every block hash the node holds in any tier (any layer of it); a tenant's: those of its namespaces."""

@@ -116,7 +116,7 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     from cluster.engines.hf_actor import spawn_engines
     from cluster.launch import start_local_cluster
     from cluster.router import NodeView, Router
-    from fabric.config import Config, KVConfig
+    from fabric.config import AuditConfig, Config, KVConfig
     from fabric.keys import block_hashes
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
@@ -130,7 +130,9 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     questions = QUESTIONS[:args.questions]
     prompts = [chat_tokens(tokenizer, system, q) for q in questions]
     with console.status(f"starting {args.nodes} Ray nodes with the fabric and an engine on each"):
-        local = start_local_cluster(args.nodes, workdir / "fabric", Config(kv=KVConfig(ram_gib=0.5)))
+        # The demo shows each path once: no sampled recompute (docs/security.md) in the middle of it.
+        local = start_local_cluster(args.nodes, workdir / "fabric", Config(kv=KVConfig(ram_gib=0.5),
+                                                                          audit=AuditConfig(rate=0.0)))
     try:
         with console.status("loading the engines"):
             nodes = sorted(local.node_ids())

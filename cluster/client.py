@@ -5,7 +5,9 @@
     kv = client.load(ns, tokens)               # kv.payloads: uint8 (blocks, layers, bytes), zero-copy
     client.store(ns, tokens, payloads, first_block=kv.num_blocks)
     client.load_blocks(ns, block_ids, parent=parent_id)   # the same, for blocks named by the engine's ids
+    client.audit(ns, tokens, own)              # kv.audit_blocks: sampled; the node compares `own` (engine KV)
     client.purge_producer("node-7")            # every node drops the blocks node-7 produced (an operator call)
+    client.release_producer("node-7")          # lift a quarantine on every node (an operator call)
     FabricClient.connect(credential="acme.tenant.pem")   # calls as tenant acme (docs/tenants.md)
     FabricClient.connect(credential="ops.operator.pem")  # calls as the operator: purge, node-wide stats
 
@@ -29,7 +31,16 @@ from typing import TYPE_CHECKING, Any, Concatenate, ParamSpec, TypeVar
 import numpy as np
 import ray
 
-from cluster.api import EngineLoad, IncompleteLoadError, LoadReply, LookupReply, NodeApi, StoreReply, Tokens
+from cluster.api import (
+    AuditReport,
+    EngineLoad,
+    IncompleteLoadError,
+    LoadReply,
+    LookupReply,
+    NodeApi,
+    StoreReply,
+    Tokens,
+)
 from cluster.node_actor import node_actor_name
 from cluster.tenancy import TenantRefusedError
 from fabric.block_ids import BlockId
@@ -100,9 +111,9 @@ class FabricClient:
         return self._call(NodeApi.lookup, ns, _tokens(tokens), tenant_token=self._token())
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-             pulls: bool = True, deadline_s: float | None = None) -> LoadReply:
+             pulls: bool = True, deadline_s: float | None = None, audit: bool = False) -> LoadReply:
         return self._call(NodeApi.load, ns, _tokens(tokens), max_blocks, pulls, deadline_s,
-                          tenant_token=self._token())
+                          tenant_token=self._token(), audit=audit)
 
     def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
         """Sent without waiting for an answer: a report never delays the engine."""
@@ -113,26 +124,29 @@ class FabricClient:
         self._remote(NodeApi.report_load, load, tenant_token=self._token())
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-                    deadline_s: float | None = None) -> RayLayerStream:
+                    deadline_s: float | None = None, audit: bool = False) -> RayLayerStream:
         return RayLayerStream(self._remote(NodeApi.load_layers, ns, _tokens(tokens), max_blocks, deadline_s,
-                                           tenant_token=self._token()), self)
+                                           tenant_token=self._token(), audit=audit), self)
 
     def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
         return self._call(NodeApi.store, ns, _tokens(tokens), payloads, first_block, tenant_token=self._token())
+
+    def audit(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray) -> AuditReport:
+        return self._call(NodeApi.audit, ns, _tokens(tokens), payloads, tenant_token=self._token())
 
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
                       parent: BlockId | None = None) -> LookupReply:
         return self._call(NodeApi.lookup_blocks, ns, list(block_ids), parent, tenant_token=self._token())
 
     def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
-                    max_blocks: int | None = None, pulls: bool = True) -> LoadReply:
+                    max_blocks: int | None = None, pulls: bool = True, audit: bool = False) -> LoadReply:
         return self._call(NodeApi.load_blocks, ns, list(block_ids), parent, max_blocks, pulls,
-                          tenant_token=self._token())
+                          tenant_token=self._token(), audit=audit)
 
     def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
-                           max_blocks: int | None = None) -> RayLayerStream:
+                           max_blocks: int | None = None, audit: bool = False) -> RayLayerStream:
         return RayLayerStream(self._remote(NodeApi.load_blocks_layers, ns, list(block_ids), parent, max_blocks,
-                                           tenant_token=self._token()),
+                                           tenant_token=self._token(), audit=audit),
                               self)
 
     def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
@@ -186,6 +200,12 @@ class FabricClient:
         client's credential must be the operator's where anonymous callers are not served."""
         return purge_producer(producer, namespace=namespace, timeout_s=timeout_s, operator=self.tenant)
 
+    def release_producer(self, producer: str, *, namespace: str = DEFAULT_NAMESPACE,
+                         timeout_s: float = 60.0) -> dict[str, bool | str]:
+        """On every alive node, lift `producer`'s quarantine (docs/security.md). Per node id: whether
+        it was quarantined there, or the error that kept the node from answering. An operator call."""
+        return release_producer(producer, namespace=namespace, timeout_s=timeout_s, operator=self.tenant)
+
     def unbind_node(self, node_id: str, *, cluster: ClusterConfig | None = None) -> dict[int, str | None]:
         """`unbind_node` with this client's (operator's) credential."""
         if self.tenant is None:
@@ -221,7 +241,9 @@ class RayLayerStream:
         self._gen = gen
         self._client = client
         try:
-            self.num_blocks, self.sources = client._get("load_layers", next(gen))
+            plan = client._get("load_layers", next(gen))
+            self.num_blocks, self.sources = plan[0], plan[1]
+            self.audit_blocks = int(plan[2]) if len(plan) > 2 else 0
         except StopIteration:
             raise RuntimeError("load_layers ended before sending its plan") from None
 
@@ -246,18 +268,34 @@ def purge_producer(producer: str, *, namespace: str = DEFAULT_NAMESPACE, timeout
     with `operator`'s tokens (None: anonymously, which only nodes without required tenancy admit)."""
     if not producer:
         raise ValueError("purge needs a producer node name")
+    return _on_every_node("purge_producer", producer, int, namespace=namespace, timeout_s=timeout_s,
+                          operator=operator)
+
+
+def release_producer(producer: str, *, namespace: str = DEFAULT_NAMESPACE, timeout_s: float = 60.0,
+                     operator: TenantMinter | None = None) -> dict[str, bool | str]:
+    """`FabricClient.release_producer` for a driver that has no node of its own (the CLI)."""
+    if not producer:
+        raise ValueError("release needs a producer node name")
+    return _on_every_node("release_producer", producer, bool, namespace=namespace, timeout_s=timeout_s,
+                          operator=operator)
+
+
+def _on_every_node(call: str, producer: str, kind: Callable[[Any], R], *, namespace: str, timeout_s: float,
+                   operator: TenantMinter | None) -> dict[str, R | str]:
+    """Make the operator call `call(producer)` on every alive node's actor; per node id its answer or error."""
     calls: dict[str, Any] = {}
-    out: dict[str, int | str] = {}
+    out: dict[str, R | str] = {}
     token = None if operator is None else operator.token(time.time())
     for node_id in sorted(n["NodeID"] for n in ray.nodes() if n.get("Alive")):
         try:
             actor = ray.get_actor(node_actor_name(node_id), namespace=namespace)
-            calls[node_id] = actor.purge_producer.remote(producer, token=token)
+            calls[node_id] = getattr(actor, call).remote(producer, token=token)
         except ValueError:
             out[node_id] = "no NodeActor"
     for node_id, ref in calls.items():
         try:
-            out[node_id] = int(ray.get(ref, timeout=timeout_s))
+            out[node_id] = kind(ray.get(ref, timeout=timeout_s))
         except TenantRefusedError as e:
             out[node_id] = f"refused: {getattr(e, 'cause', e)}"   # Ray's wrapper keeps the node's error
         except ray.exceptions.RayError as e:

@@ -10,6 +10,7 @@ fails its digest (the store re-hashes anything it reads from a file), so the rep
 verified leading run. A block whose record names a producer whose certificate is revoked
 (`revoked`, the node's revocation list) is not served either: it is deleted on that read, so a
 mirror of a revoked producer's block is gone once its node reads the new list, wherever it lives.
+The same holds for a producer the cluster quarantined (`quarantined`, names; docs/security.md).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 from cryptography import x509
 
 from cluster.api import (
+    AuditReport,
     BlockLocation,
     CacheFill,
     EngineLoad,
@@ -59,9 +61,12 @@ class LocalFabric:
         self.engine_load = EngineLoad()
         self.prefill = PrefillRates()
         self.revoked: frozenset[int] = frozenset()   # serials of revoked certificates (set by the node)
+        self.quarantined: frozenset[str] = frozenset()   # producers quarantined cluster-wide (set by the node)
         self._serials: dict[bytes, int] = {}         # producer certificate (DER) -> its serial
 
     def _of_revoked_producer(self, record: Provenance | None) -> bool:
+        if record is not None and record.producer in self.quarantined:
+            return True
         if record is None or not self.revoked:
             return False
         serial = self._serials.get(record.cert_der)
@@ -182,8 +187,8 @@ class LocalFabric:
         return self.lookup_hashes(ns, block_hashes(ns, tokens), peek=peek)
 
     def load(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-             deadline_s: float | None = None) -> LoadReply:
-        """Local reads only (no pulls), so there is nothing for `deadline_s` to cut."""
+             deadline_s: float | None = None, audit: bool = False) -> LoadReply:
+        """Local reads only (no pulls), so there is nothing for `deadline_s` to cut nor to `audit`."""
         return self.load_hashes(ns, block_hashes(ns, tokens)[:max_blocks])
 
     def report_prefill(self, ns: Namespace, num_tokens: int, seconds: float) -> None:
@@ -193,7 +198,7 @@ class LocalFabric:
         self.engine_load = load
 
     def load_layers(self, ns: Namespace, tokens: Tokens, *, max_blocks: int | None = None,
-                    deadline_s: float | None = None) -> LocalLayerStream:
+                    deadline_s: float | None = None, audit: bool = False) -> LocalLayerStream:
         # Local reads are memory copies: read everything, then hand the layers out in order.
         return LocalLayerStream(self.load(ns, tokens, max_blocks=max_blocks))
 
@@ -202,16 +207,22 @@ class LocalFabric:
         hashes = block_hashes(ns, tokens)[first_block:first_block + num_blocks]
         return self.write_blocks(ns, hashes, payloads)
 
+    def audit(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray) -> AuditReport:
+        """Nothing to compare: one process's store holds only what its own engine computed (no
+        other producer's signed blocks, no pulls), so no load of it is ever sampled."""
+        check_payloads(ns, tokens, payloads, 0)
+        return AuditReport(0, 0)
+
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
                       parent: BlockId | None = None, peek: bool = False) -> LookupReply:
         return self.lookup_hashes(ns, block_id_hashes(ns, block_ids, parent), peek=peek)
 
     def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
-                    max_blocks: int | None = None) -> LoadReply:
+                    max_blocks: int | None = None, audit: bool = False) -> LoadReply:
         return self.load_hashes(ns, block_id_hashes(ns, block_ids[:max_blocks], parent))
 
     def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], *, parent: BlockId | None = None,
-                           max_blocks: int | None = None) -> LocalLayerStream:
+                           max_blocks: int | None = None, audit: bool = False) -> LocalLayerStream:
         return LocalLayerStream(self.load_blocks(ns, block_ids, parent=parent, max_blocks=max_blocks))
 
     def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray, *,
@@ -228,6 +239,7 @@ class LocalLayerStream:
         self.reply = reply
         self.num_blocks = reply.num_blocks
         self.sources = reply.sources
+        self.audit_blocks = reply.audit_blocks
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         for layer in range(self.reply.payloads.shape[1]):

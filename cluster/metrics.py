@@ -47,10 +47,25 @@ class ClusterMetrics:
                                      "Blocks whose owners held different bytes at one address, by the producer of "
                                      "the version taken (the first reported) and of the one passed over",
                                      ["first_producer", "other_producer"], registry=registry)
+        self.disputed_blocks = Counter("kvfabric_disputed_blocks_total",
+                                       "Blocks a load treated as a miss: their leading versions are held by as many "
+                                       "independent producers each", registry=registry)
         self.crl_seconds_left = Gauge("kvfabric_crl_seconds_to_next_update",
                                       "Seconds until the CA's revocation list (crl.pem) passes its nextUpdate, after "
                                       "which every handshake is refused on both transports (+Inf: no list)",
                                       registry=registry)
+        self.audits = Counter("kvfabric_audits_total",
+                              "Pulled blocks recomputed by a sampled engine and compared with their producer's signed "
+                              "payload, by outcome (equal, within the tolerance, mismatch)", ["outcome"],
+                              registry=registry)
+        self.audit_samples = Counter("kvfabric_audit_samples_total",
+                                     "Loads with pulled blocks this node told its engine to recompute",
+                                     registry=registry)
+        self.quarantines = Counter("kvfabric_quarantines_total",
+                                   "Producers this node learned are quarantined, by who caught them",
+                                   ["producer", "checker"], registry=registry)
+        self.quarantined = Gauge("kvfabric_quarantined_producers", "Producers quarantined now (pullers refuse their "
+                                 "records, their blocks are dropped)", registry=registry)
         self.purged = Counter("kvfabric_purged_blocks_total", "(block, layer) payloads removed by purge --producer",
                               registry=registry)
         self.resyncs = Counter("kvfabric_directory_resyncs_total", "Full resyncs of this node's entries, by reason",

@@ -37,10 +37,20 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import numpy as np
 import ray
 
-from cluster.api import EngineLoad, LoadReply, LookupReply, StoreReply, Tokens, check_block_payloads, check_payloads
+from cluster.api import (
+    AuditReport,
+    EngineLoad,
+    LoadReply,
+    LookupReply,
+    StoreReply,
+    Tokens,
+    check_block_payloads,
+    check_payloads,
+)
 from cluster.directory_actor import DirectoryClient
 from cluster.directory_types import derived_node_name
 from cluster.directory_upkeep import DirectoryUpkeep
+from cluster.node_audit import NodeAuditor
 from cluster.node_loader import NodeLoader
 from cluster.node_runtime import NodeRuntime
 from cluster.node_stats import node_stats
@@ -123,7 +133,12 @@ class NodeActor:
                                  directory=self.directory, client=rt.client, verifier=rt.verifier,
                                  metrics=rt.metrics, kv_events=rt.kv_events, spawn=self._spawn,
                                  tenants_of=rt.tenancy.tenants_of)
+        self.auditor = NodeAuditor(self.config, node_id=self.node_id, node_name=self.node_name,
+                                   ray_namespace=c.namespace, signer=rt.signer, trust=lambda: rt.trust,
+                                   loader=self.loader, local=rt.local, store=rt.kv_store, metrics=rt.metrics,
+                                   book_path=rt.quarantine_path, spawn=self._spawn)
         self._spawn(rt.sync_forever(self.upkeep))
+        self._spawn(self.auditor.catch_up())
         logger.info("node %s (incarnation %d) serving %s on %s:%d, metrics on :%d, %d blocks held",
                     self.node_id, self.incarnation, rt.address.transport, rt.address.host, rt.address.port,
                     rt.metrics_port, len(rt.kv_store.held_addresses()))
@@ -177,22 +192,23 @@ class NodeActor:
 
     async def load(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
                    pulls: bool = True, deadline_s: float | None = None, *,
-                   tenant_token: bytes | None = None) -> LoadReply:
+                   tenant_token: bytes | None = None, audit: bool = False) -> LoadReply:
         await self._ensure_started()
         ns = self.rt.tenancy.bind(ns, tenant_token)
         return await self.loader.load(ns, block_hashes(ns, tokens)[:max_blocks], pulls, tokens=tokens,
-                                      deadline_s=deadline_s)
+                                      deadline_s=deadline_s, sample=audit)
 
     # A layer stream is never stitched from two runs (the plans may differ): a restart ends it.
     @_no_retries
     async def load_layers(self, ns: Namespace, tokens: Tokens, max_blocks: int | None = None,
-                          deadline_s: float | None = None, *, tenant_token: bytes | None = None
-                          ) -> AsyncIterator[Any]:
+                          deadline_s: float | None = None, *, tenant_token: bytes | None = None,
+                          audit: bool = False) -> AsyncIterator[Any]:
         """A Ray streaming generator: first `(num_blocks, sources)`, then each layer's array, in order.
         `deadline_s` plans the pulls as `load` does (never cuts: the stream has promised its blocks)."""
         await self._ensure_started()
         ns = self.rt.tenancy.bind(ns, tenant_token)
-        async for item in self.loader.load_layers(ns, block_hashes(ns, tokens)[:max_blocks], tokens, deadline_s):
+        async for item in self.loader.load_layers(ns, block_hashes(ns, tokens)[:max_blocks], tokens, deadline_s,
+                                                  sample=audit):
             yield item
 
     async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0, *,
@@ -210,6 +226,37 @@ class NodeActor:
         return await asyncio.get_running_loop().run_in_executor(
             None, lambda: self.rt.local.write_blocks(ns, hashes[first_block:], payloads, signer=self.rt.signer))
 
+    async def audit(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *,
+                    tenant_token: bytes | None = None) -> AuditReport:
+        """Compare the engine's own KV of the prompt's first blocks with what their producers signed
+        (see `Fabric.audit`); a producer found lying is quarantined cluster-wide."""
+        await self._ensure_started()
+        ns = self.rt.tenancy.bind(ns, tenant_token)
+        num_blocks = check_payloads(ns, tokens, payloads, 0)
+        return await self.auditor.audit(ns, block_hashes(ns, tokens)[:num_blocks], payloads)
+
+    async def quarantine_notice(self, entry: dict[str, Any]) -> bool:
+        """A peer's quarantine entry (believed only with a valid checker's signature; cluster/quarantine.py)."""
+        await self._ensure_started()
+        return bool(await self.auditor.learn([entry], releases=False))
+
+    async def quarantine_entries(self) -> list[dict[str, Any]]:
+        await self._ensure_started()
+        return self.auditor.entries()
+
+    async def set_audit_rate(self, rate: float, *, token: bytes | None = None) -> None:
+        """This node's base sampling rate from now until it restarts (e.g. raised while a producer is
+        suspected, or paired runs of a benchmark). Operator only."""
+        await self._ensure_started()
+        self.rt.tenancy.operator(token, "set_audit_rate")
+        self.auditor.set_rate(rate)
+
+    async def release_producer(self, producer: str, *, token: bytes | None = None) -> bool:
+        """Lift `producer`'s quarantine on this node (the client calls every node). Operator only."""
+        await self._ensure_started()
+        self.rt.tenancy.operator(token, "release_producer")
+        return await self.auditor.release(producer)
+
     # ---- the Fabric API by block ids (fabric/block_ids.py): the same paths from the block hashes on ----
 
     async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None, *,
@@ -220,19 +267,20 @@ class NodeActor:
 
     async def load_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
                           max_blocks: int | None = None, pulls: bool = True, *,
-                          tenant_token: bytes | None = None) -> LoadReply:
+                          tenant_token: bytes | None = None, audit: bool = False) -> LoadReply:
         await self._ensure_started()
         ns = self.rt.tenancy.bind(ns, tenant_token)
-        return await self.loader.load(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), pulls)
+        return await self.loader.load(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), pulls, sample=audit)
 
     @_no_retries
     async def load_blocks_layers(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None,
-                                 max_blocks: int | None = None, *, tenant_token: bytes | None = None
-                                 ) -> AsyncIterator[Any]:
+                                 max_blocks: int | None = None, *, tenant_token: bytes | None = None,
+                                 audit: bool = False) -> AsyncIterator[Any]:
         """`load_layers` for a chain of block ids."""
         await self._ensure_started()
         ns = self.rt.tenancy.bind(ns, tenant_token)
-        async for item in self.loader.load_layers(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), None):
+        async for item in self.loader.load_layers(ns, block_id_hashes(ns, block_ids[:max_blocks], parent), None,
+                                                  sample=audit):
             yield item
 
     async def store_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], payloads: np.ndarray,
@@ -269,7 +317,8 @@ class NodeActor:
         await self._ensure_started()
         tenants = self.rt.tenancy.scope(token, "stats")
         if tenants is None:
-            return node_stats(self.rt, self.loader, self.upkeep, self.directory)
+            return {**node_stats(self.rt, self.loader, self.upkeep, self.directory),
+                    "quarantined": sorted(self.auditor.book.quarantined())}
         return {"node_id": self.node_id, "node_name": self.node_name, "tenants": sorted(tenants),
                 "held_blocks": len(await self._visible_hashes(token, "stats"))}
 

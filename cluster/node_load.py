@@ -80,6 +80,7 @@ class Provenances:
     namespace: bytes
     records: list[Provenance | None]
     tenants: frozenset[str] | None = None   # whose namespace it is: producers must be authorised for them
+    quarantined: frozenset[str] = frozenset()   # producers caught signing wrong KV: their records are refused
     _seen: list[bool] = field(init=False)
 
     def __post_init__(self) -> None:
@@ -144,21 +145,19 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
                       progress: LayerProgress, sources: list[str], *, verifier: ProvenanceVerifier,
                       namespace: bytes, provenance: list[Provenance | None], timeout_s: float,
                       max_rounds: int = 3, layer_major: bool = True, outcome: PullOutcome | None = None,
-                      tenants: frozenset[str] | None = None,
-                      fallback_owners: Sequence[Sequence[str]] | None = None) -> PullOutcome:
+                      tenants: frozenset[str] | None = None, quarantined: frozenset[str] = frozenset()
+                      ) -> PullOutcome:
     """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
 
     Each round plans runs over the owners not yet seen failing, from the first incomplete block,
     and pulls them concurrently; a failed run's blocks are planned again over the others. Only
     payloads whose provenance `verifier` accepts for `namespace` (by a producer authorised for
-    `tenants`, when given) are filled; `provenance[b]` gets
+    `tenants`, when given, and not `quarantined`) are filled; `provenance[b]` gets
     the record block b was accepted under. `outcome` (made here when not given) collects counts and
     one `PullSample` per attempt, also when the caller cancels the pull midway (its deadline).
-    `fallback_owners` (owners of other versions of the blocks, cluster/planner.py `agreeing_owners`)
-    are planned once the preferred `owners` can serve no more: a block is still taken whole from one.
     """
     outcome = outcome if outcome is not None else PullOutcome()
-    provs = Provenances(verifier, namespace, provenance, tenants)
+    provs = Provenances(verifier, namespace, provenance, tenants, quarantined)
     bad: set[str] = set()
     for _ in range(max_rounds):
         first = progress.complete_blocks()
@@ -167,11 +166,6 @@ async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes
         usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
                   for i in range(progress.num_blocks)]
         runs = plan_pulls(usable, first, hashes=hashes)
-        if not runs and fallback_owners is not None:   # the preferred version's owners are spent
-            owners, fallback_owners = fallback_owners, None
-            usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
-                      for i in range(progress.num_blocks)]
-            runs = plan_pulls(usable, first, hashes=hashes)
         if not runs:
             break
         await asyncio.gather(*(_pull_run(client, peers, hashes, run, out, digests, progress, sources, outcome,
@@ -235,6 +229,9 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                         continue
                     rejected = check(result.provenance, namespace, result.address.hash, layer, result.digest,
                                      tenants=tenants)
+                    if rejected is None and provs.quarantined and result.provenance is not None and \
+                            result.provenance.producer in provs.quarantined:
+                        rejected = Rejection.QUARANTINED
                     if rejected is not None:
                         rejections[rejected] = rejections.get(rejected, 0) + 1
                         refused[rejected] = refused.get(rejected, 0) + 1

@@ -57,14 +57,24 @@ from transports.core.provenance_check import ProvenanceVerifier
 logger = logging.getLogger(__name__)
 
 # What `_load` hands a layer stream once its plan is made: blocks planned, their progress, the
-# reply array they fill and each block's source.
-Started = asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str]]]
+# reply array they fill, each block's source and how many blocks the engine is to recompute (audit).
+Started = asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str], int]]
 
 
 class Locator(Protocol):
     """Who owns which of a run of block hashes (the directory; `DirectoryClient` in a node)."""
 
     async def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> Located: ...
+
+
+class Sampler(Protocol):
+    """Whether a load whose pulled blocks name `producers` is recomputed (cluster/node_audit.py)."""
+
+    def sample(self, ns: Namespace, producers: Collection[str], hashes: Sequence[BlockHash]) -> bool: ...
+
+    def disputed(self, producers: Collection[str]) -> None: ...
+
+    def outvoted(self, ns: Namespace, block_hash: BlockHash, winner: bytes, loser: bytes) -> None: ...
 
 
 class NodeLoader:
@@ -88,6 +98,8 @@ class NodeLoader:
         self.spawn = spawn
         self.tenants_of = tenants_of
         self.peer_estimates = PeerEstimates()
+        self.quarantined: frozenset[str] = frozenset()   # producers whose records pulls refuse (node_audit.py)
+        self.sampler: Sampler | None = None              # sampled recompute of pulled loads (node_audit.py)
         self.pending_mirrors = 0
         self._logged_pairs: set[tuple[str, str]] = set()   # producer pairs whose disagreement was logged
         self._replies = ReplyBuffers(int(config.kv.reply_pool_gib * (1 << 30)))
@@ -118,27 +130,45 @@ class NodeLoader:
 
     async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
                     ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer],
-                               list[Sequence[str]] | None]:
-        """Local tiers; owners of the rest (those of each block's first-reported version); the pull
-        plan; the peers; and, where owners disagree, every owner as the pull's fallback (`pull_prefix`)."""
+                               set[str]]:
+        """(hashes, leading local tiers, owners per block of the version most producers hold, pull runs,
+        peers, producers the owners named). Owners of an outvoted version are never asked, even when the
+        winners cannot serve: the block is then a miss, as a disputed one is."""
         loop = asyncio.get_running_loop()
         tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
                                                          peek=peek))
         if not pulls or len(tiers) == len(hashes):
-            return hashes, tiers, [], [], {}, None
-        located = await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id])
-        agreeing, disagreements = agreeing_owners(located.owners, located.versions, located.firsts)
-        self._count_disagreements(hashes, len(tiers), disagreements)
+            return hashes, tiers, [], [], {}, set()
+        located = self._without_quarantined(await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id]))
+        producers = {version_producer(v) for per_hash in located.versions for v in per_hash if v}
+        vote = agreeing_owners(located.owners, located.versions, located.firsts)
+        if not peek:
+            self._count_disagreements(hashes, len(tiers), vote.disagreements)
+            self.metrics.disputed_blocks.inc(len(vote.disputed))
+            if self.sampler is not None:
+                for b, winner, loser in vote.outvoted:
+                    self.sampler.outvoted(ns, hashes[len(tiers) + b], winner, loser)
         owners: list[Sequence[str]] = [[] for _ in tiers]
-        owners += agreeing
+        owners += vote.kept
         peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
-        fallback: list[Sequence[str]] | None = None
-        if disagreements:
-            fallback = [[] for _ in tiers]
-            fallback += [[o for o in per_block if o in peers] for per_block in located.owners]
-        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers, fallback
+        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers, producers
+
+    def _without_quarantined(self, located: Located) -> Located:
+        """`located` less the owners whose version of a block names a quarantined producer."""
+        if not self.quarantined or not located.versions:
+            return located
+        bad = self.quarantined
+        owners: list[tuple[str, ...]] = []
+        versions: list[tuple[bytes, ...]] = []
+        for per_block, per_version in zip(located.owners, located.versions, strict=True):
+            keep = [i for i, v in enumerate(per_version) if version_producer(v) not in bad] \
+                if len(per_version) == len(per_block) else range(len(per_block))
+            owners.append(tuple(per_block[i] for i in keep))
+            versions.append(tuple(per_version[i] for i in keep) if len(per_version) == len(per_block) else per_version)
+        firsts = tuple(b"" if version_producer(v) in bad else v for v in located.firsts)
+        return Located(tuple(owners), located.addresses, tuple(versions), firsts)
 
     async def lookup(self, ns: Namespace, hashes: list[BlockHash]) -> LookupReply:
         start = time.perf_counter()
@@ -156,14 +186,16 @@ class NodeLoader:
     def _count_disagreements(self, hashes: Sequence[BlockHash], start: int,
                              disagreements: Sequence[tuple[int, bytes, bytes]]) -> None:
         """Count (and log, once per pair of producers) blocks whose owners hold different versions."""
+        if self.sampler is not None and disagreements:
+            self.sampler.disputed({version_producer(v) for _, first, other in disagreements for v in (first, other)})
         for b, first, other in disagreements:
             pair = (version_producer(first), version_producer(other))
             self.metrics.disagreements.labels(*pair).inc()
             if pair not in self._logged_pairs:
                 self._logged_pairs.add(pair)
-                logger.warning("producers %s and %s hold different bytes for block %s (and maybe more); "
-                               "pulling %s's, the version the directory learned first", pair[0], pair[1],
-                               bytes(hashes[start + b]).hex()[:16], pair[0])
+                logger.warning("producers %s and %s hold different bytes for block %s (and maybe more); the "
+                               "version more producers hold is pulled, a tie is a miss", pair[0], pair[1],
+                               bytes(hashes[start + b]).hex()[:16])
 
     # ---- loading -----------------------------------------------------------------------------------
 
@@ -178,10 +210,14 @@ class NodeLoader:
         return await asyncio.get_running_loop().run_in_executor(None, read)
 
     async def load(self, ns: Namespace, hashes: list[BlockHash], pulls: bool, started: Started | None = None,
-                   tokens: Tokens | None = None, deadline_s: float | None = None) -> LoadReply:
-        """The verified leading run of `hashes`; with `started`, also a layer stream's plan (`load_layers`)."""
+                   tokens: Tokens | None = None, deadline_s: float | None = None, *, sample: bool = False,
+                   mirror: bool = True, records: list[Provenance | None] | None = None) -> LoadReply:
+        """The verified leading run of `hashes`; with `started`, also a layer stream's plan (`load_layers`).
+        `sample`: this load may be picked for recompute (its engine audits; see `Fabric.load`); `mirror`:
+        mirror what was pulled (an audit's own load does not); `records`: filled with the pulled
+        blocks' provenance records (None for local ones)."""
         t0 = time.perf_counter()
-        hashes, tiers, owners, runs, peers, fallback = await self._plan(ns, hashes, pulls=pulls)
+        hashes, tiers, owners, runs, peers, producers = await self._plan(ns, hashes, pulls=pulls)
         deadline = None
         if runs:   # pull only the runs expected to land before the engine could compute them
             take, deadline = plan_by_deadline(
@@ -196,23 +232,29 @@ class NodeLoader:
         num_local = await self._read_local(hashes[:len(tiers)], out, sources)
         if num_local < len(tiers):
             runs, planned = [], num_local   # a local block failed its check: stop there
+        # Sampled: nothing is pulled; the engine computes the planned blocks and `audit` pulls them to compare.
+        audit_blocks = planned if sample and runs and self.sampler is not None and \
+            self.sampler.sample(ns, producers, hashes[:planned]) else 0
+        if audit_blocks:
+            self.metrics.audit_samples.inc()
+            runs, planned = [], num_local
         progress = LayerProgress(planned, ns.layout.num_layers)
         for b in range(min(num_local, planned)):
             for layer in range(ns.layout.num_layers):
                 progress.fill(b, layer)
-        for run in runs:   # the plan; a fallback may replace the node
+        for run in runs:   # the plan; an alternate owner may replace the node
             sources[run.start:run.end] = [f"peer:{run.node_id}"] * (run.end - run.start)
         if started is not None:
-            started.set_result((planned, progress, out, sources))
+            started.set_result((planned, progress, out, sources, audit_blocks))
         digests = [[b""] * ns.layout.num_layers for _ in range(planned)]
         provenance: list[Provenance | None] = [None] * planned
         outcome = PullOutcome() if runs else None
         if outcome is not None:
             pull = pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
                                verifier=self.verifier, namespace=ns.root, provenance=provenance,
-                               tenants=self.tenants_of(ns),
+                               tenants=self.tenants_of(ns), quarantined=self.quarantined,
                                timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
-                               outcome=outcome, fallback_owners=fallback)
+                               outcome=outcome)
             # A layer stream has promised its blocks: it is planned by the same rule but never cut.
             if deadline is None or started is not None:
                 await pull
@@ -231,7 +273,7 @@ class NodeLoader:
             self.metrics.fallbacks.inc(outcome.num_fallbacks)
             for reason, count in outcome.rejections.items():
                 self.metrics.provenance_rejections.labels(reason.value).inc(count)
-            if self.config.kv.mirror_pulls and complete > num_local:
+            if self.config.kv.mirror_pulls and complete > num_local and mirror:
                 self.pending_mirrors += 1
                 self.note_chain(ns, hashes, num_local, complete, tokens)
                 self.spawn(self._mirror(ns, hashes[num_local:complete], out[num_local:complete],
@@ -243,15 +285,20 @@ class NodeLoader:
         self.metrics.load_seconds.observe(time.perf_counter() - t0)
         payloads = out[:complete]
         pulled = max(0, complete - num_local) * ns.layout.bytes_per_block(ns.block_size)
-        return LoadReply(ns.block_size, payloads, tuple(sources[:complete]), pulled_bytes=pulled)
+        if records is not None:
+            records[:] = provenance[:complete]
+        return LoadReply(ns.block_size, payloads, tuple(sources[:complete]), pulled_bytes=pulled,
+                         audit_blocks=audit_blocks)
 
     async def load_layers(self, ns: Namespace, hashes: list[BlockHash], tokens: Tokens | None,
-                          deadline_s: float | None = None) -> AsyncIterator[Any]:
-        """First `(num_blocks, sources)`, then each layer's array, in order (see `NodeActor.load_layers`)."""
+                          deadline_s: float | None = None, *, sample: bool = False) -> AsyncIterator[Any]:
+        """First `(num_blocks, sources, audit_blocks)`, then each layer's array, in order (see
+        `NodeActor.load_layers`)."""
         started: Started = asyncio.get_running_loop().create_future()
-        task = asyncio.get_running_loop().create_task(self.load(ns, hashes, True, started, tokens, deadline_s))
-        planned, progress, out, sources = await started
-        yield planned, tuple(sources)
+        task = asyncio.get_running_loop().create_task(self.load(ns, hashes, True, started, tokens, deadline_s,
+                                                                sample=sample))
+        planned, progress, out, sources, audit_blocks = await started
+        yield planned, tuple(sources[:planned]), audit_blocks
         for layer in range(ns.layout.num_layers):
             ready = asyncio.ensure_future(progress.layer_ready[layer].wait())
             await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)
@@ -283,9 +330,11 @@ class NodeLoader:
         # compete with it. A copy is an optimisation; a node that dies first just has none.
         # A mirror only of blocks one producer's record vouches for (every pulled block has one):
         # an unsigned copy would be found by no purge and checked by no revocation.
-        signed = next((i for i, p in enumerate(provenance) if p is None), len(provenance))
         try:
             await asyncio.sleep(self.config.kv.mirror_delay_s)
+            # Up to the first unsigned block, or one whose producer was quarantined since the pull.
+            signed = next((i for i, p in enumerate(provenance) if p is None or p.producer in self.quarantined),
+                          len(provenance))
             await asyncio.get_running_loop().run_in_executor(
                 self._mirror_pool,   # the producer's records, verbatim: a mirror never signs
                 lambda: self.local.write_blocks(ns, hashes[:signed], payloads[:signed], digests=digests[:signed],

@@ -67,6 +67,7 @@ class NodeRuntime:
         kv = dataclasses.replace(cfg.kv, ssd_dir=str(Path(cfg.kv.ssd_dir) / self.node_name),
                                  index_dir=str(Path(cfg.kv.index_dir) / self.node_name))
         transport = dataclasses.replace(cfg.transport, node_name=self.node_name)
+        self.quarantine_path = f"{kv.index_dir}.quarantine.json"   # cluster/quarantine.py
         self._open_identity(Path(transport.cert_dir))
         # This Ray worker process runs only this actor: keep freed payload buffers in the heap, or
         # every pull page-faults them back in, tens of MB per long prefix (buffers.tune_allocator).

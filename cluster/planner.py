@@ -21,7 +21,8 @@ Complexity: O(blocks x owners per block).
 
 Owners that hold another version of a block (different bytes at one address: two producers, or a
 producer and a liar) are not mixed: `agreeing_owners` keeps, per block, the owners of the version
-the directory learned first (and owners that reported none) and names the producers that disagree.
+that more independent producers hold (and owners that reported none), treats a tie as a dispute
+(a miss), and names the producers that disagree and those outvoted.
 """
 
 from __future__ import annotations
@@ -89,29 +90,58 @@ def _run_length(members: Sequence[frozenset[str]], node: str, i: int) -> int:
     return j - i
 
 
-def agreeing_owners(owners: Sequence[Sequence[str]], versions: Sequence[Sequence[bytes]], firsts: Sequence[bytes]
-                    ) -> tuple[list[list[str]], list[tuple[int, bytes, bytes]]]:
-    """Per block, the owners of its first-reported version (by content tag) and those whose version
-    is unknown; and each disagreement as (block, first version, other version). Without versions
-    (`firsts` empty) every owner is kept."""
+@dataclass(frozen=True, slots=True)
+class Vote:
+    """`agreeing_owners`' answer for a run of blocks."""
+
+    kept: list[list[str]]                              # per block, the owners to pull it from
+    disagreements: list[tuple[int, bytes, bytes]]      # (block, version taken, version passed over)
+    disputed: list[int]                                # blocks whose leading versions tie: misses
+    outvoted: list[tuple[int, bytes, bytes]]           # (block, winner, loser): >= 2 producers beat the loser
+
+
+def agreeing_owners(owners: Sequence[Sequence[str]], versions: Sequence[Sequence[bytes]],
+                    firsts: Sequence[bytes]) -> Vote:
+    """Per block, the owners of the version that the most independent producers hold (mirrors carry
+    their producer's version, so they do not count twice), with the owners whose version is unknown.
+    A tie between the leading versions is a dispute: the block is nobody's (a miss) until one side
+    is quarantined, purged or joined by another producer. Without versions (`firsts` empty) every
+    owner is kept. `firsts` (the first-reported version) orders the groups only for the report."""
     if not firsts:
-        return [list(o) for o in owners], []
+        return Vote([list(o) for o in owners], [], [], [])
     kept: list[list[str]] = []
     disagreements: list[tuple[int, bytes, bytes]] = []
+    disputed: list[int] = []
+    outvoted: list[tuple[int, bytes, bytes]] = []
     for b, per_block in enumerate(owners):
-        first = firsts[b] if b < len(firsts) else b""
         per_owner = versions[b] if b < len(versions) else ()
-        if not first or len(per_owner) != len(per_block):
+        if len(per_owner) != len(per_block):
             kept.append(list(per_block))
             continue
-        tag = first[:VERSION_TAG_SIZE]
-        keep: list[str] = []
-        others: dict[bytes, bytes] = {}
+        groups: dict[bytes, tuple[set[str], list[str], bytes]] = {}   # tag -> (producers, owners, a version)
+        unknown: list[str] = []
+        first = firsts[b] if b < len(firsts) else b""
+        if first:
+            groups[first[:VERSION_TAG_SIZE]] = (set(), [], first)
         for node, version in zip(per_block, per_owner, strict=True):
-            if not version or version[:VERSION_TAG_SIZE] == tag:
-                keep.append(node)
-            else:
-                others.setdefault(version, version)
-        kept.append(keep)
-        disagreements.extend((b, first, other) for other in others)
-    return kept, disagreements
+            if not version:
+                unknown.append(node)
+                continue
+            producers, members, _ = groups.setdefault(version[:VERSION_TAG_SIZE], (set(), [], version))
+            producers.add(version[VERSION_TAG_SIZE:].decode(errors="replace"))
+            members.append(node)
+        ranked = sorted((g for g in groups.values() if g[1]), key=lambda g: -len(g[0]))   # stable: first-reported first
+        if len(ranked) <= 1:
+            kept.append([*(ranked[0][1] if ranked else []), *unknown])
+            continue
+        top, runner_up = ranked[0], ranked[1]
+        if len(top[0]) == len(runner_up[0]):
+            kept.append([])
+            disputed.append(b)
+        else:
+            kept.append([*top[1], *unknown])
+        for other in ranked[1:]:
+            disagreements.append((b, top[2], other[2]))
+            if b not in disputed and len(top[0]) >= 2 and len(top[0]) > len(other[0]):
+                outvoted.append((b, top[2], other[2]))
+    return Vote(kept, disagreements, disputed, outvoted)

@@ -1,4 +1,5 @@
-"""kvfabric configuration: one TOML file with sections [kv], [transport], [cluster], [events], [tenancy].
+"""kvfabric configuration: one TOML file with sections [kv], [transport], [cluster], [events], [tenancy],
+[audit].
 
 Every key has a default that works on a laptop. Unknown sections or keys and values of the wrong
 type or range raise `ConfigError` naming the file, the key and what was expected, so a typo never
@@ -199,12 +200,35 @@ class TenancyConfig:
 
 
 @dataclass(slots=True)
+class AuditConfig:
+    """Sampled recompute of pulled KV and quarantine of a producer caught lying (fabric/audit.py,
+    docs/security.md). Rates are probabilities per load that pulled blocks; the boosts multiply them
+    for new, rarely checked and recently disputed producers (the largest that applies)."""
+
+    rate: float = 0.01                    # default share of pulled loads recomputed and compared
+    tenant_rates: dict[str, float] = field(default_factory=dict)    # per tenant name ("" anonymous)
+    producer_rates: dict[str, float] = field(default_factory=dict)  # per producer node name (wins)
+    new_checks: int = 10                  # a producer checked fewer times than this is new ...
+    new_boost: float = 4.0                # ... and sampled this many times more often
+    stale_s: float = 3600.0               # a producer last checked longer ago than this ...
+    stale_boost: float = 2.0              # ... is sampled this many times more often
+    dispute_window_s: float = 600.0       # after a disagreement naming a producer ...
+    dispute_boost: float = 8.0            # ... it is sampled this many times more often
+    bitwise_models: list[str] = field(default_factory=list)   # model ids compared bitwise ("*": all)
+    atol: float = 1e-3                    # otherwise: max|engine - signed| <= atol + rtol * max|signed|
+    rtol: float = 1e-2
+    outvoted_blocks: int = 64             # a producer outvoted on this many blocks is quarantined (0: never)
+    seed: int = 0                         # the sampler's seed (0: a fresh one per node start)
+
+
+@dataclass(slots=True)
 class Config:
     kv: KVConfig = field(default_factory=KVConfig)
     transport: TransportConfig = field(default_factory=TransportConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     events: EventsConfig = field(default_factory=EventsConfig)
     tenancy: TenancyConfig = field(default_factory=TenancyConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Config:
@@ -315,9 +339,25 @@ class Config:
                 raise ConfigError(f"{source}: tenancy.shared groups name two or more tenants each, none in two "
                                   f"groups; got {group!r}")
             seen |= set(group)
+        self._validate_audit(source)
         if self.cluster.lease_s <= self.cluster.heartbeat_s:
             raise ConfigError(f"{source}: cluster.lease_s ({self.cluster.lease_s}) must exceed "
                               f"cluster.heartbeat_s ({self.cluster.heartbeat_s})")
+
+
+    def _validate_audit(self, source: str) -> None:
+        a = self.audit
+        rates = {"audit.rate": a.rate, **{f"audit.tenant_rates.{k}": v for k, v in a.tenant_rates.items()},
+                 **{f"audit.producer_rates.{k}": v for k, v in a.producer_rates.items()}}
+        for key, value in rates.items():
+            if not 0.0 <= value <= 1.0:
+                raise ConfigError(f"{source}: {key} must be in [0, 1], got {value}")
+        for key in ("new_boost", "stale_boost", "dispute_boost"):
+            if getattr(a, key) < 1.0:
+                raise ConfigError(f"{source}: audit.{key} must be >= 1, got {getattr(a, key)}")
+        for key in ("new_checks", "stale_s", "dispute_window_s", "atol", "rtol", "outvoted_blocks", "seed"):
+            if getattr(a, key) < 0:
+                raise ConfigError(f"{source}: audit.{key} must be >= 0, got {getattr(a, key)}")
 
 
 def _apply(section: Any, values: dict[str, Any], where: str) -> None:
@@ -359,4 +399,9 @@ def _coerce(value: Any, hint: Any, where: str) -> Any:
             raise ConfigError(f"{where}: must be a list, got {value!r}")
         (item,) = get_args(hint)
         return [_coerce(v, item, f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: must be a table, got {value!r}")
+        key_hint, item = get_args(hint)
+        return {_coerce(k, key_hint, where): _coerce(v, item, f"{where}.{k}") for k, v in value.items()}
     raise RuntimeError(f"{where}: unsupported config type {hint!r}")

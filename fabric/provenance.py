@@ -92,6 +92,7 @@ class Rejection(enum.StrEnum):
     MALFORMED = "malformed"
     UNAUTHORISED = "unauthorised"            # the producer's certificate restricts it to other tenants
     MIXED_RECORDS = "mixed_records"          # another layer of the block came under a different record
+    QUARANTINED = "quarantined"              # its producer is quarantined (caught signing wrong KV)
 
 
 VERSION_TAG_SIZE = 8   # bytes of a block version's content tag (see `block_version`)

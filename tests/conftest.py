@@ -24,6 +24,7 @@ settings.register_profile("kvfabric", deadline=None)
 settings.load_profile("kvfabric")
 
 _CLUSTER_MODULES = frozenset({
+    "test_audit_cluster.py",
     "test_cli_cluster.py",
     "test_cli_demo.py",
     "test_cli_inspect.py",

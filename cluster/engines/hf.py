@@ -3,6 +3,9 @@
     prompt ──► fabric.load / load_layers (longest verified prefix, local or pulled; never the last token)
            ──► DynamicCache (all layers now) or LayerwiseCache (layer i when it arrives)
            ──► model(suffix, past_key_values=cache) ──► logits of the last prompt token (TTFT ends here)
+           ──► sampled load (reply.audit_blocks): nothing was pulled, the prefix is computed here and
+               fabric.audit(its KV) compares
+               it with what the producers signed (a liar is quarantined cluster-wide)
            ──► export every new full block of the prompt: fabric.store(payloads, first_block=reused)
            ──► greedy decode on the same cache
 
@@ -32,7 +35,7 @@ from safetensors.torch import save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
-from cluster.api import Fabric, IncompleteLoadError
+from cluster.api import AuditReport, Fabric, IncompleteLoadError
 from cluster.engines.hf_cache import LayerFeed, LayerwiseCache, cache_from_payloads
 from cluster.engines.hf_kv import encode_cache, fingerprint_file, fingerprint_state_dict, namespace_for
 from fabric.config import kvfabric_home
@@ -67,6 +70,7 @@ class Prefill:
     num_stored_blocks: int          # new full blocks exported after the prefill
     fell_back: bool                 # a layer-wise load broke and was redone as a plain load
     overlap_s: float = 0.0          # layer-wise: compute done while later layers were still arriving
+    audit: AuditReport | None = None    # the load was sampled: its prefix was computed and compared
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,43 +111,60 @@ class HFEngine:
         if self.fabric is None or max_blocks == 0:
             mode = LoadMode.RECOMPUTE
         try:
-            cache, reused, pulled, sources = self._load(prompt, mode, max_blocks)
+            cache, reused, pulled, sources, audited = self._load(prompt, mode, max_blocks)
             loaded = time.perf_counter()
             logits, cache = self._forward(prompt[reused:], cache)
         except IncompleteLoadError as exc:
             logger.warning("layer-wise load failed (%s); retrying as a plain load", exc)
             fell_back = True
-            cache, reused, pulled, sources = self._load(prompt, LoadMode.FULL, max_blocks)
+            cache, reused, pulled, sources, audited = self._load(prompt, LoadMode.FULL, max_blocks)
             loaded = time.perf_counter()
             logits, cache = self._forward(prompt[reused:], cache)
         ttft = time.perf_counter() - start
+        audit = self._audit(prompt, cache, audited) if audited else None
         overlap = cache.overlap_s(loaded) if isinstance(cache, LayerwiseCache) else 0.0
         if self.fabric is not None and not isinstance(cache, LayerwiseCache) and len(prompt) > reused:
             # The rate loads are planned by. A layer-wise prefill's time includes waits for layers: not a rate.
             self.fabric.report_prefill(self.namespace, len(prompt) - reused, ttft - (loaded - start))
-        stored = self.export(prompt, cache, reused // self.block_size) if export else 0
+        # A sampled load's blocks are the fabric's already (the node mirrors them): export after them.
+        stored = self.export(prompt, cache, max(reused // self.block_size, audited)) if export else 0
         return Prefill(logits, cache, len(prompt), reused, self._pulled_tokens(sources), pulled, sources, ttft,
-                       loaded - start, stored, fell_back, overlap)
+                       loaded - start, stored, fell_back, overlap, audit)
+
+    def _audit(self, prompt: list[int], cache: DynamicCache, num_blocks: int) -> AuditReport:
+        """Hand the KV this engine computed for a sampled load's first `num_blocks` blocks to the fabric,
+        which compares it with what their producers signed."""
+        assert self.fabric is not None
+        payloads = encode_cache(self.kv_layers(cache), 0, num_blocks, self.namespace)
+        return self.fabric.audit(self.namespace, prompt[:num_blocks * self.block_size], payloads)
 
     def _load(self, prompt: list[int], mode: LoadMode, max_blocks: int,
-              ) -> tuple[DynamicCache | None, int, int, tuple[str, ...]]:
-        """(cache or None, reused tokens, pulled bytes, sources) for the prompt's cached prefix."""
+              ) -> tuple[DynamicCache | None, int, int, tuple[str, ...], int]:
+        """(cache or None, reused tokens, pulled bytes, sources, blocks to audit) for the prompt's cached
+        prefix. A sampled load (its reply names `audit_blocks`) reuses nothing: the engine computes the
+        blocks it would have loaded, and `prefill` hands them to `Fabric.audit`."""
         if mode is LoadMode.RECOMPUTE or self.fabric is None:
-            return None, 0, 0, ()
+            return None, 0, 0, (), 0
         if mode is LoadMode.LAYERWISE:
-            stream = self.fabric.load_layers(self.namespace, prompt, max_blocks=max_blocks, deadline_s=self.deadline_s)
+            stream = self.fabric.load_layers(self.namespace, prompt, max_blocks=max_blocks, deadline_s=self.deadline_s,
+                                             audit=True)
+            if stream.audit_blocks:
+                return None, 0, 0, (), stream.audit_blocks
             if stream.num_blocks == 0:
-                return None, 0, 0, ()
+                return None, 0, 0, (), 0
             feed = LayerFeed(stream, self.namespace, self.device)
             sources = tuple(stream.sources)
             pulled = self._pulled_tokens(sources) // self.block_size * self.namespace.layout.bytes_per_block(
                 self.block_size)
-            return LayerwiseCache(feed), feed.num_tokens, pulled, sources
-        reply = self.fabric.load(self.namespace, prompt, max_blocks=max_blocks, deadline_s=self.deadline_s)
+            return LayerwiseCache(feed), feed.num_tokens, pulled, sources, 0
+        reply = self.fabric.load(self.namespace, prompt, max_blocks=max_blocks, deadline_s=self.deadline_s,
+                                 audit=True)
+        if reply.audit_blocks:
+            return None, 0, 0, (), reply.audit_blocks
         if reply.num_blocks == 0:
-            return None, 0, reply.pulled_bytes, reply.sources
+            return None, 0, reply.pulled_bytes, reply.sources, 0
         cache = cache_from_payloads(reply.payloads, self.namespace, self.model.config, self.device)
-        return cache, reply.num_tokens, reply.pulled_bytes, reply.sources
+        return cache, reply.num_tokens, reply.pulled_bytes, reply.sources, 0
 
     def _forward(self, tokens: list[int], cache: DynamicCache | None) -> tuple[torch.Tensor, DynamicCache]:
         cache = cache if cache is not None else DynamicCache(config=self.model.config)
@@ -162,13 +183,18 @@ class HFEngine:
         num_full = len(prompt) // self.block_size
         if self.fabric is None or num_full <= first_block:
             return 0
+        payloads = encode_cache(self.kv_layers(cache), first_block, num_full - first_block, self.namespace)
+        return self.fabric.store(self.namespace, prompt, payloads, first_block=first_block).num_stored
+
+    @staticmethod
+    def kv_layers(cache: DynamicCache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(K, V) of every layer of a cache this engine built."""
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in cache.layers:
             if not isinstance(layer, DynamicLayer) or layer.keys is None or layer.values is None:
                 raise RuntimeError(f"export needs full-attention DynamicLayers with K/V, found {layer!r}")
             layers.append((layer.keys, layer.values))
-        payloads = encode_cache(layers, first_block, num_full - first_block, self.namespace)
-        return self.fabric.store(self.namespace, prompt, payloads, first_block=first_block).num_stored
+        return layers
 
     # ---- decoding ----------------------------------------------------------------------------------
 

@@ -39,7 +39,7 @@ import ray
 import torch
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.api import EngineLoad
+from cluster.api import AuditReport, EngineLoad
 from cluster.client import FabricClient
 from cluster.engines.hf import Generation, HFEngine, LoadMode, load_checkpoint
 from fabric.keys import Namespace
@@ -66,13 +66,14 @@ class Answer:
     load_s: float                  # of which waiting for a whole-prefix load (0 when layer-wise)
     fell_back: bool
     overlap_s: float = 0.0         # layer-wise: compute done while later layers were still arriving
+    audit: AuditReport | None = None   # the load was sampled: the prefix was computed and compared
 
     @classmethod
     def of(cls, node_id: str, gen: Generation) -> Answer:
         pre = gen.prefill
         return cls(node_id, gen.tokens, pre.logits.numpy().copy(), pre.num_tokens, pre.num_reused_tokens,
                    pre.num_pulled_tokens, pre.pulled_bytes, pre.sources, pre.ttft_s, pre.load_s, pre.fell_back,
-                   pre.overlap_s)
+                   pre.overlap_s, pre.audit)
 
 
 class HFEngineActor:

@@ -31,5 +31,7 @@ def test_quick_run_prints_json_last_line() -> None:
         assert result[f"cpu_remote_{size}_s"] > 0 and result[f"cpu_local_{size}_s"] > 0
         assert 0 <= result[f"overlap_layerwise_{size}_s"] <= result[f"ttft_remote_layerwise_{size}_s"]
         assert result[f"cpu_recompute_{size}_s"] >= result[f"ttft_recompute_{size}_s"] * 0.25
+        # A sampled pull was audited (the bench fails otherwise) and its cost at the default rate reported.
+        assert result[f"ttft_remote_sampled_{size}_s"] > 0 and f"audit_added_share_{size}" in result
     assert result["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4   # K and V, 30 layers, 3 KV heads, f32
     assert result["breakeven_mb_s"] > 0 and result["pull_mb_s"] > 0

@@ -39,6 +39,11 @@ def test_purge_and_stats_carry_the_operator_credential_and_bad_input_is_one_line
         assert refused.returncode == 1, refused.stderr[-3000:]
         report = json.loads(refused.stdout.strip().splitlines()[-1])
         assert all(v.startswith("refused:") and "operator call" in v for v in report["removed"].values())
+        release = run(["release", "--producer", "node-gone", "--json"], home)   # nothing quarantined: no-op
+        assert release.returncode == 0, release.stderr[-3000:]
+        assert set(json.loads(release.stdout.strip().splitlines()[-1])["released"].values()) == {False}
+        refused = run(["release", "--producer", "node-gone", "--json", "--credential", str(tenant)], home)
+        assert refused.returncode == 1 and "operator call" in refused.stdout, refused.stderr[-3000:]
         # the operator clears a node id's binding in the directory (the node binds it again when it reports)
         node = nodes[0]
         unbind = run(["unbind", node["node_id"], "--json"], home)

@@ -23,7 +23,7 @@ from cluster.engines.hf_actor import OMP_SPIN_COUNT, Answer, spawn_engines
 from cluster.engines.hf_kv import fingerprint_state_dict
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import node_name_for
-from fabric.config import ClusterConfig, Config, KVConfig
+from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig
 from fabric.keys import BlockAddress, block_hashes
 from fabric.tiers.ssd_format import HEADER_SIZE
 
@@ -46,8 +46,9 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     model = tiny_llama()
     checkpoint = save_checkpoint(model, root / "checkpoint")
     # A RAM tier smaller than one payload: every block is served off the SSD, digest-checked.
+    # Audit sampling off: these tests assert where each prefix came from (test_audit_cluster.py samples).
     config = Config(kv=KVConfig(ram_gib=1e-6, ssd_gib=1.0, write_through=True, o_direct=False),
-                    cluster=ClusterConfig(heartbeat_s=0.5, lease_s=5.0))
+                    cluster=ClusterConfig(heartbeat_s=0.5, lease_s=5.0), audit=AuditConfig(rate=0.0))
     local = start_local_cluster(3, root / "fabric", config)
     try:
         engines = spawn_engines(local.node_ids(), str(checkpoint), fingerprint=fingerprint_state_dict(model),

@@ -136,14 +136,14 @@ class DelayedFabric(LocalFabric):
         self.delay_s = delay_s
         self.fail_after = fail_after
 
-    def load_layers(self, ns, tokens, *, max_blocks=None, deadline_s=None):  # type: ignore[no-untyped-def]
+    def load_layers(self, ns, tokens, *, max_blocks=None, deadline_s=None, audit=False):  # type: ignore[no-untyped-def]
         return _Delayed(super().load_layers(ns, tokens, max_blocks=max_blocks), self.delay_s, self.fail_after)
 
 
 class _Delayed:
     def __init__(self, inner: LayerStream, delay_s: float, fail_after: int | None) -> None:
         self.inner, self.delay_s, self.fail_after = inner, delay_s, fail_after
-        self.num_blocks, self.sources = inner.num_blocks, inner.sources
+        self.num_blocks, self.sources, self.audit_blocks = inner.num_blocks, inner.sources, inner.audit_blocks
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         import time

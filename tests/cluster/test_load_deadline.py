@@ -19,7 +19,7 @@ from cluster.api import EngineLoad, payload_shape
 from cluster.client import FabricClient
 from cluster.engines.hf import HFEngine, LoadMode
 from cluster.launch import LocalCluster, start_local_cluster
-from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
+from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig, TransportConfig
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 
@@ -33,7 +33,8 @@ VOCAB = 512
 def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
     config = Config(kv=KVConfig(ram_gib=0.1, ssd_gib=0.5, o_direct=False),
                     transport=TransportConfig(send_rate_mb_s=SEND_RATE_MB_S),
-                    cluster=ClusterConfig(heartbeat_s=0.5, lease_s=30.0))
+                    cluster=ClusterConfig(heartbeat_s=0.5, lease_s=30.0),
+                    audit=AuditConfig(rate=0.0))   # what is pulled is asserted: no audit sampling
     local = start_local_cluster(2, tmp_path_factory.mktemp("deadline"), config)
     try:
         yield local

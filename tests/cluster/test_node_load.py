@@ -103,8 +103,7 @@ class _UnnamedPulls:
 
 
 async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trust: TrustAnchor,
-                layer_major: bool = True, *, name_namespace: bool = True, tenants: frozenset[str] | None = None,
-                fallback: list[list[str]] | None = None
+                layer_major: bool = True, *, name_namespace: bool = True, tenants: frozenset[str] | None = None
                 ) -> tuple[np.ndarray, int, list[Provenance | None], PullOutcome]:
     """Pull every block from `owners` (per block, as the directory would name them) into a fresh buffer."""
     servers = {n.name: TlsTcpServer(_creds(cert_dir, n.name), n.store, "127.0.0.1", 0) for n in nodes}
@@ -122,7 +121,7 @@ async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trus
         outcome = await pull_prefix(client, peers, HASHES, owners, 0, out, digests, progress, [""] * NUM_BLOCKS,
                                     verifier=ProvenanceVerifier(trust), namespace=NS.root,
                                     provenance=provenance, timeout_s=10.0, layer_major=layer_major,
-                                    tenants=tenants, fallback_owners=fallback)
+                                    tenants=tenants)
     finally:
         await client.close()
         for server in servers.values():
@@ -289,20 +288,6 @@ def test_a_mixed_block_is_never_mirrored_and_purge_and_revocation_leave_none_of_
         assert liar_layers == 0
         assert node.fabric.read_block(HASHES[1], served) is not None and np.array_equal(served, truth[1])
         assert node.store.get_block(BlockAddress(BlockHash(HASHES[0]), 1)) is None   # gone, not only hidden
-
-
-def test_when_the_first_versions_owners_cannot_serve_the_other_owners_are_asked(cert_dir: Path, open_node) -> None:
-    # A node that claimed a block's version first but serves nothing that verifies must not make the
-    # block unavailable: once the preferred owners are spent, the pull falls back to the others.
-    honest, liar = open_node("node-honest"), open_node(_liar_first())
-    truth = _random_payloads(6)
-    honest.fabric.write_blocks(NS, HASHES, truth, signer=_signer(cert_dir, "node-honest"))
-    _lie(liar, honest, cert_dir, "forged_producer")
-    trust = TrustAnchor.from_files(cert_dir / "ca.pem")
-    out, complete, _, outcome = asyncio.run(_pull(cert_dir, [liar, honest], [[liar.name]] * NUM_BLOCKS, trust,
-                                                  fallback=[[liar.name, "node-honest"]] * NUM_BLOCKS))
-    assert complete == NUM_BLOCKS and np.array_equal(out, truth)
-    assert outcome.rejections[Rejection.PRODUCER_MISMATCH] > 0
 
 
 def test_a_producer_restricted_to_another_tenant_is_refused_for_this_namespace(cert_dir: Path, open_node) -> None:

@@ -159,7 +159,8 @@ def test_without_pulls_a_load_answers_from_this_node_only(cert_dir: Path, tmp_pa
 def test_a_layer_stream_delivers_each_layer_of_every_planned_block(cert_dir: Path, tmp_path: Path) -> None:
     async def body(p: Pair) -> None:
         stream: AsyncIterator[Any] = p.loader.load_layers(NS, HASHES, TOKENS, math.inf)
-        num_blocks, sources = await anext(stream)
+        num_blocks, sources, audit_blocks = await anext(stream)
+        assert audit_blocks == 0   # no sampler: never sampled for audit
         assert num_blocks == NUM_BLOCKS and sources[NUM_LOCAL:] == (f"peer:{A_ID}",) * (NUM_BLOCKS - NUM_LOCAL)
         layers = [layer async for layer in stream]
         assert len(layers) == LAYOUT.num_layers

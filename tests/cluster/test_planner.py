@@ -56,11 +56,15 @@ def test_ties_are_not_won_by_the_lowest_node_id() -> None:
     assert 16 < winners.count("0-liar") < 48
 
 
-def test_owners_of_another_version_are_passed_over_and_named() -> None:
+def test_the_version_more_independent_producers_hold_wins_and_a_tie_is_a_miss() -> None:
     a, b, same = b"\1" * 8 + b"node-a", b"\2" * 8 + b"node-b", b"\1" * 8 + b"node-c"   # c computed a's bytes
-    owners = [("A", "B", "C", "old"), ("A", "B"), ("B",)]
-    versions = [(a, b, same, b""), (a, b), (b,)]
-    kept, disagreements = agreeing_owners(owners, versions, [a, b, b])
-    assert kept == [["A", "C", "old"], ["B"], ["B"]]   # an owner that reports no version is kept
-    assert disagreements == [(0, a, b), (1, b, a)]
-    assert agreeing_owners(owners, (), ()) == ([list(o) for o in owners], [])
+    owners = [("A", "B", "C", "old"), ("A", "B"), ("B",), ("A", "M", "B")]
+    # Block 3: B reported first, and M mirrors B's block (it carries B's version): still one producer each.
+    versions = [(a, b, same, b""), (a, b), (b,), (a, b, b)]
+    vote = agreeing_owners(owners, versions, [b, b, b, b])
+    assert vote.kept == [["A", "C", "old"], [], ["B"], []]   # an owner that reports no version is kept
+    assert vote.disputed == [1, 3]
+    assert vote.disagreements == [(0, a, b), (1, b, a), (3, b, a)]
+    assert vote.outvoted == [(0, a, b)]                       # two producers against one
+    plain = agreeing_owners(owners, (), ())
+    assert plain.kept == [list(o) for o in owners] and not plain.disagreements and not plain.disputed

@@ -95,7 +95,8 @@ def test_a_block_pulled_from_its_producer_is_mirrored_and_purged_everywhere(fabr
     assert b.load(NS, tokens).num_blocks == 0
 
 
-def test_producers_that_disagree_are_counted_by_name_and_the_first_version_is_taken(fabric: LocalCluster) -> None:
+def test_producers_that_disagree_are_counted_by_name_and_their_tie_is_a_miss_until_resolved(
+        fabric: LocalCluster) -> None:
     a, b, c = _nodes(fabric)
     tokens, data = _prompt(3, 4)
     other = np.bitwise_xor(data, 0x5A)   # another engine's bytes at the same addresses
@@ -111,11 +112,15 @@ def test_producers_that_disagree_are_counted_by_name_and_the_first_version_is_ta
         return producers, [version_producer(v) for v in located.firsts]
     producers, firsts = asyncio.run(versions())   # the directory groups the owners by version
     assert producers == [{names[a.node_id], names[b.node_id]}] * 4 and firsts == [names[a.node_id]] * 4
-    reply = c.load(NS, tokens)
-    assert reply.num_blocks == 4 and np.array_equal(reply.payloads, data)   # the version reported first
+    assert c.load(NS, tokens).num_blocks == 0   # one producer against one: in dispute, a miss
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{c.stats()['metrics_port']}/metrics", timeout=10).read()
     pair = f'first_producer="{names[a.node_id]}",other_producer="{names[b.node_id]}"'.encode()
     assert b"kvfabric_producer_disagreements_total{" + pair + b"} 4.0" in metrics
+    assert b"kvfabric_disputed_blocks_total 4.0" in metrics
+    purge_producer(names[b.node_id])   # the operator's call settles it
+    _wait(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), 10, "the directory forgets B's")
+    reply = c.load(NS, tokens)
+    assert reply.num_blocks == 4 and np.array_equal(reply.payloads, data)
 
 
 def test_a_revoked_producers_blocks_are_refused_by_pullers(fabric: LocalCluster) -> None:

@@ -72,8 +72,15 @@ def base_namespace(vllm_config: Any, kv_cache_config: Any, extra: dict[str, Any]
     layout = KVLayout.mha(len(groups[0].layer_names), int(spec.num_kv_heads), int(spec.head_size), kv_dtype(spec.dtype))
     model = str(extra.get("model_id") or vllm_config.model_config.model)
     fingerprint = str(extra.get("weights_fingerprint") or weights_fingerprint(vllm_config.model_config.model))
-    return Namespace(f"{model}|vllm:{engine_kind(vllm_config)}", layout, int(spec.block_size),
-                     weights_fingerprint=fingerprint, num_shards=int(vllm_config.parallel_config.tensor_parallel_size))
+    return engine_namespace(model, fingerprint, layout, int(spec.block_size), engine_kind(vllm_config),
+                            num_shards=int(vllm_config.parallel_config.tensor_parallel_size))
+
+
+def engine_namespace(model_id: str, fingerprint: str, layout: KVLayout, block_size: int, kind: str, *,
+                     num_shards: int = 1) -> Namespace:
+    """The namespace a vLLM engine's connector uses (TP rank 0, no extra key); `kind` as `engine_kind`."""
+    return Namespace(f"{model_id}|vllm:{kind}", layout, block_size, weights_fingerprint=fingerprint,
+                     num_shards=num_shards)
 
 
 def engine_kind(vllm_config: Any) -> str:

@@ -265,7 +265,8 @@ def smollm2_checkpoint(cache_root: str | Path | None = None) -> tuple[Path, str]
     fingerprint = fingerprint_file(smollm2_folder() / SMOLLM2_FILE)
     home = kvfabric_home()
     root = Path(cache_root) if cache_root else home / "checkpoints"
-    folder = root / f"smollm2-{fingerprint[:16]}"
+    # "-v2": checkpoints written before save_checkpoint wrote tied embeddings lack them (vLLM reads zeros).
+    folder = root / f"smollm2-{fingerprint[:16]}-v2"
     if folder.is_dir():   # only ever created whole, by the rename below
         return folder, fingerprint
     model, tokenizer, _ = load_smollm2()

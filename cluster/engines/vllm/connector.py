@@ -13,7 +13,6 @@ files), `deadline_s` (how long a load may wait for pulls; default the node's own
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -70,7 +69,7 @@ class KVFabricConnector(KVConnectorBase_V1):
             deadline = extra.get("deadline_s")
             self._worker = WorkerSide(client, num_blocks=int(kv_cache_config.num_blocks),
                                       rank=get_tensor_model_parallel_rank(),
-                                      deadline_s=None if deadline is None else float(deadline) or math.inf)
+                                      deadline_s=None if deadline is None else float(deadline))   # "inf" parses
 
     @property
     def scheduler_side(self) -> SchedulerSide:

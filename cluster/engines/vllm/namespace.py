@@ -26,6 +26,7 @@ from fabric.keys import Namespace
 from fabric.layout import DType, KVLayout
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+SALT_CONTEXT = "kvfabric 2026-11 vllm cache_salt v1"   # BLAKE3 key derivation of a request's cache_salt
 _DTYPES = {torch.float32: DType.F32, torch.float16: DType.F16, torch.bfloat16: DType.BF16,
            torch.float8_e4m3fn: DType.FP8_E4M3, torch.float8_e5m2: DType.FP8_E5M2, torch.uint8: DType.U8}
 _CHUNK = 8 << 20
@@ -107,5 +108,3 @@ def shard_namespace(ns: Namespace, rank: int) -> Namespace:
     """`ns` for TP rank `rank` (each rank holds its own KV heads)."""
     return ns if ns.shard == rank else dataclasses.replace(ns, shard=rank)
 
-
-SALT_CONTEXT = "kvfabric 2026-11 vllm cache_salt v1"

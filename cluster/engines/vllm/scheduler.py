@@ -147,7 +147,7 @@ class SchedulerSide:
         num_prompt = len(state.prompt)
         meta.prefill_tokens += max(0, min(num_computed + num_scheduled, num_prompt) - num_computed)
         full = min(num_computed + num_scheduled, num_prompt) // bs
-        first = max(state.num_saved_blocks, 0)
+        first = state.num_saved_blocks
         if state.store and full > first and len(state.block_ids) >= full:
             meta.saves.append(SaveSpec(req_id, state.ns, state.prompt[:full * bs], first,
                                        tuple(state.block_ids[first:full])))

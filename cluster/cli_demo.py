@@ -52,11 +52,13 @@ TOLERANCE = 1e-3
 def register(sub: Any) -> None:
     demo = sub.add_parser("demo", help="SmolLM2 on a local 3-node Ray cluster: KV reuse and pulls, "
                                        "TTFT and answers against a recompute")
+    demo.add_argument("--engine", choices=("hf", "vllm"), default="hf",
+                      help="the engine on every node: transformers (hf) or vLLM with kvfabric as its KV connector")
     demo.add_argument("--nodes", type=int, default=3, help="Ray nodes, one engine each")
     demo.add_argument("--questions", type=int, default=7, help=f"requests (at most {len(QUESTIONS)})")
     demo.add_argument("--wave", type=int, default=3, help="requests that arrive together after the first")
     demo.add_argument("--max-new-tokens", type=int, default=16, help="greedy answer length")
-    demo.add_argument("--block-size", type=int, default=16)
+    demo.add_argument("--block-size", type=int, default=None, help="tokens per block (default: 16, vLLM 32)")
     demo.add_argument("--mode", choices=("layerwise", "full"), default="layerwise",
                       help="how an engine loads a cached prefix")
     demo.add_argument("--workdir", help="folder for the SSD tiers, indexes and certificates "
@@ -94,6 +96,11 @@ def run(args: argparse.Namespace) -> int:
         raise CLIError(f"--questions must be in 1..{len(QUESTIONS)}")
     if args.nodes < 1 or args.wave < 1 or args.max_new_tokens < 1:
         raise CLIError("--nodes, --wave and --max-new-tokens must be positive")
+    if args.engine == "vllm":
+        from cluster.cli_demo_vllm import run_vllm
+
+        return run_vllm(args)
+    args.block_size = args.block_size or 16
     console = Console(width=150)
     tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="kvfabric-demo-")
     workdir = Path(args.workdir or tmp.name)  # type: ignore[union-attr]

@@ -134,6 +134,16 @@ class FabricClient:
     def audit(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray) -> AuditReport:
         return self._call(NodeApi.audit, ns, _tokens(tokens), payloads, tenant_token=self._token())
 
+    def store_later(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0
+                    ) -> PendingStore:
+        """`store` without waiting for the node: `payloads` are copied into the object store before this
+        returns (the caller may reuse them at once); the answer comes through the `PendingStore`."""
+        # ray.put copies the payloads into the object store before it returns. Passing the array itself
+        # would not: Ray may read it after this call returns, from memory the caller has freed by then.
+        stored: Any = ray.put(payloads)
+        return PendingStore(self._remote(NodeApi.store, ns, _tokens(tokens), stored, first_block,
+                                         tenant_token=self._token()), self)
+
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
                       parent: BlockId | None = None) -> LookupReply:
         return self._call(NodeApi.lookup_blocks, ns, list(block_ids), parent, tenant_token=self._token())
@@ -232,6 +242,37 @@ class FabricClient:
             return await asyncio.wait_for(ref, self.call_timeout_s)
         except TimeoutError:
             raise self._timeout(call) from None
+
+
+class PendingStore:
+    """A store sent to the node and not yet answered (`FabricClient.store_later`)."""
+
+    def __init__(self, ref: Any, client: FabricClient) -> None:
+        self._ref = ref
+        self._client = client
+        self._sent = time.monotonic()
+        self.reply: StoreReply | None = None
+        self.error: BaseException | None = None
+        self._settled = False
+
+    def settled(self, *, wait: bool = False) -> bool:
+        """Whether the node answered, failed, or let the client's `call_timeout_s` pass (then `error`
+        says which); with `wait`, waits for that first."""
+        if self._settled:
+            return True
+        left = self._client.call_timeout_s - (time.monotonic() - self._sent)
+        ready, _ = ray.wait([self._ref], timeout=max(0.0, left) if wait else 0)
+        if ready:
+            try:
+                self.reply = ray.get(self._ref)
+            except ray.exceptions.RayError as e:
+                self.error = e
+        elif left <= 0:
+            self.error = self._client._timeout("store")
+        else:
+            return False
+        self._settled = True
+        return True
 
 
 class RayLayerStream:

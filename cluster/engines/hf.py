@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import save_model
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache, PreTrainedModel, PreTrainedTokenizerBase
 from transformers.cache_utils import DynamicLayer
 
@@ -239,14 +239,37 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
 def save_checkpoint(model: PreTrainedModel, folder: str | Path) -> Path:
     """Write the model as a plain float checkpoint (config.json + model.safetensors) that
     `load_checkpoint` reads in well under a second, where dequantising the GGUF takes ~20 s: the
-    demo dequantises once and every engine actor loads this."""
+    demo dequantises once and every engine actor loads this.
+
+    The checkpoint is the standard Hugging Face form that other loaders (vLLM) read too: tied
+    input/output embeddings are written once under the input embedding's name (a loader that ties
+    them skips `lm_head.weight`), and `config.json` names the model's class in `architectures`."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     config = model.config.to_dict()
     config.pop("quantization_config", None)   # the weights below are already dequantised
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
     (folder / "config.json").write_text(json.dumps(config))
-    save_model(model, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    save_file(_untied_state(model), str(folder / "model.safetensors"), metadata={"format": "pt"})
     return folder
+
+
+def _untied_state(model: PreTrainedModel) -> dict[str, torch.Tensor]:
+    """The state dict with each shared tensor once, the input embedding under its own name first
+    (so a tied output embedding is the name that goes)."""
+    embedding = model.get_input_embeddings()
+    embedding_name = next(f"{name}.weight" for name, module in model.named_modules() if module is embedding)
+    state = {embedding_name: embedding.weight, **model.state_dict()}
+    out: dict[str, torch.Tensor] = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    for name, tensor in state.items():
+        storage = (tensor.data_ptr(), tuple(tensor.shape))
+        if storage in seen:
+            continue
+        seen.add(storage)
+        out[name] = tensor.detach().contiguous()
+    return out
 
 
 def load_checkpoint(folder: str | Path) -> PreTrainedModel:
@@ -268,7 +291,8 @@ def smollm2_checkpoint(cache_root: str | Path | None = None) -> tuple[Path, str]
     fingerprint = fingerprint_file(smollm2_folder() / SMOLLM2_FILE)
     home = kvfabric_home()
     root = Path(cache_root) if cache_root else home / "checkpoints"
-    folder = root / f"smollm2-{fingerprint[:16]}"
+    # "-v2": checkpoints written before save_checkpoint wrote tied embeddings lack them (vLLM reads zeros).
+    folder = root / f"smollm2-{fingerprint[:16]}-v2"
     if folder.is_dir():   # only ever created whole, by the rename below
         return folder, fingerprint
     model, tokenizer, _ = load_smollm2()

@@ -1,0 +1,55 @@
+"""What the connector's scheduler side tells its workers for one engine step.
+
+    KVFabricMetadata
+      loads: LoadSpec per request with a fabric hit this step: read blocks
+             first_block .. first_block + len(block_ids) of `tokens` into vLLM pages `block_ids`
+      saves: SaveSpec per request whose prompt completed new full blocks this step: store
+             blocks first_block .. first_block + len(block_ids) from pages `block_ids`
+      prefill_tokens: tokens this step computes without any load (the node's prefill rate)
+
+Specs carry the request's namespace and the token ids that key its blocks (int64, only up to the
+last block named), so a worker needs nothing but its own TP rank to act on them. The metadata
+crosses to worker processes pickled by vLLM, once per step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+
+from fabric.keys import Namespace
+
+
+@dataclass(frozen=True, slots=True)
+class LoadSpec:
+    req_id: str
+    ns: Namespace
+    tokens: np.ndarray           # int64, the prompt up to the end of the last block to load
+    first_block: int             # blocks before it are already in vLLM's pages (its own prefix cache)
+    block_ids: tuple[int, ...]   # vLLM pages of blocks first_block, first_block + 1, ...
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class SaveSpec:
+    req_id: str
+    ns: Namespace
+    tokens: np.ndarray           # int64, the prompt up to the end of the last block to store
+    first_block: int
+    block_ids: tuple[int, ...]
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.block_ids)
+
+
+@dataclass
+class KVFabricMetadata(KVConnectorMetadata):
+    loads: list[LoadSpec] = field(default_factory=list)
+    saves: list[SaveSpec] = field(default_factory=list)
+    prefill_tokens: int = 0

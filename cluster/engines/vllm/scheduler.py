@@ -1,0 +1,159 @@
+"""The connector's scheduler side: how much of a prompt the fabric can give, and what each step
+must load and store.
+
+    new request ──get_num_new_matched_tokens──► node lookup (own tiers, then the directory's peers)
+                                                 hit = leading cached blocks, never the last token
+                ──update_state_after_alloc────► a load is owed: blocks [local hit, hit) into its pages
+    each step   ──build_connector_meta────────► LoadSpecs owed + SaveSpecs for prompt blocks that
+                                                 become full this step (chunked prefill: as they do)
+    finish      ──request_finished────────────► blocks kept until the workers' stores are acknowledged
+
+Per request it keeps the prompt, its namespace (cache_salt / LoRA as an extra key), its vLLM pages
+and how many leading prompt blocks the fabric has (or is being sent). Loads are synchronous: the
+worker streams them layer by layer during the step's forward pass (layer 0 first). A lookup is a
+hint: whatever the workers cannot load is reported back to vLLM as failed blocks and recomputed.
+
+`kv_transfer_params={"kvfabric": {"load": false, "store": false}}` on a request's sampling params
+turns either direction off for that request (a recompute baseline on the same engine).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import ray
+
+from cluster.client import FabricClient, FabricTimeoutError
+from cluster.engines.vllm.metadata import KVFabricMetadata, LoadSpec, SaveSpec
+from cluster.engines.vllm.namespace import request_namespace
+from cluster.tenancy import TenantRefusedError
+from fabric.keys import Namespace
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Request:
+    ns: Namespace
+    prompt: np.ndarray                 # int64 prompt token ids
+    load: bool
+    store: bool
+    block_ids: list[int] = field(default_factory=list)
+    num_saved_blocks: int = 0          # leading prompt blocks the fabric has, or has been sent
+    has_saves: bool = False            # a worker holds or held a store of this request
+    hit_tokens: int = 0                # the last lookup's answer
+    owed_load: tuple[int, int] | None = None   # (first block, tokens to load up to) for the next step
+
+
+class SchedulerSide:
+    """One engine's scheduler-side state (see the module docstring)."""
+
+    def __init__(self, client: FabricClient, base: Namespace, *, pulls: bool = True) -> None:
+        self.client = client
+        self.base = base
+        self.block_size = base.block_size
+        self.pulls = pulls
+        self._requests: dict[str, _Request] = {}
+        self.num_lookups = self.num_hit_tokens = self.num_lookup_errors = 0
+
+    # ---- per request ---------------------------------------------------------------------------
+
+    def _state(self, request: Request) -> _Request | None:
+        state = self._requests.get(request.request_id)
+        if state is None and request.prompt_token_ids is not None:
+            lora = request.lora_request.lora_name if request.lora_request is not None else None
+            params = (request.kv_transfer_params or {}).get("kvfabric") or {}
+            state = _Request(request_namespace(self.base, cache_salt=request.cache_salt, lora_name=lora),
+                             np.asarray(request.prompt_token_ids, dtype=np.int64),
+                             load=bool(params.get("load", True)), store=bool(params.get("store", True)))
+            self._requests[request.request_id] = state
+        return state
+
+    def matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        """(tokens beyond `num_computed_tokens` the fabric can load, False: loads are synchronous)."""
+        state = self._state(request)
+        if state is None or not state.load:
+            return 0, False
+        # The last prompt token is always computed: its logits are the point of the prefill.
+        max_blocks = (len(state.prompt) - 1) // self.block_size
+        if max_blocks * self.block_size <= num_computed_tokens:
+            return 0, False
+        self.num_lookups += 1
+        try:
+            reply = self.client.lookup(state.ns, state.prompt[:max_blocks * self.block_size])
+        except (FabricTimeoutError, TenantRefusedError, ray.exceptions.RayError) as e:
+            self.num_lookup_errors += 1
+            logger.warning("fabric lookup failed for request %s (%s); computing it", request.request_id, e)
+            return 0, False
+        num_blocks = reply.num_blocks if self.pulls else reply.num_local_blocks
+        state.hit_tokens = min(num_blocks, max_blocks) * self.block_size
+        return max(0, state.hit_tokens - num_computed_tokens), False
+
+    def after_alloc(self, request: Request, num_external_tokens: int) -> None:
+        state = self._requests.get(request.request_id)
+        if state is None or num_external_tokens <= 0:
+            return
+        local = state.hit_tokens - num_external_tokens
+        if local < 0 or local % self.block_size:
+            raise RuntimeError(f"vLLM allocated {num_external_tokens} external tokens of a {state.hit_tokens}-token "
+                               f"hit for request {request.request_id}: not a block-aligned tail of it")
+        state.owed_load = (local // self.block_size, state.hit_tokens)
+        self.num_hit_tokens += num_external_tokens
+
+    def finished(self, request: Request) -> bool:
+        """Whether the request's blocks must stay until the workers report its stores done."""
+        state = self._requests.pop(request.request_id, None)
+        return state is not None and state.has_saves
+
+    # ---- per step ------------------------------------------------------------------------------
+
+    def build(self, out: SchedulerOutput) -> KVFabricMetadata:
+        meta = KVFabricMetadata()
+        for new in out.scheduled_new_reqs:
+            state = self._requests.get(new.req_id)
+            if state is None:
+                continue
+            state.block_ids = list(new.block_ids[0])
+            state.num_saved_blocks = new.num_computed_tokens // self.block_size
+            self._step(new.req_id, state, new.num_computed_tokens, out.num_scheduled_tokens[new.req_id], meta)
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            state = self._requests.get(req_id)
+            if state is None:
+                continue
+            blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:     # preempted and back: a fresh set of pages
+                state.block_ids = list(blocks[0]) if blocks is not None else []
+            elif blocks is not None:
+                state.block_ids.extend(blocks[0])
+            self._step(req_id, state, cached.num_computed_tokens[i], out.num_scheduled_tokens[req_id], meta)
+        return meta
+
+    def _step(self, req_id: str, state: _Request, num_computed: int, num_scheduled: int,
+              meta: KVFabricMetadata) -> None:
+        bs = self.block_size
+        if state.owed_load is not None:
+            first, end = state.owed_load
+            state.owed_load = None
+            meta.loads.append(LoadSpec(req_id, state.ns, state.prompt[:end], first,
+                                       tuple(state.block_ids[first:end // bs])))
+        num_prompt = len(state.prompt)
+        meta.prefill_tokens += max(0, min(num_computed + num_scheduled, num_prompt) - num_computed)
+        full = min(num_computed + num_scheduled, num_prompt) // bs
+        first = state.num_saved_blocks
+        if state.store and full > first and len(state.block_ids) >= full:
+            meta.saves.append(SaveSpec(req_id, state.ns, state.prompt[:full * bs], first,
+                                       tuple(state.block_ids[first:full])))
+            state.has_saves = True
+        state.num_saved_blocks = max(state.num_saved_blocks, full)
+
+    def stats(self) -> dict[str, Any]:
+        return {"lookups": self.num_lookups, "hit_tokens": self.num_hit_tokens,
+                "lookup_errors": self.num_lookup_errors, "requests": len(self._requests)}

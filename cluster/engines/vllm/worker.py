@@ -1,0 +1,193 @@
+"""The connector's worker side: fabric payloads in and out of vLLM's paged KV cache, layer by layer.
+
+    start_load_kv        for each LoadSpec: open the node's layer stream (its plan comes first:
+                         how many leading blocks it will deliver; fewer than owed -> the rest fail)
+    wait_for_layer_load  before layer i's attention: take layer i off every stream, scatter it
+                         into the request's pages (the node sends later layers meanwhile)
+    save_kv_layer        after layer i's attention: gather the pages of blocks that became full
+                         into a host buffer [blocks, layers, bytes]
+    wait_for_save        hand each complete buffer to the node (one copy into the object store,
+                         not waited for); the request's pages are released once it is acknowledged
+    get_finished         requests whose stores were all acknowledged (or failed: a future miss)
+
+A load that breaks (peer gone mid-pull, a payload that failed its digest, a timeout) leaves the
+pages of its undelivered blocks reported by `failed_block_ids`; vLLM then recomputes from the first
+of them, so the answer never depends on what the fabric could deliver, only how fast it comes.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import ray
+import torch
+
+from cluster.api import IncompleteLoadError
+from cluster.client import FabricClient, FabricTimeoutError, PendingStore
+from cluster.engines.vllm.metadata import KVFabricMetadata, LoadSpec, SaveSpec
+from cluster.engines.vllm.namespace import shard_namespace
+from cluster.engines.vllm.paged import PagedLayer, layer_order
+from cluster.tenancy import TenantRefusedError
+from fabric.keys import Namespace
+
+logger = logging.getLogger(__name__)
+
+LOAD_ERRORS = (IncompleteLoadError, FabricTimeoutError, TenantRefusedError, ray.exceptions.RayError, ValueError)
+MIN_RATE_TOKENS = 128    # a shorter step says little about the prefill rate (cluster/estimates.py)
+
+
+@dataclass(slots=True)
+class _Load:
+    spec: LoadSpec
+    layers: Iterator[tuple[int, np.ndarray]] | None
+    num_usable: int            # leading blocks of spec the node's plan covers
+    next_layer: int = 0
+    failed: bool = False
+
+
+class WorkerSide:
+    def __init__(self, client: FabricClient, *, num_blocks: int, rank: int, deadline_s: float | None) -> None:
+        self.client = client
+        self.num_blocks = num_blocks
+        self.rank = rank
+        self.deadline_s = deadline_s
+        self.layers: list[PagedLayer] = []
+        self.index: dict[str, int] = {}
+        self._loads: list[_Load] = []
+        self._saves: list[tuple[SaveSpec, np.ndarray]] = []
+        self._owed: list[LoadSpec] = []
+        self._pending: dict[str, list[PendingStore]] = {}
+        self._finishing: set[str] = set()
+        self._failed: set[int] = set()
+        self._step_start = 0.0
+        self._rate_ns: Namespace | None = None
+        self._prefill_tokens = 0
+        self.num_loaded_blocks = self.num_failed_blocks = self.num_stored_blocks = 0
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        names = layer_order(list(kv_caches))
+        self.layers = [PagedLayer.of(kv_caches[name], self.num_blocks) for name in names]
+        self.index = {name: i for i, name in enumerate(names)}
+
+    # ---- loads ---------------------------------------------------------------------------------
+
+    def begin_step(self, meta: KVFabricMetadata) -> None:
+        """The step's metadata is bound (before its forward): set up its saves' buffers."""
+        self._step_start = time.perf_counter()
+        self._prefill_tokens = meta.prefill_tokens if not meta.loads else 0
+        self._rate_ns = meta.saves[0].ns if meta.saves else None
+        self._owed = list(meta.loads)
+        self._saves = [(spec, np.empty((spec.num_blocks, len(self.layers), self.layers[0].page_bytes), np.uint8))
+                       for spec in meta.saves]
+        for save in meta.saves:    # from now on the scheduler holds the request's pages for this worker
+            self._pending.setdefault(save.req_id, [])
+
+    def start(self) -> None:
+        """Open the step's loads (vLLM calls this before the forward when a step has loads)."""
+        owed, self._owed = self._owed, []
+        self._loads.extend(self._open(spec) for spec in owed)
+
+    def _open(self, spec: LoadSpec) -> _Load:
+        ns = shard_namespace(spec.ns, self.rank)
+        try:
+            stream = self.client.load_layers(ns, spec.tokens, max_blocks=spec.first_block + spec.num_blocks,
+                                             deadline_s=self.deadline_s)
+        except LOAD_ERRORS as e:
+            logger.warning("fabric load of request %s failed to start (%s); vLLM recomputes it", spec.req_id, e)
+            self._fail(spec.block_ids)
+            return _Load(spec, None, 0, failed=True)
+        usable = max(0, min(stream.num_blocks - spec.first_block, spec.num_blocks))
+        self._fail(spec.block_ids[usable:])
+        return _Load(spec, iter(stream) if usable else None, usable, failed=not usable)
+
+    def wait_layer(self, layer_name: str) -> None:
+        layer = self.index.get(layer_name)
+        if layer is None:
+            return
+        if self._owed:
+            self.start()
+        for load in self._loads:
+            self._advance(load, layer)
+
+    def _advance(self, load: _Load, layer: int) -> None:
+        """Scatter `load`'s layers up to `layer` (streams deliver layers in order)."""
+        while not load.failed and load.layers is not None and load.next_layer <= layer:
+            spec = load.spec
+            try:
+                got, payloads = next(load.layers)
+            except (StopIteration, *LOAD_ERRORS) as e:
+                logger.warning("fabric load of request %s broke at layer %d (%r); vLLM recomputes its %d blocks",
+                               spec.req_id, load.next_layer, e, load.num_usable)
+                load.failed = True
+                self._fail(spec.block_ids[:load.num_usable])
+                return
+            if got != load.next_layer:
+                raise RuntimeError(f"the fabric's layer stream sent layer {got}, expected {load.next_layer}")
+            rows = payloads[spec.first_block:spec.first_block + load.num_usable]
+            self.layers[got].scatter(spec.block_ids[:load.num_usable], rows)
+            load.next_layer += 1
+
+    def _fail(self, block_ids: tuple[int, ...]) -> None:
+        self._failed.update(block_ids)
+        self.num_failed_blocks += len(block_ids)
+
+    def take_failed(self) -> set[int]:
+        failed, self._failed = self._failed, set()
+        return failed
+
+    # ---- saves ---------------------------------------------------------------------------------
+
+    def save_layer(self, layer_name: str) -> None:
+        layer = self.index.get(layer_name)
+        if layer is None:
+            return
+        for spec, buffer in self._saves:
+            self.layers[layer].gather(spec.block_ids, buffer[:, layer])
+
+    def end_step(self) -> None:
+        """The step's forward is done: settle its loads, send its stores, report the prefill rate."""
+        for owed in self._owed:     # never opened: no layer of the forward waited for it
+            self._fail(owed.block_ids)
+        self._owed = []
+        for load in self._loads:
+            if not load.failed and load.next_layer < len(self.layers):
+                # The forward ran some layer without waiting for it: those pages were not loaded.
+                self._fail(load.spec.block_ids[:load.num_usable])
+            elif not load.failed:
+                self.num_loaded_blocks += load.num_usable
+        self._loads = []
+        for spec, buffer in self._saves:
+            ns = shard_namespace(spec.ns, self.rank)
+            try:
+                pending = self.client.store_later(ns, spec.tokens, buffer, first_block=spec.first_block)
+            except LOAD_ERRORS as e:
+                logger.warning("fabric store of request %s failed (%s); those blocks stay uncached", spec.req_id, e)
+                continue
+            self._pending.setdefault(spec.req_id, []).append(pending)
+            self.num_stored_blocks += spec.num_blocks
+        self._saves = []
+        seconds = time.perf_counter() - self._step_start
+        if self._rate_ns is not None and self._prefill_tokens >= MIN_RATE_TOKENS:
+            self.client.report_prefill(shard_namespace(self._rate_ns, self.rank), self._prefill_tokens, seconds)
+
+    def finished(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests the scheduler holds for their stores whose stores are all settled."""
+        self._finishing |= finished_req_ids
+        done: set[str] = set()
+        for req_id in list(self._finishing):
+            pending = self._pending.get(req_id, [])
+            if all(p.settled() for p in pending):
+                self._finishing.discard(req_id)
+                if self._pending.pop(req_id, None) is not None:
+                    done.add(req_id)
+        return done
+
+    def close(self) -> None:
+        for pending in self._pending.values():
+            for p in pending:
+                p.settled(wait=True)
+        self._pending.clear()

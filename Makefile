@@ -64,6 +64,8 @@ bench: install
 	$(PY) benchmarks/bench_cluster.py --trace
 	$(PY) benchmarks/bench_ttft.py
 	$(PY) benchmarks/bench_deadline.py
+	$(PY) benchmarks/bench_vllm.py
+	$(PY) benchmarks/bench_audit.py
 	$(PY) benchmarks/soak_hostile.py
 
 clean:

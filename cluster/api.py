@@ -71,6 +71,16 @@ class CacheFill:
 
 
 @dataclass(frozen=True, slots=True)
+class EventKeys:
+    """How an engine that hashes blocks its own way names the blocks of a store, for KV events
+    (docs/kv-events.md): per stored block its extra hash keys (vLLM's LoRA, cache_salt, ...; None for
+    none), and the LoRA adapter's name. They travel only where events may show the tenant's tokens."""
+
+    extra_keys: tuple[tuple[Any, ...] | None, ...] = ()
+    lora_name: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class LookupReply:
     """The longest cached leading run of a prompt's blocks, local or on a live peer, the load the
     answering node's engines last reported and how full its cache is (what a router weighs against
@@ -241,7 +251,7 @@ class NodeApi(Protocol):
                     ) -> AsyncIterator[Any]: ...
 
     async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0, *,
-                    tenant_token: bytes | None = None) -> StoreReply: ...
+                    tenant_token: bytes | None = None, event_keys: EventKeys | None = None) -> StoreReply: ...
 
     async def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], parent: BlockId | None = None, *,
                             tenant_token: bytes | None = None) -> LookupReply: ...

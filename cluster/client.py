@@ -34,6 +34,7 @@ import ray
 from cluster.api import (
     AuditReport,
     EngineLoad,
+    EventKeys,
     IncompleteLoadError,
     LoadReply,
     LookupReply,
@@ -128,21 +129,24 @@ class FabricClient:
         return RayLayerStream(self._remote(NodeApi.load_layers, ns, _tokens(tokens), max_blocks, deadline_s,
                                            tenant_token=self._token(), audit=audit), self)
 
-    def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0) -> StoreReply:
-        return self._call(NodeApi.store, ns, _tokens(tokens), payloads, first_block, tenant_token=self._token())
+    def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0,
+              event_keys: EventKeys | None = None) -> StoreReply:
+        """`Fabric.store`; `event_keys`: how an engine that hashes blocks its own way names them in KV events."""
+        return self._call(NodeApi.store, ns, _tokens(tokens), payloads, first_block, tenant_token=self._token(),
+                          event_keys=event_keys)
 
     def audit(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray) -> AuditReport:
         return self._call(NodeApi.audit, ns, _tokens(tokens), payloads, tenant_token=self._token())
 
-    def store_later(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0
-                    ) -> PendingStore:
+    def store_later(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, *, first_block: int = 0,
+                    event_keys: EventKeys | None = None) -> PendingStore:
         """`store` without waiting for the node: `payloads` are copied into the object store before this
         returns (the caller may reuse them at once); the answer comes through the `PendingStore`."""
         # ray.put copies the payloads into the object store before it returns. Passing the array itself
         # would not: Ray may read it after this call returns, from memory the caller has freed by then.
         stored: Any = ray.put(payloads)
         return PendingStore(self._remote(NodeApi.store, ns, _tokens(tokens), stored, first_block,
-                                         tenant_token=self._token()), self)
+                                         tenant_token=self._token(), event_keys=event_keys), self)
 
     def lookup_blocks(self, ns: Namespace, block_ids: Sequence[BlockId], *,
                       parent: BlockId | None = None) -> LookupReply:

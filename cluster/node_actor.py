@@ -40,6 +40,7 @@ import ray
 from cluster.api import (
     AuditReport,
     EngineLoad,
+    EventKeys,
     LoadReply,
     LookupReply,
     StoreReply,
@@ -212,17 +213,22 @@ class NodeActor:
             yield item
 
     async def store(self, ns: Namespace, tokens: Tokens, payloads: np.ndarray, first_block: int = 0, *,
-                    tenant_token: bytes | None = None) -> StoreReply:
+                    tenant_token: bytes | None = None, event_keys: EventKeys | None = None) -> StoreReply:
         await self._ensure_started()
         ns = self.rt.tenancy.bind(ns, tenant_token)
         num_blocks = check_payloads(ns, tokens, payloads, first_block)
+        if event_keys is not None and event_keys.extra_keys and len(event_keys.extra_keys) != num_blocks:
+            raise ValueError(f"event_keys names {len(event_keys.extra_keys)} blocks' extra keys for a store of "
+                             f"{num_blocks} blocks")
         return await self._write(ns, block_hashes(ns, tokens)[:first_block + num_blocks], payloads, first_block,
-                                 tokens)
+                                 tokens, event_keys)
 
     async def _write(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray, first_block: int,
-                     tokens: Tokens | None) -> StoreReply:
+                     tokens: Tokens | None, event_keys: EventKeys | None = None) -> StoreReply:
         """Store `payloads` as `hashes[first_block:]`, signed by this node (their producer)."""
-        self.loader.note_chain(ns, hashes, first_block, len(hashes), tokens)
+        self.loader.note_chain(ns, hashes, first_block, len(hashes), tokens,
+                               extra_keys=event_keys.extra_keys or None if event_keys else None,
+                               lora_name=event_keys.lora_name if event_keys else None)
         return await asyncio.get_running_loop().run_in_executor(
             None, lambda: self.rt.local.write_blocks(ns, hashes[first_block:], payloads, signer=self.rt.signer))
 

@@ -352,5 +352,7 @@ class NodeLoader:
         shown = tokens is not None and self.kv_events.shows_tokens(self.tenants_of(ns))
         span = np.asarray(tokens)[start * ns.block_size:end * ns.block_size].tolist() if shown else None
         kind = "mla_attention" if ns.layout.kind is LayoutKind.MLA else "full_attention"
+        # An engine's extra keys (a cache_salt among them) and LoRA name go with the tokens or not at all.
         self.kv_events.note_chain(hashes[start:end], hashes[start - 1] if start else None, span, ns.block_size,
-                                  spec_kind=kind, extra_keys=extra_keys, lora_name=lora_name)
+                                  spec_kind=kind, extra_keys=extra_keys if shown else None,
+                                  lora_name=lora_name if shown else None)

@@ -54,6 +54,8 @@ class NodeView:
     num_resets: int = 0
     chain_of: dict[int, ChainKey] = field(default_factory=dict)   # held block -> (parent, tokens) announced
     first_events: list[str] = field(default_factory=list)   # tags of the first batch since a reset
+    # held block -> (its extra hash keys, LoRA name) where an engine that hashes blocks its own way named them
+    keys_of: dict[int, tuple[Any, str | None]] = field(default_factory=dict)
 
     def apply(self, seq: int, payload: bytes, chains: dict[ChainKey, set[int]]) -> None:
         _ts, events, _rank = msgpack.unpackb(payload, raw=False)
@@ -63,10 +65,15 @@ class NodeView:
             if tag == "AllBlocksCleared":
                 self.held.clear()
                 self.chain_of.clear()
+                self.keys_of.clear()
             elif tag == "BlockStored":
                 hashes, parent = event["block_hashes"], event["parent_block_hash"]
                 tokens, block_size = event["token_ids"], event["block_size"]
                 self.held.update(hashes)
+                extra, lora = event.get("extra_keys"), event.get("lora_name")
+                if extra or lora:
+                    for i, h in enumerate(hashes):
+                        self.keys_of[h] = (extra[i] if extra else None, lora)
                 if tokens and len(tokens) == len(hashes) * block_size:   # learn how tokens chain into hashes
                     for i, h in enumerate(hashes):
                         key = (parent if i == 0 else hashes[i - 1], tuple(tokens[i * block_size:(i + 1) * block_size]))
@@ -76,6 +83,7 @@ class NodeView:
                 self.held.difference_update(event["block_hashes"])
                 for h in event["block_hashes"]:
                     self.chain_of.pop(h, None)
+                    self.keys_of.pop(h, None)
             else:
                 logger.warning("unknown KV event %r ignored", tag)
         self.digests[seq] = blake3.blake3(payload).digest()
@@ -85,6 +93,7 @@ class NodeView:
     def reset(self) -> None:
         self.held.clear()
         self.chain_of.clear()
+        self.keys_of.clear()
         self.digests.clear()
         self.expected = 0
         self.num_resets += 1

@@ -18,7 +18,7 @@ import ray
 import zmq
 import zmq.auth
 
-from cluster.api import Where, payload_shape
+from cluster.api import EventKeys, Where, payload_shape
 from cluster.client import FabricClient
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node_actor import node_actor_name, node_name_for
@@ -125,6 +125,22 @@ def test_a_store_and_a_mirrored_pull_are_announced_with_their_tokens(
     while not u64s(block_hashes(NS, tokens)) <= views_match(local, sub)[b]:   # the mirror lands later
         assert time.monotonic() < deadline, "B's mirror never showed"
     assert sub.hit_estimates(tokens, 16) == {a: 8, b: 8}
+
+
+def test_an_engines_extra_keys_and_lora_name_name_its_stored_blocks(fabric: tuple[LocalCluster, Subscriber]) -> None:
+    """A router that hashes tokens as vLLM does (cache_salt on a prompt's first block, a LoRA's name on
+    each) maps the blocks the vLLM connector stores by the keys they are announced with."""
+    local, sub = fabric
+    a, _ = local.node_ids()
+    tokens = prompt(7, 3)
+    extra = (("lora-a", "salt-1"), ("lora-a",), ("lora-a",))
+    client = FabricClient.connect(node_id=a)
+    assert client.store(NS, tokens, kv_for(7, 3), event_keys=EventKeys(extra, "lora-a")).num_stored == 3
+    views_match(local, sub)
+    hashes = [u64(h) for h in block_hashes(NS, tokens)]
+    assert [sub.views[a].keys_of.get(h) for h in hashes] == [(list(e), "lora-a") for e in extra]
+    with pytest.raises(ValueError, match="extra keys"):   # one entry per stored block, or none
+        client.store(NS, prompt(8, 2), kv_for(8, 2), event_keys=EventKeys(extra, None))
 
 
 def test_a_subscriber_without_an_allowed_key_gets_nothing(fabric: tuple[LocalCluster, Subscriber]) -> None:

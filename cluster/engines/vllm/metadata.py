@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
 
+from cluster.api import EventKeys
 from fabric.keys import Namespace
 
 
@@ -42,6 +43,7 @@ class SaveSpec:
     tokens: np.ndarray           # int64, the prompt up to the end of the last block to store
     first_block: int
     block_ids: tuple[int, ...]
+    event_keys: EventKeys | None = None   # vLLM's extra keys of these blocks, for KV events
 
     @property
     def num_blocks(self) -> int:

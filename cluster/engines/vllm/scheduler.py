@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import ray
 
+from cluster.api import EventKeys
 from cluster.client import FabricClient, FabricTimeoutError
 from cluster.engines.vllm.metadata import KVFabricMetadata, LoadSpec, SaveSpec
 from cluster.engines.vllm.namespace import request_namespace
@@ -49,7 +50,23 @@ class _Request:
     num_saved_blocks: int = 0          # leading prompt blocks the fabric has, or has been sent
     has_saves: bool = False            # a worker holds or held a store of this request
     hit_tokens: int = 0                # the last lookup's answer
+    extra_keys: tuple[tuple[Any, ...] | None, ...] = ()   # vLLM's extra hash keys per full prompt block
+    lora_name: str | None = None
     owed_load: tuple[int, int] | None = None   # (first block, tokens to load up to) for the next step
+
+
+def event_extra_keys(request: Request, block_size: int) -> tuple[tuple[Any, ...] | None, ...]:
+    """Per full prompt block, the extra keys vLLM hashes it with and names it by in its own KV events
+    (LoRA, cache_salt on the first block, multimodal and prompt-embeds keys): a router that hashes
+    tokens as vLLM does maps the fabric's events with them (docs/kv-events.md)."""
+    from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+    keys: list[tuple[Any, ...] | None] = []
+    mm_index = 0
+    for start in range(0, len(request.prompt_token_ids or ()) // block_size * block_size, block_size):
+        extra, mm_index = generate_block_hash_extra_keys(request, start, start + block_size, mm_index)
+        keys.append(extra)
+    return tuple(to_event_extra_keys(keys) or ())
 
 
 class SchedulerSide:
@@ -72,7 +89,8 @@ class SchedulerSide:
             params = (request.kv_transfer_params or {}).get("kvfabric") or {}
             state = _Request(request_namespace(self.base, cache_salt=request.cache_salt, lora_name=lora),
                              np.asarray(request.prompt_token_ids, dtype=np.int64),
-                             load=bool(params.get("load", True)), store=bool(params.get("store", True)))
+                             load=bool(params.get("load", True)), store=bool(params.get("store", True)),
+                             extra_keys=event_extra_keys(request, self.block_size), lora_name=lora)
             self._requests[request.request_id] = state
         return state
 
@@ -149,8 +167,10 @@ class SchedulerSide:
         full = min(num_computed + num_scheduled, num_prompt) // bs
         first = state.num_saved_blocks
         if state.store and full > first and len(state.block_ids) >= full:
+            keys = EventKeys(state.extra_keys[first:full], state.lora_name) \
+                if state.lora_name or any(state.extra_keys[first:full]) else None
             meta.saves.append(SaveSpec(req_id, state.ns, state.prompt[:full * bs], first,
-                                       tuple(state.block_ids[first:full])))
+                                       tuple(state.block_ids[first:full]), keys))
             state.has_saves = True
         state.num_saved_blocks = max(state.num_saved_blocks, full)
 

@@ -163,7 +163,8 @@ class WorkerSide:
         for spec, buffer in self._saves:
             ns = shard_namespace(spec.ns, self.rank)
             try:
-                pending = self.client.store_later(ns, spec.tokens, buffer, first_block=spec.first_block)
+                pending = self.client.store_later(ns, spec.tokens, buffer, first_block=spec.first_block,
+                                                  event_keys=spec.event_keys)
             except LOAD_ERRORS as e:
                 logger.warning("fabric store of request %s failed (%s); those blocks stay uncached", spec.req_id, e)
                 continue

@@ -29,9 +29,7 @@ as a cache.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -42,6 +40,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from cluster.api import AuditReport, EngineLoad
 from cluster.client import FabricClient
 from cluster.engines.hf import Generation, HFEngine, LoadMode, load_checkpoint
+from cluster.engines.load_gate import LoadGate
 from fabric.keys import Namespace
 from transports.core.buffers import tune_allocator
 
@@ -94,39 +93,10 @@ class HFEngineActor:
         self.engine = HFEngine(model, self.fabric, block_size=block_size, fingerprint=fingerprint,
                                model_id=model_id)
         self.baseline = HFEngine(model, None, block_size=block_size, fingerprint=fingerprint, model_id=model_id)
-        self._compute = threading.Lock()      # one request computes at a time
-        self._counts = threading.Lock()
-        self._running = self._queued = self._queued_tokens = 0
-
-    @contextmanager
-    def _request(self, num_tokens: int) -> Iterator[None]:
-        """Count a request as queued until it may compute, then as running; report each change."""
-        with self._counts:
-            self._queued += 1
-            self._queued_tokens += num_tokens
-            self._report()
-        try:
-            with self._compute:
-                with self._counts:
-                    self._queued -= 1
-                    self._running += 1
-                    self._report()
-                yield
-        finally:
-            with self._counts:
-                if self._running:
-                    self._running -= 1
-                else:                      # never got to compute
-                    self._queued -= 1
-                self._queued_tokens -= num_tokens
-                self._report()
-
-    def _report(self) -> None:
-        self.fabric.report_load(EngineLoad(self._running, self._queued, self._queued_tokens))
+        self.gate = LoadGate(self.fabric.report_load)
 
     def load(self) -> EngineLoad:
-        with self._counts:
-            return EngineLoad(self._running, self._queued, self._queued_tokens)
+        return self.gate.load()
 
     def node(self) -> str:
         return self.node_id
@@ -142,7 +112,7 @@ class HFEngineActor:
                mode: str = LoadMode.LAYERWISE.value, export: bool = True, deadline_s: float | None = None) -> Answer:
         """Prefill through the fabric (`mode`; a plain load's pulls cut at `deadline_s`, by default the
         node's own break-even estimate), export the new blocks, decode greedily."""
-        with self._request(len(tokens)):
+        with self.gate.request(len(tokens)):
             self.engine.deadline_s = deadline_s   # under the compute lock: this request's setting
             gen = self.engine.generate(tokens, max_new_tokens, mode=LoadMode(mode), eos_token_id=eos_token_id,
                                        export=export)
@@ -151,7 +121,7 @@ class HFEngineActor:
     def recompute(self, tokens: Sequence[int], max_new_tokens: int, *, eos_token_id: int | None = None) -> Answer:
         """The baseline: the same prompt computed from scratch, nothing read from or written to the fabric
         (its prefill time is reported: it is this node's rate for the model)."""
-        with self._request(len(tokens)):
+        with self.gate.request(len(tokens)):
             gen = self.baseline.generate(tokens, max_new_tokens, eos_token_id=eos_token_id)
         self.fabric.report_prefill(self.engine.namespace, gen.prefill.num_tokens, gen.prefill.ttft_s)
         return Answer.of(self.node_id, gen)

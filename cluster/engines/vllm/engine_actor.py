@@ -14,18 +14,16 @@ the connector (the recompute baseline). Prompts and answers are token ids.
 from __future__ import annotations
 
 import os
-import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.api import EngineLoad
 from cluster.client import FabricClient
+from cluster.engines.load_gate import LoadGate
 
 MAX_ACCEPTED = 16      # requests an engine actor accepts at once (vLLM computes them one call at a time)
 CONNECTOR = "KVFabricConnector"
@@ -67,36 +65,7 @@ class VLLMEngineActor:
                        enable_prefix_caching=prefix_caching, kv_transfer_config=transfer, seed=0)
         # The engine's load goes to its node's fabric, where routers read it with every lookup.
         self.fabric = FabricClient.connect(node_id=self.node_id, namespace=context.namespace) if fabric else None
-        self._compute = threading.Lock()
-        self._counts = threading.Lock()
-        self._running = self._queued = self._queued_tokens = 0
-
-    @contextmanager
-    def _request(self, num_tokens: int) -> Iterator[None]:
-        """Count a call as queued until it may compute, then as running; report each change."""
-        with self._counts:
-            self._queued += 1
-            self._queued_tokens += num_tokens
-            self._report()
-        try:
-            with self._compute:
-                with self._counts:
-                    self._queued -= 1
-                    self._running += 1
-                    self._report()
-                yield
-        finally:
-            with self._counts:
-                if self._running:
-                    self._running -= 1
-                else:
-                    self._queued -= 1
-                self._queued_tokens -= num_tokens
-                self._report()
-
-    def _report(self) -> None:
-        if self.fabric is not None:
-            self.fabric.report_load(EngineLoad(self._running, self._queued, self._queued_tokens))
+        self.gate = LoadGate(self.fabric.report_load if self.fabric is not None else None)
 
     def node(self) -> str:
         return self.node_id
@@ -104,7 +73,7 @@ class VLLMEngineActor:
     def generate(self, prompts: Sequence[Sequence[int]], max_tokens: int, *, cache_salt: str | None = None,
                  load: bool = True, store: bool = True) -> list[Completion]:
         """Greedy answers, one request at a time (so each one's time is its own)."""
-        with self._request(sum(len(p) for p in prompts)):
+        with self.gate.request(sum(len(p) for p in prompts)):
             return [self._one(p, max_tokens, cache_salt=cache_salt, load=load, store=store) for p in prompts]
 
     def _one(self, prompt: Sequence[int], max_tokens: int, *, cache_salt: str | None = None, load: bool = True,
@@ -125,7 +94,7 @@ class VLLMEngineActor:
         """(fabric, recompute) for one prompt, each as its answer with its TTFT as `seconds`: the
         first token alone is timed in its own request (TTFT), then the whole greedy answer is produced.
         The recompute reads nothing from and writes nothing to the fabric."""
-        with self._request(len(prompt)):
+        with self.gate.request(len(prompt)):
             first = self._one(prompt, 1)
             fabric = self._one(prompt, max_tokens, store=False)
             recompute = self._one(prompt, max_tokens, load=False, store=False)

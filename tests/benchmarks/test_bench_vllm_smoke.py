@@ -18,7 +18,7 @@ pytestmark = pytest.mark.vllm
 
 def test_quick_run_prints_json_last_line() -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_vllm.py"), "--quick"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=290, check=False)
+                          cwd=ROOT, capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["answers_identical"] is True and result["pulled_bytes"] > 0

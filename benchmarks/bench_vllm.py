@@ -23,10 +23,13 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks._common import emit_json, median, print_table
 

@@ -50,6 +50,10 @@ class ClusterMetrics:
         self.disputed_blocks = Counter("kvfabric_disputed_blocks_total",
                                        "Blocks a load treated as a miss: their leading versions are held by as many "
                                        "independent producers each", registry=registry)
+        self.crl_reloads = Counter("kvfabric_crl_reloads_total",
+                                   "New revocation lists a node read, by outcome: loaded, or refused (unreadable or "
+                                   "not signed by the CA: the node keeps the list it had)", ["outcome"],
+                                   registry=registry)
         self.crl_seconds_left = Gauge("kvfabric_crl_seconds_to_next_update",
                                       "Seconds until the CA's revocation list (crl.pem) passes its nextUpdate, after "
                                       "which every handshake is refused on both transports (+Inf: no list)",

@@ -133,6 +133,7 @@ class NodeRuntime:
             self.trust = TrustAnchor.from_files(self._crl_path.with_name(CA_CERT))
         except CertificateError as e:   # keep the list we have: an unreadable one revokes nothing new
             logger.error("new revocation list not used: %s", e)
+            self.metrics.crl_reloads.labels("refused").inc()
             return
         self.verifier.trust = self.trust
         self.tenancy.verifier.trust = self.trust
@@ -141,6 +142,7 @@ class NodeRuntime:
             self.crl_next_update = crl_next_update(self._crl_path)
         except (OSError, ValueError) as e:   # the list was verified just now: only a race with a writer
             logger.warning("cannot read the revocation list's nextUpdate: %s", e)
+        self.metrics.crl_reloads.labels("loaded").inc()
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 
     def set_send_rate(self, mb_s: float) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from cluster.cli import CLIError
@@ -41,18 +42,25 @@ def register(sub: Any) -> None:
     release.set_defaults(func=cmd_release)
 
 
-def cmd_purge(args: argparse.Namespace) -> int:
+def _per_node(args: argparse.Namespace, call: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+    """`call(producer, namespace=, operator=)` on every node, as the operator; its answer per node."""
     from cluster.cli_cluster import _config, _connect, operator_minter
-    from cluster.client import purge_producer
 
     if not args.producer.strip():
         raise CLIError("--producer needs a node name")
     _, state = _connect(args.address)
     config = _config(args.config or (state or {}).get("config"))
-    removed = purge_producer(args.producer, namespace=config.cluster.namespace,
-                             operator=operator_minter(args.credential, config, state))
-    if not removed:
+    answers = call(args.producer, namespace=config.cluster.namespace,
+                   operator=operator_minter(args.credential, config, state))
+    if not answers:
         raise CLIError("no kvfabric nodes found; start the fabric with `kvfabric start` or `kvfabric up`")
+    return answers
+
+
+def cmd_purge(args: argparse.Namespace) -> int:
+    from cluster.client import purge_producer
+
+    removed = _per_node(args, purge_producer)
     if args.json:
         print(json.dumps({"producer": args.producer, "removed": removed}))
     else:
@@ -63,17 +71,9 @@ def cmd_purge(args: argparse.Namespace) -> int:
 
 
 def cmd_release(args: argparse.Namespace) -> int:
-    from cluster.cli_cluster import _config, _connect, operator_minter
     from cluster.client import release_producer
 
-    if not args.producer.strip():
-        raise CLIError("--producer needs a node name")
-    _, state = _connect(args.address)
-    config = _config(args.config or (state or {}).get("config"))
-    released = release_producer(args.producer, namespace=config.cluster.namespace,
-                                operator=operator_minter(args.credential, config, state))
-    if not released:
-        raise CLIError("no kvfabric nodes found; start the fabric with `kvfabric start` or `kvfabric up`")
+    released = _per_node(args, release_producer)
     if args.json:
         print(json.dumps({"producer": args.producer, "released": released}))
     else:

@@ -62,10 +62,10 @@ def main() -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from cluster.client import FabricClient
-    from cluster.engines.hf import HFEngine, LoadMode
-    from cluster.engines.hf_kv import encode_cache, fingerprint_state_dict
+    from cluster.engines.hf.engine import HFEngine, LoadMode
+    from cluster.engines.hf.kv import encode_cache, fingerprint_state_dict
     from cluster.launch import start_local_cluster
-    from cluster.node_actor import node_actor_name
+    from cluster.node.actor import node_actor_name
     from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig
 
     torch.manual_seed(0)

@@ -47,8 +47,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, median, print_table
-from cluster.engines.block_manager import BlockManager
-from cluster.engines.sequence import SeqState
+from cluster.engines.reference.block_manager import BlockManager
+from cluster.engines.reference.sequence import SeqState
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 

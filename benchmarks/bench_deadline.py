@@ -58,10 +58,10 @@ def main() -> int:
     import ray
     from transformers.utils import logging as hf_logging
 
-    from cluster.engines.hf import SMOLLM2_ID, LoadMode, smollm2_checkpoint
-    from cluster.engines.hf_actor import spawn_engines
+    from cluster.engines.hf.actor import spawn_engines
+    from cluster.engines.hf.engine import SMOLLM2_ID, LoadMode, smollm2_checkpoint
     from cluster.launch import start_local_cluster
-    from cluster.node_actor import node_actor_name
+    from cluster.node.actor import node_actor_name
     from fabric.config import AuditConfig, Config, KVConfig
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]

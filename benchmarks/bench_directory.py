@@ -1,4 +1,4 @@
-"""One pure directory shard (cluster/directory.py) with 1,000 nodes at 1e5, 1e6 and 1e7 (hash, node) entries.
+"""One pure directory shard (cluster/directory/shard.py) with 1,000 nodes at 1e5, 1e6 and 1e7 (hash, node) entries.
 
 Workload (deterministic from --seed): prompts of 64 block hashes (32 random bytes each), each prompt
 held by 1-3 of 1,000 nodes, so every block is on 1-3 nodes (about 2 on average). Each owner reports
@@ -46,8 +46,8 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, median, print_table
-from cluster.directory import DirectoryShard
-from cluster.directory_types import NodeAddress, NodeId, leading_runs
+from cluster.directory.shard import DirectoryShard
+from cluster.directory.types import NodeAddress, NodeId, leading_runs
 
 NUM_NODES = 1000
 PROMPT_BLOCKS = 64

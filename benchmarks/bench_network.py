@@ -2,7 +2,7 @@
 
     python benchmarks/bench_network.py [--quick] [--profiles lan,dc,lossy,wan] [--limit 1.0] [--results PATH]
 
-A bed of two hosts (network namespaces on a private bridge, cluster/netbed.py): host 0 runs
+A bed of two hosts (network namespaces on a private bridge, cluster/netbed/bed.py): host 0 runs
 `network_serve.py` (kvfabric TLS-TCP and QUIC servers, a plain TCP and a bare TLS stream server, all
 serving the same random blocks), this process measures from host 1. For each profile, in one run:
 
@@ -42,8 +42,8 @@ from benchmarks._common import emit_json, print_table, write_results
 from benchmarks.network_client import ServerHost
 from benchmarks.network_runs import Measures, measure_profile, profile_figures
 from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE
-from cluster.netbed import NetBed, NetbedUnavailable
-from cluster.netbed_plan import NetbedError, parse_profile
+from cluster.netbed.bed import NetBed, NetbedUnavailable
+from cluster.netbed.plan import NetbedError, parse_profile
 from transports.core.certs import init_ca, issue_node
 from transports.quic.backend import resolve
 

@@ -4,7 +4,7 @@ profile, against recomputing it.
     python benchmarks/bench_network_ttft.py [--quick] [--profiles lan,dc,wan,lossy] [--tokens 4096]
                                             [--reps 3] [--results PATH]
 
-A bed of two hosts (network namespaces on a private bridge, cluster/netbed.py) runs Ray and the
+A bed of two hosts (network namespaces on a private bridge, cluster/netbed/bed.py) runs Ray and the
 fabric (TLS-TCP), with a SmolLM2-135M-Instruct engine actor pinned to each host. For each profile
 both links are reshaped, host A computes and stores a `--tokens` prefix, and host B answers a prompt
 sharing it, three ways:
@@ -47,8 +47,8 @@ from benchmarks._common import emit_json, median, print_table, write_results
 from benchmarks.bench_deadline import prompt_pair
 from benchmarks.bench_ttft import settle
 from benchmarks.network_runs import profile_figures
-from cluster.netbed import NetBed, NetbedUnavailable
-from cluster.netbed_plan import NetbedError, parse_profile
+from cluster.netbed.bed import NetBed, NetbedUnavailable
+from cluster.netbed.plan import NetbedError, parse_profile
 from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -93,7 +93,7 @@ def _drop_pulled(fab: Fabric) -> int:
 def _request(fab: Fabric, path: str, tokens: list[int], num_prefix: int, samples: Samples) -> None:
     import ray
 
-    from cluster.engines.hf import LoadMode
+    from cluster.engines.hf.engine import LoadMode
 
     settle(fab.nodes)
     if path == "recompute":
@@ -130,9 +130,9 @@ def _start_engines(node_ids: list[str], num_prefix: int) -> Fabric:
     """An engine per host; both warmed up (a recompute each, a pull from A to B) and B's copy dropped."""
     import ray
 
-    from cluster.engines.hf import SMOLLM2_ID, smollm2_checkpoint
-    from cluster.engines.hf_actor import spawn_engines
-    from cluster.node_actor import node_actor_name, node_name_for
+    from cluster.engines.hf.actor import spawn_engines
+    from cluster.engines.hf.engine import SMOLLM2_ID, smollm2_checkpoint
+    from cluster.node.actor import node_actor_name, node_name_for
 
     a, b = node_ids
     checkpoint, fingerprint = smollm2_checkpoint()
@@ -158,7 +158,7 @@ def run(profiles: list[str], num_prefix: int, reps: int) -> dict[str, Any]:
     """Every profile on one bed of two hosts; the bed (and its Ray) is removed whatever happens."""
     from transformers.utils import logging as hf_logging
 
-    from cluster.netbed_ray import driver, node_hosts, start_bed_fabric, start_ray
+    from cluster.netbed.ray_cluster import driver, node_hosts, start_bed_fabric, start_ray
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     base = Config(kv=KVConfig(ram_gib=1.5), cluster=ClusterConfig(pull_timeout_s=PULL_TIMEOUT_S),

@@ -44,14 +44,14 @@ def _model(quick: bool, root: Path) -> tuple[str, str, str, Any]:
     from fabric.layout import KVLayout
 
     if not quick:
-        from cluster.engines.hf import SMOLLM2_ID, smollm2_checkpoint
+        from cluster.engines.hf.engine import SMOLLM2_ID, smollm2_checkpoint
 
         folder, fingerprint = smollm2_checkpoint()
         return str(folder), SMOLLM2_ID, fingerprint, KVLayout.mha(30, 3, 64, "f32")
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from cluster.engines.hf import save_checkpoint
+    from cluster.engines.hf.engine import save_checkpoint
 
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=4,

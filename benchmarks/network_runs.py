@@ -27,7 +27,7 @@ from benchmarks.network_serve import (
     TLS_PORT,
     TLS_TCP_PORT,
 )
-from cluster.netbed_plan import parse_profile
+from cluster.netbed.plan import parse_profile
 from transports.core.base import Peer, TransportClient
 from transports.quic import QuicTuning
 from transports.quic.backend import resolve

@@ -13,8 +13,8 @@ ids has one block per id; its parent id (None for a sequence's first block) name
 Both paths end in the same block hashes, tiers, pulls and digest checks.
 
 `Fabric` is the protocol; `FabricClient` (cluster/client.py) implements it over the node's Ray
-actor, `LocalFabric` (cluster/local.py) over one in-process `Store` with no Ray at all. `NodeApi`
-is what that actor answers (cluster/node_actor.py implements it, `FabricClient` calls it); mypy
+actor, `LocalFabric` (cluster/node/local.py) over one in-process `Store` with no Ray at all. `NodeApi`
+is what that actor answers (cluster/node/actor.py implements it, `FabricClient` calls it); mypy
 checks all three against these protocols.
 """
 

@@ -42,7 +42,7 @@ from cluster.api import (
     StoreReply,
     Tokens,
 )
-from cluster.node_actor import node_actor_name
+from cluster.node.actor import node_actor_name
 from cluster.tenancy import TenantRefusedError
 from fabric.block_ids import BlockId
 from fabric.config import ClusterConfig, TenancyConfig
@@ -352,7 +352,7 @@ def unbind_node(node_id: str, *, operator: TenantMinter, cluster: ClusterConfig 
     """Clear which certificate the directory binds Ray node `node_id` to, on every shard, and drop what
     it listed under that id (a squatter's reports): the next certificate to report the id binds it.
     An operator call (raises TenantRefusedError otherwise). Per shard: the certificate name it was bound to."""
-    from cluster.directory_actor import DirectoryClient
+    from cluster.directory.client import DirectoryClient
 
     return asyncio.run(DirectoryClient(cluster or ClusterConfig()).unbind(node_id, operator.token(time.time())))
 

@@ -19,7 +19,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.node_actor import NodeActor, node_actor_name
+from cluster.node.actor import NodeActor, node_actor_name
 from fabric.config import Config
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from cluster.engines.paged import PagedEngine
-from cluster.engines.tiny_llama import TinyLlama, TinyLlamaConfig
+from cluster.engines.reference.paged import PagedEngine
+from cluster.engines.reference.tiny_llama import TinyLlama, TinyLlamaConfig
 from fabric.config import KVConfig, TransportConfig, TransportKind
 from fabric.keys import BlockAddress, addresses, block_hashes
 from fabric.store import Store

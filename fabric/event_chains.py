@@ -1,6 +1,6 @@
 """The chain of every block a node's KV events announced, kept on disk beside the store's index.
 
-A KV event for a stored block says its parent and its tokens (cluster/kv_events.py). The store keeps
+A KV event for a stored block says its parent and its tokens (cluster/events/log.py). The store keeps
 payloads, not prompts, so after a restart the blocks found on SSD would be re-announced bare. This
 table keeps, per block hash, what its first announcement said (a packed `ChainHint`: parent, token
 ids, block size, extra keys), written when the block is announced and deleted when it leaves the

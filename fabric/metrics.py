@@ -16,7 +16,7 @@
                                                 counter: puts refused because the address holds other
                                                 bytes, by the producers of both ("unsigned": no record)
 
-An engine's BlockManager is exported beside them by `cluster.engines.allocator_metrics`.
+An engine's BlockManager is exported beside them by `cluster.engines.reference.allocator_metrics`.
 
 One `CollectorRegistry` per Store, so several stores (or tests) in one process never collide.
 `render()` gives the text exposition; `serve(port)` starts an HTTP endpoint for that registry.

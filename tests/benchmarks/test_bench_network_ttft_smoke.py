@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from cluster.netbed import missing_capability
+from cluster.netbed.bed import missing_capability
 
 ROOT = Path(__file__).resolve().parents[2]
 _missing = missing_capability()

@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 from prometheus_client import CollectorRegistry
 
-from cluster.metrics import ClusterMetrics
+from cluster.node.metrics import ClusterMetrics
 
 RULES = Path(__file__).resolve().parents[2] / "charts" / "kvfabric" / "files" / "kvfabric-alerts.yaml"
 

@@ -16,7 +16,7 @@ from fabric.config import Config
 
 SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 
-# Metrics the cluster layer (cluster/node_actor.py) exports; the rest are read from the source below.
+# Metrics the cluster layer (cluster/node/actor.py) exports; the rest are read from the source below.
 CLUSTER_METRICS = {"kvfabric_pulls_total", "kvfabric_lookups_total", "kvfabric_lookup_seconds",
                    "kvfabric_hit_blocks_total", "kvfabric_requested_blocks_total",
                    "kvfabric_directory_said_yes_owner_said_no_total"}

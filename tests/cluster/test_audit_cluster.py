@@ -22,12 +22,12 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.client import FabricClient
-from cluster.directory_actor import DirectoryClient
-from cluster.engines.hf import HFEngine, save_checkpoint
-from cluster.engines.hf_actor import Answer, spawn_engines
-from cluster.engines.hf_kv import encode_cache, fingerprint_state_dict
+from cluster.directory.client import DirectoryClient
+from cluster.engines.hf.actor import Answer, spawn_engines
+from cluster.engines.hf.engine import HFEngine, save_checkpoint
+from cluster.engines.hf.kv import encode_cache, fingerprint_state_dict
 from cluster.launch import LocalCluster, start_local_cluster
-from cluster.node_actor import node_actor_name
+from cluster.node.actor import node_actor_name
 from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig
 from fabric.keys import Namespace, block_hashes
 

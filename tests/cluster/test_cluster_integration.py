@@ -19,11 +19,12 @@ from cryptography import x509
 
 from cluster.api import Where, payload_shape
 from cluster.client import FabricClient, FabricUnavailableError
-from cluster.directory_actor import DirectoryClient, shard_actor_name
-from cluster.directory_auth import ReportSigner
-from cluster.directory_types import ApplyOutcome, NodeAddress, shard_of
+from cluster.directory.actor import shard_actor_name
+from cluster.directory.auth import ReportSigner
+from cluster.directory.client import DirectoryClient
+from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.launch import LocalCluster, start_local_cluster
-from cluster.node_actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_name_for
+from cluster.node.actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_name_for
 from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
 from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout

@@ -17,7 +17,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.api import EngineLoad, payload_shape
 from cluster.client import FabricClient
-from cluster.engines.hf import HFEngine, LoadMode
+from cluster.engines.hf.engine import HFEngine, LoadMode
 from cluster.launch import LocalCluster, start_local_cluster
 from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig, TransportConfig
 from fabric.keys import Namespace

@@ -19,7 +19,7 @@ from cryptography import x509
 
 from cluster.api import payload_shape
 from cluster.client import FabricClient, purge_producer
-from cluster.directory_actor import DirectoryClient
+from cluster.directory.client import DirectoryClient
 from cluster.launch import LocalCluster, start_local_cluster
 from fabric.config import ClusterConfig, Config, KVConfig
 from fabric.keys import Namespace, block_hashes

@@ -23,7 +23,7 @@ from cryptography import x509
 from cluster.api import payload_shape
 from cluster.client import FabricClient, purge_producer
 from cluster.launch import LocalCluster, start_local_cluster
-from cluster.node_actor import node_name_for
+from cluster.node.actor import node_name_for
 from cluster.tenancy import TenantRefusedError
 from fabric.config import ClusterConfig, Config, KVConfig, TenancyConfig
 from fabric.keys import BlockAddress, Namespace, block_hashes

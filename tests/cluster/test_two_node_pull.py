@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cluster.engines.paged import PagedEngine
-from cluster.engines.tiny_llama import TinyLlama, TinyLlamaConfig
+from cluster.engines.reference.paged import PagedEngine
+from cluster.engines.reference.tiny_llama import TinyLlama, TinyLlamaConfig
 from examples.two_node_pull import open_store, pull_prefix, run
 from fabric.keys import BlockAddress, addresses, block_hashes
 from transports.core.certs import init_ca, issue_node

@@ -37,7 +37,7 @@ from fabric.keys import Namespace
 logger = logging.getLogger(__name__)
 
 LOAD_ERRORS = (IncompleteLoadError, FabricTimeoutError, TenantRefusedError, ray.exceptions.RayError, ValueError)
-MIN_RATE_TOKENS = 128    # a shorter step says little about the prefill rate (cluster/estimates.py)
+MIN_RATE_TOKENS = 128    # a shorter step says little about the prefill rate (cluster/node/estimates.py)
 
 
 @dataclass(slots=True)

@@ -1,0 +1,1 @@
+"""The `kvfabric` command line, one module per command group."""

@@ -1,0 +1,494 @@
+"""One shard of the cluster directory: block hash -> live owner nodes. Pure: no I/O, no clock, no Ray.
+Its wire types (addresses, outcomes, replies) are `cluster.directory.types`'.
+
+The directory is a *hint*: an owner checks again before it sends, so a wrong "yes" costs one failed
+pull and a wrong "no" a recompute; neither serves wrong KV. The rules below keep it from going stale:
+
+* **Incarnation.** Every node process has an incarnation (it grows on each restart). A report from an
+  older incarnation than the shard knows is STALE and dropped. A newer one replaces all of that node's
+  entries (its RAM tier died with the old process; SSD blocks come back when it re-advertises them).
+* **Sequence.** Batches are numbered per (node, shard) from 1 in each incarnation. `last_seq + 1` is
+  ACCEPTED, anything at or below `last_seq` a DUPLICATE (a retry) when its content digest equals the
+  batch applied under that seq (the last `DIGESTS_KEPT` are kept), else a CONFLICT: refused, and the
+  node must resync; anything beyond it a GAP: nothing is applied and the node must resync.
+  A node the shard does not know (new, expired, or the directory
+  restarted) is a GAP unless the batch is seq 1.
+* **Lease.** A node that is not heard from for `lease_s` is gone: its entries are never returned, and
+  every operation treats the record as absent (`expire` only reclaims the memory).
+* **Resync.** `begin_resync` / `resync_batch`* / `end_resync(seq)` replace all of a node's entries
+  atomically at the end; until then lookups see the old ones. The node's snapshot must cover every
+  batch up to `seq` and it must not send batch `seq + 1` before `end_resync` returned; if the shard
+  already accepted a batch beyond `seq`, `end_resync` refuses (the snapshot is older than what the
+  shard holds) and the node starts over.
+
+Layout (per (hash, node) entry: the 32-byte key object, its slot in a per-node set, owner tuples and the
+dict itself; `benchmarks/bench_directory.py` measures the bytes, docs/benchmarks.md lists them):
+
+    _owners : dict[bytes, int | tuple[int, ...]]   hash -> owner index, or >= 2 indexes sorted by node id
+    _nodes  : list[_Node | None]                   per node index: incarnation, address, seq, lease, entries
+    _index  : dict[str, int]                       node id -> index; interned for the shard's lifetime
+
+    _versions: dict[bytes, dict[int, bytes]]      hash -> owner index -> block version, grouped by content
+
+A single owner is stored as a bare int (the same int object as the node's index, so it costs nothing
+beyond the dict slot); only shared blocks pay for a tuple. Block versions (a tag of the bytes and the
+producer's name, fabric.provenance.block_version) are kept only for hashes whose owners reported one:
+`locate` answers each owner's version and the oldest version (by when its content was first reported)
+an owner still holds (the one pullers take: docs/provenance.md), so owners holding different bytes at
+one address are told apart. Each node keeps the set of its hashes so a new incarnation, a resync or an
+expiry touches only that node's entries.
+
+Complexity: apply O(entries in the batch); locate O(hashes x owners); dropping or resyncing a node
+O(its entries); the set of dead nodes is recomputed only when a lease may have passed (O(nodes)).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from collections.abc import Collection, Sequence
+
+from cluster.directory.types import (
+    ApplyOutcome,
+    LocateReply,
+    NodeAddress,
+    NodeId,
+    NodeInfo,
+    batch_digest,
+    leading_runs,
+    shard_of,
+)
+from fabric.provenance import VERSION_TAG_SIZE
+
+MAX_VERSION_BYTES = VERSION_TAG_SIZE + 255   # a block version: its tag and a producer name (fabric.provenance)
+DIGESTS_KEPT = 16   # per node: content digests of its last applied batches, to tell a retry from a conflict
+
+
+class _Node:
+    __slots__ = ("address", "digests", "entries", "idx", "incarnation", "last_seq", "lease_expiry", "node_id")
+
+    def __init__(self, node_id: NodeId, idx: int, incarnation: int, address: NodeAddress | None) -> None:
+        self.node_id = node_id
+        self.idx = idx
+        self.incarnation = incarnation
+        self.address = address
+        self.last_seq = 0
+        self.lease_expiry = -math.inf
+        self.entries: set[bytes] = set()
+        self.digests: dict[int, bytes] = {}   # seq -> batch_digest, the last DIGESTS_KEPT applied
+
+
+class _Resync:
+    __slots__ = ("incarnation", "resync_id", "staged", "versions")
+
+    def __init__(self, resync_id: int, incarnation: int) -> None:
+        self.resync_id = resync_id
+        self.incarnation = incarnation
+        self.staged: set[bytes] = set()
+        self.versions: dict[bytes, bytes] = {}
+
+
+class DirectoryShard:
+    """Owner map of the block hashes with `shard_of(hash, num_shards) == shard`."""
+
+    def __init__(self, shard: int = 0, num_shards: int = 1, *, lease_s: float = 10.0) -> None:
+        if not 0 <= shard < num_shards:
+            raise ValueError(f"shard {shard} is not in 0..{num_shards - 1}")
+        if lease_s <= 0:
+            raise ValueError(f"lease_s must be positive, got {lease_s}")
+        self.shard = shard
+        self.num_shards = num_shards
+        self.lease_s = lease_s
+        self._owners: dict[bytes, int | tuple[int, ...]] = {}
+        self._versions: dict[bytes, dict[int, bytes]] = {}
+        self._nodes: list[_Node | None] = []
+        self._ids: list[NodeId] = []
+        self._index: dict[str, int] = {}
+        self._resyncs: dict[int, _Resync] = {}
+        self._next_resync_id = 1
+        self._num_entries = 0
+        self._num_single = 0     # hashes with exactly one owner (stored as a bare int)
+        self._dead: frozenset[int] = frozenset()
+        self._dead_valid: tuple[float, float] | None = None   # [from, until) where _dead is exact
+        self._counters = {"applied": 0, "duplicate": 0, "stale": 0, "gap": 0, "conflict": 0, "heartbeats": 0,
+                          "stale_heartbeats": 0, "resyncs_completed": 0, "resyncs_refused": 0, "expired": 0}
+
+    # ------------------------------------------------------------------ reports from nodes
+    def owns(self, block_hash: bytes) -> bool:
+        return shard_of(block_hash, self.num_shards) == self.shard
+
+    def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress, now: float,
+                  *, acked_seq: int | None = None) -> ApplyOutcome:
+        """Renew the node's lease (creating its record if new); a newer incarnation drops its entries.
+
+        STALE: an older incarnation than known, ignored. GAP (only with `acked_seq`, the highest seq the
+        node saw ACCEPTED or DUPLICATE): the lease is renewed but the shard holds less than the node
+        knows it sent (the record lapsed or the directory restarted), so the node must resync.
+        A newer incarnation that has a resync under way keeps the old entries until `end_resync`.
+        """
+        node = self._live(node_id, now)
+        if node is not None and incarnation < self._known_incarnation(node):
+            self._counters["stale_heartbeats"] += 1
+            return ApplyOutcome.STALE
+        self._counters["heartbeats"] += 1
+        if node is None:
+            node = self._create(node_id, incarnation, address)
+        elif incarnation > node.incarnation and not self._resyncing(node, incarnation):
+            self._new_incarnation(node, incarnation)
+        self._set_address(node, address)
+        node.lease_expiry = now + self.lease_s
+        if acked_seq is not None and incarnation == node.incarnation and node.last_seq < acked_seq:
+            return ApplyOutcome.GAP
+        return ApplyOutcome.ACCEPTED
+
+    def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
+              now: float, address: NodeAddress | None = None, versions: Sequence[bytes] = ()) -> ApplyOutcome:
+        """Apply one register/unregister batch (removals first, then stores); see the module rules.
+        `versions`: per stored hash its block version (b"": unknown), or () for none."""
+        if versions and len(versions) != len(stored):
+            raise ValueError(f"{len(versions)} block versions for {len(stored)} stored hashes")
+        if seq < 1:
+            raise ValueError(f"sequence numbers start at 1, got {seq}")
+        self._check_owned(stored)
+        self._check_owned(removed)
+        node = self._live(node_id, now)
+        if node is not None and incarnation < self._known_incarnation(node):
+            return self._count(ApplyOutcome.STALE)
+        if node is None or incarnation > node.incarnation:
+            if seq != 1:
+                return self._count(ApplyOutcome.GAP)
+            if node is None:
+                node = self._create(node_id, incarnation, address)
+            else:
+                self._new_incarnation(node, incarnation)
+        elif seq <= node.last_seq:
+            same = node.digests.get(seq) == batch_digest(stored, removed)
+            return self._count(ApplyOutcome.DUPLICATE if same else ApplyOutcome.CONFLICT)
+        elif seq > node.last_seq + 1:
+            return self._count(ApplyOutcome.GAP)
+        for h in removed:
+            if h in node.entries:
+                node.entries.remove(h)
+                self._remove_owner(h, node.idx)
+        for h in stored:
+            if h not in node.entries:
+                node.entries.add(h)
+                self._add_owner(h, node.idx)
+        for h, version in zip(stored, versions, strict=False):
+            self._set_version(h, node.idx, version)
+        node.last_seq = seq
+        node.digests[seq] = batch_digest(stored, removed)
+        node.digests.pop(seq - DIGESTS_KEPT, None)
+        node.lease_expiry = now + self.lease_s
+        if address is not None:
+            self._set_address(node, address)
+        return self._count(ApplyOutcome.ACCEPTED)
+
+    def live_incarnation(self, node_id: str, now: float) -> int | None:
+        """The incarnation of the node's live record, None when it has none."""
+        node = self._live(node_id, now)
+        return None if node is None else node.incarnation
+
+    def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress, now: float) -> int:
+        """Start a full resync of the node; returns its id, or 0 when refused (older incarnation).
+
+        A new resync supersedes any unfinished one of the node. The address and lease are renewed now;
+        the entries (of a newer incarnation too) are replaced only by `end_resync`.
+        """
+        node = self._live(node_id, now)
+        if node is not None and incarnation < self._known_incarnation(node):
+            self._counters["resyncs_refused"] += 1
+            return 0
+        if node is None:
+            node = self._create(node_id, incarnation, address)
+        self._set_address(node, address)
+        node.lease_expiry = now + self.lease_s
+        resync_id = self._next_resync_id
+        self._next_resync_id += 1
+        self._resyncs[node.idx] = _Resync(resync_id, incarnation)
+        return resync_id
+
+    def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes],
+                     now: float, versions: Sequence[bytes] = ()) -> bool:
+        """Stage hashes of a resync (with their block versions, if given); False: the resync is unknown
+        or superseded (start over)."""
+        if versions and len(versions) != len(hashes):
+            raise ValueError(f"{len(versions)} block versions for {len(hashes)} hashes")
+        self._check_owned(hashes)
+        found = self._resync_of(node_id, incarnation, resync_id, now)
+        if found is None:
+            return False
+        resync = found[1]
+        resync.staged.update(hashes)
+        resync.versions.update((h, v) for h, v in zip(hashes, versions, strict=False)
+                               if type(v) is bytes and 0 < len(v) <= MAX_VERSION_BYTES)
+        return True
+
+    def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float) -> bool:
+        """Replace the node's entries with the staged hashes and set `last_seq = seq`, atomically.
+
+        False (start over): the resync is unknown or superseded, or the shard already accepted a batch
+        of this incarnation numbered beyond `seq`.
+        """
+        found = self._resync_of(node_id, incarnation, resync_id, now)
+        if found is None:
+            return False
+        node, resync = found
+        del self._resyncs[node.idx]
+        if incarnation == node.incarnation and node.last_seq > seq:
+            self._counters["resyncs_refused"] += 1
+            return False
+        old = node.entries
+        staged = resync.staged
+        for h in old - staged:
+            self._remove_owner(h, node.idx)
+        for h in staged - old:
+            self._add_owner(h, node.idx)
+        for h, version in resync.versions.items():
+            self._set_version(h, node.idx, version)
+        node.entries = staged
+        node.digests.clear()   # the snapshot supersedes every earlier batch; the node retries none of them
+        node.incarnation = incarnation
+        node.last_seq = seq
+        self._counters["resyncs_completed"] += 1
+        return True
+
+    # ------------------------------------------------------------------ queries
+    def locate(self, hashes: Sequence[bytes], now: float, exclude: Collection[str] = ()) -> LocateReply:
+        """Live owners of each hash (expired, address-less and excluded nodes removed) and leading runs."""
+        dead = self._dead_at(now)
+        if exclude:
+            excluded = {self._index[n] for n in exclude if n in self._index}
+            if excluded:
+                dead = dead | excluded
+        ids = self._ids
+        get = self._owners.get
+        owners: list[tuple[NodeId, ...]] = []
+        append = owners.append
+        for h in hashes:
+            v = get(h)
+            if v is None:
+                append(())
+            elif isinstance(v, int):
+                append(() if v in dead else (ids[v],))
+            else:
+                append(tuple([ids[n] for n in v if n not in dead]))
+        addresses: dict[NodeId, NodeAddress] = {}
+        for n in {n for t in owners for n in t}:
+            node = self._nodes[self._index[n]]
+            assert node is not None and node.address is not None, f"locate named node {n} without an address"
+            addresses[n] = node.address
+        versions, firsts = self._versions_of(hashes, owners, dead)
+        return LocateReply(tuple(owners), leading_runs(owners), addresses, versions, firsts)
+
+    def _versions_of(self, hashes: Sequence[bytes], owners: Sequence[tuple[NodeId, ...]], dead: frozenset[int]
+                     ) -> tuple[tuple[tuple[bytes, ...], ...], tuple[bytes, ...]]:
+        """Per hash, each listed owner's block version and the first-reported version of a live owner
+        (both empty when no owner of any hash reported one)."""
+        if not self._versions:
+            return (), ()
+        index, get = self._index, self._versions.get
+        versions: list[tuple[bytes, ...]] = []
+        firsts: list[bytes] = []
+        for h, listed in zip(hashes, owners, strict=True):
+            known = get(h)
+            if not known:
+                versions.append(())
+                firsts.append(b"")
+                continue
+            versions.append(tuple(known.get(index[n], b"") for n in listed))
+            firsts.append(next((v for idx, v in known.items() if idx not in dead), b""))
+        return tuple(versions), tuple(firsts)
+
+    def nodes(self, now: float) -> list[NodeInfo]:
+        """Live nodes that have an address, by node id."""
+        out = [NodeInfo(n.node_id, n.incarnation, n.address, n.last_seq, n.lease_expiry, len(n.entries))
+               for n in self._nodes if n is not None and n.address is not None and now < n.lease_expiry]
+        return sorted(out, key=lambda i: i.node_id)
+
+    def forget_node(self, node_id: str) -> bool:
+        """Drop `node_id`'s record and entries now (its id was bound to another certificate); whether it had one."""
+        idx = self._index.get(node_id)
+        node = None if idx is None else self._nodes[idx]
+        if node is None:
+            return False
+        self._drop(node)
+        return True
+
+    def expire(self, now: float) -> list[NodeId]:
+        """Drop the records (and entries) of nodes whose lease has passed; returns their ids."""
+        gone = [n for n in self._nodes if n is not None and now >= n.lease_expiry]
+        for n in gone:
+            self._drop(n)
+        self._counters["expired"] += len(gone)
+        return sorted(n.node_id for n in gone)
+
+    def stats(self, now: float) -> dict[str, int | float]:
+        """Sizes and counters; `bytes_per_entry` estimates the memory held per (hash, node) entry."""
+        self.expire(now)
+        return {"shard": self.shard, "num_shards": self.num_shards,
+                "num_nodes": sum(1 for n in self._nodes if n is not None),
+                "num_entries": self._num_entries, "num_hashes": len(self._owners),
+                "num_resyncs_open": len(self._resyncs), "bytes_per_entry": self._bytes_per_entry(),
+                **self._counters}
+
+    # ------------------------------------------------------------------ internals
+    def _count(self, outcome: ApplyOutcome) -> ApplyOutcome:
+        self._counters["applied" if outcome is ApplyOutcome.ACCEPTED else outcome.value] += 1
+        return outcome
+
+    def _check_owned(self, hashes: Sequence[bytes]) -> None:
+        if self.num_shards > 1:
+            for h in hashes:
+                if shard_of(h, self.num_shards) != self.shard:
+                    raise ValueError(f"hash {h.hex()} belongs to shard {shard_of(h, self.num_shards)}, "
+                                     f"not {self.shard}")
+
+    def _live(self, node_id: str, now: float) -> _Node | None:
+        """The node's record, or None if absent; a record whose lease passed is dropped here."""
+        idx = self._index.get(node_id)
+        node = None if idx is None else self._nodes[idx]
+        if node is not None and now >= node.lease_expiry:
+            self._drop(node)
+            self._counters["expired"] += 1
+            return None
+        return node
+
+    def _known_incarnation(self, node: _Node) -> int:
+        resync = self._resyncs.get(node.idx)
+        return node.incarnation if resync is None else max(node.incarnation, resync.incarnation)
+
+    def _create(self, node_id: str, incarnation: int, address: NodeAddress | None) -> _Node:
+        idx = self._index.get(node_id)
+        if idx is None:
+            idx = len(self._nodes)
+            self._index[node_id] = idx
+            self._ids.append(NodeId(node_id))
+            self._nodes.append(None)
+        node = _Node(self._ids[idx], idx, incarnation, address)
+        self._nodes[idx] = node
+        self._dead_valid = None
+        return node
+
+    def _resyncing(self, node: _Node, incarnation: int) -> bool:
+        resync = self._resyncs.get(node.idx)
+        return resync is not None and resync.incarnation == incarnation
+
+    def _new_incarnation(self, node: _Node, incarnation: int) -> None:
+        self._clear_entries(node)
+        node.incarnation = incarnation
+        node.last_seq = 0
+        node.digests.clear()
+        resync = self._resyncs.get(node.idx)
+        if resync is not None and resync.incarnation < incarnation:
+            del self._resyncs[node.idx]
+
+    def _set_address(self, node: _Node, address: NodeAddress) -> None:
+        if node.address is None:
+            self._dead_valid = None
+        node.address = address
+
+    def _drop(self, node: _Node) -> None:
+        self._clear_entries(node)
+        self._nodes[node.idx] = None
+        self._resyncs.pop(node.idx, None)
+        self._dead_valid = None
+
+    def _clear_entries(self, node: _Node) -> None:
+        for h in node.entries:
+            self._remove_owner(h, node.idx)
+        node.entries = set()
+
+    def _resync_of(self, node_id: str, incarnation: int, resync_id: int, now: float) -> tuple[_Node, _Resync] | None:
+        node = self._live(node_id, now)
+        resync = None if node is None else self._resyncs.get(node.idx)
+        if node is None or resync is None or resync.resync_id != resync_id or resync.incarnation != incarnation:
+            return None
+        node.lease_expiry = now + self.lease_s   # a call of the node's current resync renews its lease
+        return node, resync
+
+    def _add_owner(self, h: bytes, idx: int) -> None:
+        self._num_entries += 1
+        v = self._owners.get(h)
+        if v is None:
+            self._owners[h] = idx
+            self._num_single += 1
+            return
+        if isinstance(v, int):
+            self._num_single -= 1
+            v = (v,)
+        assert idx not in v, f"node {self._ids[idx]} already owns {h.hex()}"
+        self._owners[h] = tuple(sorted((*v, idx), key=self._ids.__getitem__))
+
+    def _set_version(self, h: bytes, idx: int, version: bytes) -> None:
+        if type(version) is not bytes or len(version) > MAX_VERSION_BYTES:   # a node's claim, checked here:
+            version = b""                                                   # locate answers only bytes
+        known = self._versions.get(h)
+        if not version:
+            if known is not None:
+                known.pop(idx, None)
+            return
+        if known is None:
+            self._versions[h] = {idx: version}
+        elif known.get(idx) != version:
+            # Owners stay grouped by content tag, groups in the order their tag was first reported,
+            # so the first entry is the oldest version any owner still holds (O(owners of h)).
+            known.pop(idx, None)
+            tag = version[:VERSION_TAG_SIZE]
+            entries = list(known.items())
+            at = max((i + 1 for i, (_, v) in enumerate(entries) if v[:VERSION_TAG_SIZE] == tag), default=len(entries))
+            entries.insert(at, (idx, version))
+            self._versions[h] = dict(entries)
+
+    def _remove_owner(self, h: bytes, idx: int) -> None:
+        known = self._versions.get(h)
+        if known is not None:
+            known.pop(idx, None)
+            if not known:
+                del self._versions[h]
+        self._num_entries -= 1
+        v = self._owners[h]
+        if isinstance(v, int):
+            assert v == idx, f"node {self._ids[idx]} does not own {h.hex()}"
+            del self._owners[h]
+            self._num_single -= 1
+            return
+        rest = tuple([n for n in v if n != idx])
+        assert len(rest) == len(v) - 1, f"node {self._ids[idx]} does not own {h.hex()}"
+        if len(rest) == 1:
+            self._owners[h] = rest[0]
+            self._num_single += 1
+        else:
+            self._owners[h] = rest
+
+    def _dead_at(self, now: float) -> frozenset[int]:
+        """Indexes of records locate must skip: lease passed or no address yet. Cached while exact."""
+        valid = self._dead_valid
+        if valid is not None and valid[0] <= now < valid[1]:
+            return self._dead
+        dead = set()
+        until = math.inf
+        for n in self._nodes:
+            if n is None:
+                continue
+            if n.address is None or now >= n.lease_expiry:
+                dead.add(n.idx)
+            else:
+                until = min(until, n.lease_expiry)   # leases only grow, so this bound stays safe
+        self._dead = frozenset(dead)
+        self._dead_valid = (now, until)
+        return self._dead
+
+    def _bytes_per_entry(self) -> float:
+        """Estimate from object sizes: dict + key bytes + owner tuples + the per-node hash sets."""
+        if self._num_entries == 0:
+            return 0.0
+        num_hashes = len(self._owners)
+        key_size = sys.getsizeof(next(iter(self._owners))) if num_hashes else 0
+        num_multi = num_hashes - self._num_single
+        tuples = num_multi * sys.getsizeof(()) + 8 * (self._num_entries - self._num_single)
+        sets = sum(sys.getsizeof(n.entries) for n in self._nodes if n is not None)
+        # a hash owned by k nodes is one dict key plus up to k - 1 more equal bytes objects in other nodes' sets
+        keys = key_size * self._num_entries
+        total = sys.getsizeof(self._owners) + keys + tuples + sets
+        return total / self._num_entries

@@ -1,0 +1,1 @@
+"""The NodeActor and its parts: runtime, reads (local tiers, then pulls), pulls from peers, stores, stats, audit."""

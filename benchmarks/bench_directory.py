@@ -2,7 +2,7 @@
 
 Workload (deterministic from --seed): prompts of 64 block hashes (32 random bytes each), each prompt
 held by 1-3 of 1,000 nodes, so every block is on 1-3 nodes (about 2 on average). Each owner reports
-its prompt as one `apply` batch of 64 stored hashes, with hashes as fresh bytes objects per owner,
+its prompt as one `Apply` report of 64 stored hashes, with hashes as fresh bytes objects per owner,
 as they would arrive from separate RPCs. A `locate` query is one prompt's 64 hashes plus 16 hashes
 nobody holds (the part of a prompt that was never cached), excluding the asking node, as a NodeActor
 asks. Every node has a live lease.
@@ -46,6 +46,7 @@ from tqdm import tqdm
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks._common import emit_json, median, print_table
+from cluster.directory.report import Apply, Heartbeat, Report
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import NodeAddress, NodeId, leading_runs
 
@@ -108,7 +109,7 @@ class PlainDirectory:
 def build_ours(seed: int, prompts: int, bar: tqdm[Any]) -> tuple[DirectoryShard, list[float], int]:
     shard = DirectoryShard(lease_s=LEASE_S)
     for node_id in NODE_IDS:
-        shard.heartbeat(node_id, 1, ADDR, 0.0)
+        shard.submit(Report(0, node_id, 1, Heartbeat(ADDR)), 0.0)
     seqs = [0] * NUM_NODES
     times: list[float] = []
     entries = 0
@@ -117,8 +118,9 @@ def build_ours(seed: int, prompts: int, bar: tqdm[Any]) -> tuple[DirectoryShard,
         for n in owners:
             batch = split(buf)
             seqs[n] += 1
+            report = Report(0, NODE_IDS[n], 1, Apply(seqs[n], batch))   # as it arrives at the shard
             t0 = time.perf_counter()
-            shard.apply(NODE_IDS[n], 1, seqs[n], batch, (), 0.0)
+            shard.submit(report, 0.0)
             times.append(time.perf_counter() - t0)
             entries += len(batch)
         bar.update(1)

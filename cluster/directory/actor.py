@@ -1,7 +1,8 @@
 """The directory as Ray actors: one named, detached `DirectoryActor` per shard, and `start_directory`.
 
 Each shard actor wraps one pure `DirectoryShard` behind a `DirectoryGate` (directory/auth.py: every
-report must be signed by the node it names) and supplies `now` (its own monotonic clock). It is given
+report must be signed by the node it names) and supplies `now` (its own monotonic clock). A node's
+reports of every kind come in through one call, `report` (directory/report.py). It is given
 the cluster CA certificate and revocation list as content (never a key), and re-reads `crl.pem` from
 the cert folder when its host has one and it changes, so a revocation reaches it without a restart.
 Ray restarts a dead shard (`max_restarts=-1`); the restarted actor is empty and draws a new
@@ -86,29 +87,9 @@ class DirectoryActor:
         """A breaker's probe: answers (epoch, True) as soon as the shard serves calls."""
         return self.epoch, True
 
-    def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress, acked_seq: int | None = None,
-                  proof: object = None) -> tuple[str, ApplyOutcome]:
-        return self.epoch, self.gate.heartbeat(node_id, incarnation, address, self._now(), proof,
-                                               acked_seq=acked_seq)
-
-    def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              address: NodeAddress | None = None, proof: object = None, versions: Sequence[bytes] = ()
-              ) -> tuple[str, ApplyOutcome]:
-        return self.epoch, self.gate.apply(node_id, incarnation, seq, stored, removed, self._now(), address, proof,
-                                           versions)
-
-    def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress,
-                     proof: object = None) -> tuple[str, int]:
-        return self.epoch, self.gate.begin_resync(node_id, incarnation, address, self._now(), proof)
-
-    def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes],
-                     proof: object = None, versions: Sequence[bytes] = ()) -> tuple[str, bool]:
-        return self.epoch, self.gate.resync_batch(node_id, incarnation, resync_id, hashes, self._now(), proof,
-                                                  versions)
-
-    def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int,
-                   proof: object = None) -> tuple[str, bool]:
-        return self.epoch, self.gate.end_resync(node_id, incarnation, resync_id, seq, self._now(), proof)
+    def report(self, report: object) -> tuple[str, ApplyOutcome]:
+        """A node's signed report (directory/report.py), checked by the gate and applied by the shard."""
+        return self.epoch, self.gate.submit(report, self._now())
 
     def locate(self, hashes: Sequence[bytes], exclude: Collection[str]) -> tuple[str, LocateReply,
                                                                                   dict[str, NodeAddress]]:

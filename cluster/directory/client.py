@@ -20,8 +20,8 @@ from typing import Any
 import ray
 
 from cluster.directory.actor import SHARD_DOWN, shard_actor_name
-from cluster.directory.auth import Proof
 from cluster.directory.breaker import BreakerState, CircuitBreaker
+from cluster.directory.report import Report
 from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.directory.upkeep import ShardUnavailable
 from fabric.config import ClusterConfig
@@ -90,47 +90,20 @@ class DirectoryClient:
         self.epochs[shard] = epoch
         return answer[0] if len(answer) == 1 else tuple(answer)
 
-    async def _report(self, shard: int, what: str, remote: Callable[[Any], Any]) -> Any:
-        try:
-            return await self._invoke(shard, what, remote)
-        except SHARD_DOWN as e:
-            raise ShardUnavailable(f"directory shard {shard} did not answer {what}: {type(e).__name__}") from None
-
-    # ---- the calls a node's DirectoryUpkeep makes (DirectoryApi), one typed method each ----------------
+    # ---- the calls a node's DirectoryUpkeep makes (DirectoryApi) ----------------------------------------
 
     def epoch(self, shard: int) -> str | None:
         return self.epochs.get(shard)
 
-    async def heartbeat(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
-                        acked_seq: int | None, proof: Proof) -> ApplyOutcome:
-        outcome: ApplyOutcome = await self._report(shard, "heartbeat", lambda h: h.heartbeat.remote(
-            node_id, incarnation, address, acked_seq, proof))
+    async def report(self, report: Report) -> ApplyOutcome:
+        """Hand a signed report to its shard; raises `ShardUnavailable` when the shard does not answer."""
+        try:
+            outcome: ApplyOutcome = await self._invoke(report.shard, report.op.value,
+                                                       lambda h: h.report.remote(report))
+        except SHARD_DOWN as e:
+            raise ShardUnavailable(f"directory shard {report.shard} did not answer {report.op.value}: "
+                                   f"{type(e).__name__}") from None
         return outcome
-
-    async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
-                    removed: Sequence[bytes], address: NodeAddress, proof: Proof,
-                    versions: Sequence[bytes] = ()) -> ApplyOutcome:
-        outcome: ApplyOutcome = await self._report(shard, "apply", lambda h: h.apply.remote(
-            node_id, incarnation, seq, stored, removed, address, proof, versions))
-        return outcome
-
-    async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
-                           proof: Proof) -> int:
-        rid: int = await self._report(shard, "begin_resync", lambda h: h.begin_resync.remote(
-            node_id, incarnation, address, proof))
-        return rid
-
-    async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
-                           hashes: Sequence[bytes], proof: Proof, versions: Sequence[bytes] = ()) -> bool:
-        ok: bool = await self._report(shard, "resync_batch", lambda h: h.resync_batch.remote(
-            node_id, incarnation, resync_id, hashes, proof, versions))
-        return ok
-
-    async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
-                         proof: Proof) -> bool:
-        ok: bool = await self._report(shard, "end_resync", lambda h: h.end_resync.remote(
-            node_id, incarnation, resync_id, seq, proof))
-        return ok
 
     def _probe_if_due(self, shard: int) -> None:
         """Send the one probe of an open breaker, off the request path."""

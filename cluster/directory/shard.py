@@ -1,5 +1,7 @@
 """One shard of the cluster directory: block hash -> live owner nodes. Pure: no I/O, no clock, no Ray.
-Its wire types (addresses, outcomes, replies) are `cluster.directory.types`'.
+Its wire types (addresses, outcomes, replies) are `cluster.directory.types`'. Every report of a node
+comes in through `submit` (a `Report` of directory/report.py; its body says which operation) and is
+answered with an `ApplyOutcome`.
 
 The directory is a *hint*: an owner checks again before it sends, so a wrong "yes" costs one failed
 pull and a wrong "no" a recompute; neither serves wrong KV. The rules below keep it from going stale:
@@ -15,11 +17,11 @@ pull and a wrong "no" a recompute; neither serves wrong KV. The rules below keep
   restarted) is a GAP unless the batch is seq 1.
 * **Lease.** A node that is not heard from for `lease_s` is gone: its entries are never returned, and
   every operation treats the record as absent (`expire` only reclaims the memory).
-* **Resync.** `begin_resync` / `resync_batch`* / `end_resync(seq)` replace all of a node's entries
+* **Resync.** `BeginResync` / `ResyncBatch`* / `EndResync(seq)` replace all of a node's entries
   atomically at the end; until then lookups see the old ones. The node's snapshot must cover every
-  batch up to `seq` and it must not send batch `seq + 1` before `end_resync` returned; if the shard
-  already accepted a batch beyond `seq`, `end_resync` refuses (the snapshot is older than what the
-  shard holds) and the node starts over.
+  batch up to `seq` and it must not send batch `seq + 1` before `EndResync` was answered; if the shard
+  already accepted a batch beyond `seq`, `EndResync` is refused as STALE (the snapshot is older than
+  what the shard holds) and the node starts over, as it does on a GAP (a resync unknown or superseded).
 
 Layout (per (hash, node) entry: the 32-byte key object, its slot in a per-node set, owner tuples and the
 dict itself; `benchmarks/bench_directory.py` measures the bytes, docs/benchmarks.md lists them):
@@ -48,6 +50,7 @@ import math
 import sys
 from collections.abc import Collection, Sequence
 
+from cluster.directory.report import Apply, BeginResync, EndResync, Heartbeat, Report, ResyncBatch
 from cluster.directory.types import (
     ApplyOutcome,
     LocateReply,
@@ -105,7 +108,6 @@ class DirectoryShard:
         self._ids: list[NodeId] = []
         self._index: dict[str, int] = {}
         self._resyncs: dict[int, _Resync] = {}
-        self._next_resync_id = 1
         self._num_entries = 0
         self._num_single = 0     # hashes with exactly one owner (stored as a bare int)
         self._dead: frozenset[int] = frozenset()
@@ -117,14 +119,33 @@ class DirectoryShard:
     def owns(self, block_hash: bytes) -> bool:
         return shard_of(block_hash, self.num_shards) == self.shard
 
-    def heartbeat(self, node_id: str, incarnation: int, address: NodeAddress, now: float,
-                  *, acked_seq: int | None = None) -> ApplyOutcome:
+    def submit(self, report: Report, now: float) -> ApplyOutcome:
+        """Apply one node's report (the one entry for every operation; directory/report.py).
+        Raises ValueError for a report no node sends: another shard's, hashes of another shard,
+        block versions that do not pair with its hashes, a seq below 1."""
+        if report.shard != self.shard:
+            raise ValueError(f"a report for shard {report.shard} sent to shard {self.shard}")
+        node_id, incarnation, body = report.node_id, report.incarnation, report.body
+        match body:
+            case Apply():
+                return self._apply(node_id, incarnation, body, now)
+            case Heartbeat():
+                return self._heartbeat(node_id, incarnation, body, now)
+            case BeginResync():
+                return self._begin_resync(node_id, incarnation, body, now)
+            case ResyncBatch():
+                return self._resync_batch(node_id, incarnation, body, now)
+            case EndResync():
+                return self._end_resync(node_id, incarnation, body, now)
+        raise ValueError(f"not a directory report: {type(body).__name__}")
+
+    def _heartbeat(self, node_id: str, incarnation: int, body: Heartbeat, now: float) -> ApplyOutcome:
         """Renew the node's lease (creating its record if new); a newer incarnation drops its entries.
 
         STALE: an older incarnation than known, ignored. GAP (only with `acked_seq`, the highest seq the
         node saw ACCEPTED or DUPLICATE): the lease is renewed but the shard holds less than the node
         knows it sent (the record lapsed or the directory restarted), so the node must resync.
-        A newer incarnation that has a resync under way keeps the old entries until `end_resync`.
+        A newer incarnation that has a resync under way keeps the old entries until its `EndResync`.
         """
         node = self._live(node_id, now)
         if node is not None and incarnation < self._known_incarnation(node):
@@ -132,19 +153,19 @@ class DirectoryShard:
             return ApplyOutcome.STALE
         self._counters["heartbeats"] += 1
         if node is None:
-            node = self._create(node_id, incarnation, address)
+            node = self._create(node_id, incarnation, body.address)
         elif incarnation > node.incarnation and not self._resyncing(node, incarnation):
             self._new_incarnation(node, incarnation)
-        self._set_address(node, address)
+        self._set_address(node, body.address)
         node.lease_expiry = now + self.lease_s
+        acked_seq = body.acked_seq
         if acked_seq is not None and incarnation == node.incarnation and node.last_seq < acked_seq:
             return ApplyOutcome.GAP
         return ApplyOutcome.ACCEPTED
 
-    def apply(self, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes], removed: Sequence[bytes],
-              now: float, address: NodeAddress | None = None, versions: Sequence[bytes] = ()) -> ApplyOutcome:
-        """Apply one register/unregister batch (removals first, then stores); see the module rules.
-        `versions`: per stored hash its block version (b"": unknown), or () for none."""
+    def _apply(self, node_id: str, incarnation: int, body: Apply, now: float) -> ApplyOutcome:
+        """Apply one register/unregister batch (removals first, then stores); see the module rules."""
+        seq, stored, removed, versions = body.seq, body.stored, body.removed, body.versions
         if versions and len(versions) != len(stored):
             raise ValueError(f"{len(versions)} block versions for {len(stored)} stored hashes")
         if seq < 1:
@@ -158,7 +179,7 @@ class DirectoryShard:
             if seq != 1:
                 return self._count(ApplyOutcome.GAP)
             if node is None:
-                node = self._create(node_id, incarnation, address)
+                node = self._create(node_id, incarnation, body.address)
             else:
                 self._new_incarnation(node, incarnation)
         elif seq <= node.last_seq:
@@ -180,8 +201,8 @@ class DirectoryShard:
         node.digests[seq] = batch_digest(stored, removed)
         node.digests.pop(seq - DIGESTS_KEPT, None)
         node.lease_expiry = now + self.lease_s
-        if address is not None:
-            self._set_address(node, address)
+        if body.address is not None:
+            self._set_address(node, body.address)
         return self._count(ApplyOutcome.ACCEPTED)
 
     def live_incarnation(self, node_id: str, now: float) -> int | None:
@@ -189,55 +210,54 @@ class DirectoryShard:
         node = self._live(node_id, now)
         return None if node is None else node.incarnation
 
-    def begin_resync(self, node_id: str, incarnation: int, address: NodeAddress, now: float) -> int:
-        """Start a full resync of the node; returns its id, or 0 when refused (older incarnation).
+    def _begin_resync(self, node_id: str, incarnation: int, body: BeginResync, now: float) -> ApplyOutcome:
+        """Start the node's full resync `body.resync_id`: ACCEPTED, or STALE (an older incarnation).
 
         A new resync supersedes any unfinished one of the node. The address and lease are renewed now;
-        the entries (of a newer incarnation too) are replaced only by `end_resync`.
+        the entries (of a newer incarnation too) are replaced only by `EndResync`.
         """
         node = self._live(node_id, now)
         if node is not None and incarnation < self._known_incarnation(node):
             self._counters["resyncs_refused"] += 1
-            return 0
+            return ApplyOutcome.STALE
         if node is None:
-            node = self._create(node_id, incarnation, address)
-        self._set_address(node, address)
+            node = self._create(node_id, incarnation, body.address)
+        self._set_address(node, body.address)
         node.lease_expiry = now + self.lease_s
-        resync_id = self._next_resync_id
-        self._next_resync_id += 1
-        self._resyncs[node.idx] = _Resync(resync_id, incarnation)
-        return resync_id
+        self._resyncs[node.idx] = _Resync(body.resync_id, incarnation)
+        return ApplyOutcome.ACCEPTED
 
-    def resync_batch(self, node_id: str, incarnation: int, resync_id: int, hashes: Sequence[bytes],
-                     now: float, versions: Sequence[bytes] = ()) -> bool:
-        """Stage hashes of a resync (with their block versions, if given); False: the resync is unknown
-        or superseded (start over)."""
+    def _resync_batch(self, node_id: str, incarnation: int, body: ResyncBatch, now: float) -> ApplyOutcome:
+        """Stage hashes of a resync (with their block versions, if given): ACCEPTED, or GAP when the
+        resync is unknown or superseded (the node starts over)."""
+        hashes, versions = body.hashes, body.versions
         if versions and len(versions) != len(hashes):
             raise ValueError(f"{len(versions)} block versions for {len(hashes)} hashes")
         self._check_owned(hashes)
-        found = self._resync_of(node_id, incarnation, resync_id, now)
+        found = self._resync_of(node_id, incarnation, body.resync_id, now)
         if found is None:
-            return False
+            return ApplyOutcome.GAP
         resync = found[1]
         resync.staged.update(hashes)
         resync.versions.update((h, v) for h, v in zip(hashes, versions, strict=False)
                                if type(v) is bytes and 0 < len(v) <= MAX_VERSION_BYTES)
-        return True
+        return ApplyOutcome.ACCEPTED
 
-    def end_resync(self, node_id: str, incarnation: int, resync_id: int, seq: int, now: float) -> bool:
-        """Replace the node's entries with the staged hashes and set `last_seq = seq`, atomically.
+    def _end_resync(self, node_id: str, incarnation: int, body: EndResync, now: float) -> ApplyOutcome:
+        """Replace the node's entries with the staged hashes and set `last_seq = seq`, atomically: ACCEPTED.
 
-        False (start over): the resync is unknown or superseded, or the shard already accepted a batch
-        of this incarnation numbered beyond `seq`.
+        The node starts over on GAP (the resync is unknown or superseded) or STALE (the shard already
+        accepted a batch of this incarnation numbered beyond `seq`: the snapshot is older than that).
         """
-        found = self._resync_of(node_id, incarnation, resync_id, now)
+        found = self._resync_of(node_id, incarnation, body.resync_id, now)
         if found is None:
-            return False
+            return ApplyOutcome.GAP
         node, resync = found
         del self._resyncs[node.idx]
+        seq = body.seq
         if incarnation == node.incarnation and node.last_seq > seq:
             self._counters["resyncs_refused"] += 1
-            return False
+            return ApplyOutcome.STALE
         old = node.entries
         staged = resync.staged
         for h in old - staged:
@@ -251,7 +271,7 @@ class DirectoryShard:
         node.incarnation = incarnation
         node.last_seq = seq
         self._counters["resyncs_completed"] += 1
-        return True
+        return ApplyOutcome.ACCEPTED
 
     # ------------------------------------------------------------------ queries
     def locate(self, hashes: Sequence[bytes], now: float, exclude: Collection[str] = ()) -> LocateReply:

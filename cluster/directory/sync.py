@@ -8,7 +8,7 @@ never wrong KV), and withdrawn when any of its layers is removed.
 Per directory shard this keeps an ordered queue of hash operations, numbered batches and the
 resync state:
 
-    ops ──coalesce (last op per hash wins)──► Batch(seq, stored, removed) ──► shard.apply
+    ops ──coalesce (last op per hash wins)──► Batch(seq, stored, removed) ──► an Apply report
                                                seq = 1, 2, 3 ... per (incarnation, shard)
 
 Rules:
@@ -67,7 +67,6 @@ class DirectorySync:
         self.queue_max = queue_max
         self.shards = [_ShardState() for _ in range(num_shards)]
         self.num_overflows = 0
-        self.num_gaps = 0
 
     # ---- input -------------------------------------------------------------------------------------
 
@@ -143,7 +142,6 @@ class DirectorySync:
             st.acked_seq = batch.seq
             return
         # GAP, STALE or unknown: the directory's view of this node can no longer be trusted.
-        self.num_gaps += outcome is ApplyOutcome.GAP
         self.mark_resync(batch.shard)
 
     def start_resync(self, shard: int) -> int:

@@ -1,19 +1,19 @@
 """Keeping the directory told: heartbeats, ordered batches, epochs and resyncs of one node incarnation.
 
-    store events ──record()──► DirectorySync (pure queue) ──tick()──► DirectoryApi (typed calls)
-                                                                 ├─ heartbeat every heartbeat_s (GAP: resync)
-                                                                 ├─ apply: one batch in flight per shard
-                                                                 └─ resync: begin → batches → end
+    store events ──record()──► DirectorySync (pure queue) ──tick()──► DirectoryApi.report(signed Report)
+                                                                 ├─ Heartbeat every heartbeat_s (GAP: resync)
+                                                                 ├─ Apply: one batch in flight per shard
+                                                                 └─ resync: BeginResync → ResyncBatch* → EndResync
 
 `DirectoryUpkeep` carries out what `DirectorySync` decides and reacts to the answers: a GAP,
 a CONFLICT or a failed call marks a resync; a shard whose epoch changed (it restarted empty) is
 resynced after a random delay of up to `resync_jitter_s`, so a cluster does not resync all at once;
 a resync that fails is retried a heartbeat later. It owns no Ray handle and no clock: the directory
-comes in as a `DirectoryApi` (the `DirectoryClient` of directory/actor.py in a node; a real
-`DirectoryShard` behind an in-memory adapter in tests), time as `clock`, the node's held hashes
-as `held` (a mapping to their block versions, where known). Every report is signed by `reports`
-(directory/auth.py). A call to a shard that does not answer raises `ShardUnavailable`; the other
-shards carry on.
+comes in as a `DirectoryApi` (the `DirectoryClient` of directory/client.py in a node; real
+`DirectoryGate`s behind an in-memory adapter in tests), time as `clock`, the node's held hashes
+as `held` (a mapping to their block versions, where known). Every report is built and signed by
+`reports` (directory/report.py). A call to a shard that does not answer raises `ShardUnavailable`;
+the other shards carry on. In a node, `run_forever` is the background pass that drives it all.
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping
 from typing import Protocol
 
-from cluster.directory.auth import Proof, ReportSigner
-from cluster.directory.sync import Batch, DirectorySync
+from cluster.directory.report import Apply, BeginResync, Body, EndResync, Heartbeat, Report, ReportSigner, ResyncBatch
+from cluster.directory.sync import DirectorySync
 from cluster.directory.types import ApplyOutcome, NodeAddress
 from cluster.node.metrics import ClusterMetrics
 from fabric.config import ClusterConfig
@@ -38,26 +38,13 @@ class ShardUnavailable(Exception):
 
 
 class DirectoryApi(Protocol):
-    """The directory calls a node makes, one typed method each; `epoch(shard)` is the epoch the
-    shard's last answer carried (None before any)."""
+    """The directory as a node sees it: `report` hands a signed report to its shard (raising
+    `ShardUnavailable` when the shard does not answer); `epoch(shard)` is the epoch the shard's last
+    answer carried (None before any)."""
 
     def epoch(self, shard: int) -> str | None: ...
 
-    async def heartbeat(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
-                        acked_seq: int | None, proof: Proof) -> ApplyOutcome: ...
-
-    async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
-                    removed: Sequence[bytes], address: NodeAddress, proof: Proof,
-                    versions: Sequence[bytes] = ()) -> ApplyOutcome: ...
-
-    async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
-                           proof: Proof) -> int: ...
-
-    async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
-                           hashes: Sequence[bytes], proof: Proof, versions: Sequence[bytes] = ()) -> bool: ...
-
-    async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
-                         proof: Proof) -> bool: ...
+    async def report(self, report: Report) -> ApplyOutcome: ...
 
 
 class DirectoryUpkeep:
@@ -107,7 +94,24 @@ class DirectoryUpkeep:
         """Times the event queue overflowed (each one a resync) since this node's last reset."""
         return self.sync.num_overflows
 
-    # ---- one pass ----------------------------------------------------------------------------------
+    # ---- the passes --------------------------------------------------------------------------------
+
+    async def run_forever(self, feed: Callable[[], None], on_heartbeat: Callable[[], None]) -> None:
+        """The node's background pass, every few ms until cancelled: `feed()` hands the store's new
+        events to `record`, then one `tick`; `on_heartbeat()` runs after each pass that heartbeated.
+        This loop is the node's liveness: a pass that fails is logged and starts a full resync, and the
+        next pass runs as usual."""
+        c = self.config
+        period = min(c.flush_ms / 1000, c.heartbeat_s / 4)
+        while True:
+            try:
+                feed()
+                if await self.tick():
+                    on_heartbeat()
+            except Exception:
+                logger.exception("directory sync pass failed; resyncing every shard")
+                self.reset()
+            await asyncio.sleep(period)
 
     async def tick(self) -> bool:
         """Heartbeat when due, then flush or resync each shard as due; True when it heartbeated."""
@@ -120,14 +124,17 @@ class DirectoryUpkeep:
         await asyncio.gather(*(self._flush(k, now) for k in shards))
         return beat
 
-    async def _heartbeat(self, shard: int) -> None:
-        acked = self.sync.acked_seq(shard)
+    async def _report(self, shard: int, body: Body) -> ApplyOutcome | None:
+        """Sign and send one report; None when the shard did not answer."""
         try:
-            outcome = await self.directory.heartbeat(shard, self.node_id, self.incarnation, self.address, acked,
-                                                     self.reports.heartbeat(shard, self.address, acked))
+            outcome = await self.directory.report(self.reports.sign(shard, body))
         except ShardUnavailable:
-            return
+            return None
         self._check_epoch(shard)
+        return outcome
+
+    async def _heartbeat(self, shard: int) -> None:
+        outcome = await self._report(shard, Heartbeat(self.address, self.sync.acked_seq(shard)))
         if outcome is ApplyOutcome.GAP and not self.sync.resync_wanted(shard) and \
                 not self.sync.resyncing(shard):
             logger.info("directory shard %d lost this node's entries (lease lapsed?); resyncing", shard)
@@ -157,46 +164,32 @@ class DirectoryUpkeep:
         if not self.sync.due(shard, now):
             return
         batch = self.sync.take_batch(shard)
-        outcome = await self._send(batch)
+        outcome = await self._report(shard, Apply(batch.seq, batch.stored, batch.removed, self.address,
+                                                  batch.versions))
         self.sync.answered(batch, outcome)
         self.metrics.batches.labels(outcome.value if outcome else "failed").inc()
         if outcome is ApplyOutcome.GAP:
             self.metrics.resyncs.labels("gap").inc()
 
-    async def _send(self, batch: Batch) -> ApplyOutcome | None:
-        try:
-            outcome = await self.directory.apply(
-                batch.shard, self.node_id, self.incarnation, batch.seq, batch.stored, batch.removed, self.address,
-                self.reports.apply(batch.shard, batch.seq, batch.stored, batch.removed, self.address, batch.versions),
-                batch.versions)
-        except ShardUnavailable:
-            return None
-        self._check_epoch(batch.shard)
-        return outcome
-
     async def _resync(self, shard: int) -> None:
+        """Begin, stage and end one resync of `shard`, named by the seq it ends at."""
         seq = self.sync.start_resync(shard)
         ok = False
         try:
             held = await self.held()
             known = held if isinstance(held, Mapping) else {}
             hashes = self.sync.group_by_shard(set(held))[shard]
-            rid = await self.directory.begin_resync(shard, self.node_id, self.incarnation, self.address,
-                                                    self.reports.begin_resync(shard, self.address))
+            if await self._report(shard, BeginResync(seq, self.address)) is not ApplyOutcome.ACCEPTED:
+                return
             step = self.config.resync_batch
             for i in range(0, len(hashes), step):
                 part = hashes[i:i + step]
                 versions = tuple(known.get(h, b"") for h in part) if known else ()
-                if not await self.directory.resync_batch(shard, self.node_id, self.incarnation, rid, part,
-                                                         self.reports.resync_batch(shard, rid, part, versions),
-                                                         versions):
+                if await self._report(shard, ResyncBatch(seq, part, versions)) is not ApplyOutcome.ACCEPTED:
                     return
-            ok = await self.directory.end_resync(shard, self.node_id, self.incarnation, rid, seq,
-                                                 self.reports.end_resync(shard, rid, seq))
-            self._check_epoch(shard)
-            logger.info("resynced %d block hashes to directory shard %d (seq %d)", len(hashes), shard, seq)
-        except ShardUnavailable:
-            pass
+            ok = await self._report(shard, EndResync(seq, seq)) is ApplyOutcome.ACCEPTED
+            if ok:
+                logger.info("resynced %d block hashes to directory shard %d (seq %d)", len(hashes), shard, seq)
         finally:
             self.sync.finish_resync(shard, ok)
             if not ok:

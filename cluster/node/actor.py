@@ -2,7 +2,7 @@
 
     engine ──FabricClient──► NodeActor ──► NodeLoader (node/reads.py): local tiers, directory,
                                            pull plans, deadline cuts, pulls, mirrors, estimates
-    Store events ──► DirectoryUpkeep (directory/upkeep.py) ──► DirectoryActor.apply / resync
+    Store events ──► DirectoryUpkeep (directory/upkeep.py) ──► DirectoryActor.report (signed Reports)
                  └─► KvEventPublisher (when [events] enabled) ──► ZMQ PUB, vLLM's KV event format
 
 What the node holds while it serves (certificates, Store, transport server and client, /metrics,
@@ -57,6 +57,7 @@ from cluster.node.runtime import NodeRuntime
 from cluster.node.stats import node_stats
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.config import Config
+from fabric.events import EventKind
 from fabric.keys import BlockHash, Namespace, block_hashes
 
 if TYPE_CHECKING:
@@ -138,11 +139,24 @@ class NodeActor:
                                    ray_namespace=c.namespace, signer=rt.signer, trust=lambda: rt.trust,
                                    loader=self.loader, local=rt.local, store=rt.kv_store, metrics=rt.metrics,
                                    book_path=rt.quarantine_path, spawn=self._spawn)
-        self._spawn(rt.sync_forever(self.upkeep))
+        self._spawn(self.upkeep.run_forever(self._feed_events, rt.reload_revocations))
         self._spawn(self.auditor.catch_up())
         logger.info("node %s (incarnation %d) serving %s on %s:%d, metrics on :%d, %d blocks held",
                     self.node_id, self.incarnation, rt.address.transport, rt.address.host, rt.address.port,
                     rt.metrics_port, len(rt.kv_store.held_addresses()))
+
+    def _feed_events(self) -> None:
+        """The store's new events, to the directory (with the stored blocks' versions) and to KV event
+        subscribers; the directory upkeep calls this at the start of each of its passes."""
+        store = self.rt.kv_store
+        events = store.take_events()
+        stored = [a for kind, a in events.events if kind is EventKind.STORED]
+        versions = dict(zip((bytes(a.hash) for a in stored), store.versions_of(stored), strict=True)) \
+            if stored else None
+        self.upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events], events.overflowed,
+                           versions)
+        if self.rt.kv_events is not None:
+            self.rt.kv_events.drain(events, store.held_addresses)
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)

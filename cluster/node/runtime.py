@@ -24,15 +24,13 @@ from pathlib import Path
 import ray
 from prometheus_client import CollectorRegistry, start_http_server
 
-from cluster.directory.auth import ReportSigner
+from cluster.directory.report import ReportSigner
 from cluster.directory.types import NodeAddress
-from cluster.directory.upkeep import DirectoryUpkeep
 from cluster.events.publisher import KvEventPublisher
 from cluster.node.local import LocalFabric
 from cluster.node.metrics import ClusterMetrics
 from cluster.tenancy import TenantGate
 from fabric.config import Config
-from fabric.events import EventKind
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
 from transports.core.buffers import tune_allocator
@@ -153,30 +151,6 @@ class NodeRuntime:
             raise ValueError(f"the {self.address.transport} server has no send-rate cap (TLS-TCP has)")
         self.server.pacer = EgressPacer(mb_s * 1e6) if mb_s > 0 else None
         logger.info("send rate %s", f"capped at {mb_s:g} MB/s" if mb_s > 0 else "uncapped")
-
-    async def sync_forever(self, upkeep: DirectoryUpkeep) -> None:
-        """The node's background pass, every few ms until cancelled: the store's events go to the
-        directory (`upkeep`) and to KV event subscribers; each heartbeat rereads the revocation list."""
-        c = self.config.cluster
-        tick = min(c.flush_ms / 1000, c.heartbeat_s / 4)
-        store = self.kv_store
-        while True:
-            try:
-                events = store.take_events()
-                stored = [a for kind, a in events.events if kind is EventKind.STORED]
-                versions: dict[bytes, bytes] | None = dict(
-                    zip((bytes(a.hash) for a in stored), store.versions_of(stored), strict=True)) if stored else None
-                upkeep.record([(a.hash, kind is EventKind.STORED) for kind, a in events.events], events.overflowed,
-                              versions)
-                if self.kv_events is not None:
-                    self.kv_events.drain(events, store.held_addresses)
-                if await upkeep.tick():
-                    self.reload_revocations()
-            except Exception:
-                # This loop is the node's liveness: a bug in one pass must not silence its heartbeats.
-                logger.exception("directory sync pass failed; resyncing every shard")
-                upkeep.reset()
-            await asyncio.sleep(tick)
 
     async def held_versions(self) -> dict[bytes, bytes]:
         """Every block hash the store holds (any tier, any layer), with its block version."""

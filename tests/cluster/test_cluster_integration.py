@@ -20,8 +20,8 @@ from cryptography import x509
 from cluster.api import Where, payload_shape
 from cluster.client import FabricClient, FabricUnavailableError
 from cluster.directory.actor import shard_actor_name
-from cluster.directory.auth import ReportSigner
 from cluster.directory.client import DirectoryClient
+from cluster.directory.report import Apply, Heartbeat, Report, ReportSigner
 from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.launch import LocalCluster, start_local_cluster
 from cluster.node.actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_name_for
@@ -198,11 +198,11 @@ def test_reports_forged_from_a_ray_driver_are_refused_and_counted(fabric: LocalC
     as_b = report_signer(fabric, node_name_for(b), b, inc)
     hijack = NodeAddress("10.66.0.1", int(port), "tls-tcp", node_name_for(b))
     answers = [
-        shard.apply.remote(a, inc, 10**6, [], mine, addr_a),                                   # no key at all
-        shard.apply.remote(a, inc, 10**6, [], mine, addr_a, as_a.apply(k, 10**6, [], mine, addr_a)),
-        shard.heartbeat.remote(a, inc + 10**12, addr_a, None, as_a_later.heartbeat(k, addr_a, None)),
-        shard.heartbeat.remote("ghost-node", inc, addr_a, None, as_ghost.heartbeat(k, addr_a, None)),
-        shard.heartbeat.remote(b, inc, hijack, None, as_b.heartbeat(k, hijack, None)),
+        shard.report.remote(Report(k, a, inc, Apply(10**6, [], mine, addr_a))),                # no key at all
+        shard.report.remote(as_a.sign(k, Apply(10**6, [], mine, addr_a))),
+        shard.report.remote(as_a_later.sign(k, Heartbeat(addr_a))),
+        shard.report.remote(as_ghost.sign(k, Heartbeat(addr_a))),
+        shard.report.remote(as_b.sign(k, Heartbeat(hijack))),
     ]
     assert [outcome for _epoch, outcome in ray.get(answers)] == [ApplyOutcome.REFUSED] * 5
     after = ray.get(shard.stats.remote())[1]
@@ -244,12 +244,10 @@ def test_a_revoked_certificate_is_refused_by_the_transport_and_the_directory(fab
     shard = shard_handle(fabric, 0)
     signer = report_signer(fabric, "node-revoked", "revoked-node", 1)
     assert any(isinstance(r, Hit) for r in pull_as(cert_dir, "node-revoked", peer, first))
-    assert ray.get(shard.heartbeat.remote("revoked-node", 1, addr, None, signer.heartbeat(0, addr, None)))[1] \
-        is ApplyOutcome.ACCEPTED
+    assert ray.get(shard.report.remote(signer.sign(0, Heartbeat(addr))))[1] is ApplyOutcome.ACCEPTED
     serial = x509.load_pem_x509_certificate((cert_dir / "node-revoked.pem").read_bytes()).serial_number
     revoke(cert_dir, {serial})
-    wait_until(lambda: ray.get(shard.heartbeat.remote("revoked-node", 1, addr, None,
-                                                      signer.heartbeat(0, addr, None)))[1] is ApplyOutcome.REFUSED,
+    wait_until(lambda: ray.get(shard.report.remote(signer.sign(0, Heartbeat(addr))))[1] is ApplyOutcome.REFUSED,
                10, "the directory refuses the revoked certificate")
     assert ray.get(shard.stats.remote())[1]["refused_revoked"] >= 1
     assert not any(isinstance(r, Hit) for r in pull_as(cert_dir, "node-revoked", peer, first))

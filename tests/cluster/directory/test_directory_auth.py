@@ -5,11 +5,23 @@ Real certificates of one cluster CA (and of a second CA), real signatures; no Ra
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
 
-from cluster.directory.auth import DirectoryGate, Proof, ReportSigner
+from cluster.directory.auth import DirectoryGate
+from cluster.directory.report import (
+    Apply,
+    BeginResync,
+    Body,
+    EndResync,
+    Heartbeat,
+    Proof,
+    Report,
+    ReportSigner,
+    ResyncBatch,
+)
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, derived_node_name
 from transports.core.certs import init_ca, issue_node
@@ -47,36 +59,55 @@ def gate(d: Path) -> DirectoryGate:
 
 def test_signed_reports_of_a_node_are_applied(certs: Path) -> None:
     g, a = gate(certs), signer(certs, "node-a", A)
-    assert g.heartbeat(A, 5, ADDR_A, 0.0, a.heartbeat(0, ADDR_A, None)) is ApplyOutcome.ACCEPTED
-    assert g.apply(A, 5, 1, [H[0]], [], 0.0, ADDR_A, a.apply(0, 1, [H[0]], [], ADDR_A)) is ApplyOutcome.ACCEPTED
+    assert g.submit(a.sign(0, Heartbeat(ADDR_A)), 0.0) is ApplyOutcome.ACCEPTED
+    assert g.submit(a.sign(0, Apply(1, [H[0]], [], ADDR_A)), 0.0) is ApplyOutcome.ACCEPTED
     assert g.shard.locate([H[0]], 0.0).owners == ((A,),)
     assert g.stats(0.0)["refused"] == 0
 
 
 def test_a_report_without_a_valid_signature_is_refused_and_counted(certs: Path) -> None:
     g, a = gate(certs), signer(certs, "node-a", A)
-    g.apply(A, 5, 1, [H[0]], [], 0.0, ADDR_A, a.apply(0, 1, [H[0]], [], ADDR_A))
-    good = a.apply(0, 2, [], [H[0]], ADDR_A)
-    forged = Proof(good.cert, good.nonce + 1, good.signature)          # signature of another message
-    assert g.apply(A, 5, 2, [], [H[0]], 0.0, ADDR_A, forged) is ApplyOutcome.REFUSED
-    assert g.apply(A, 5, 2, [], [H[0]], 0.0, ADDR_A, None) is ApplyOutcome.REFUSED
-    assert g.heartbeat(A, 9, ADDR_A, 0.0, None) is ApplyOutcome.REFUSED      # a forged newer incarnation
-    assert g.shard.locate([H[0]], 0.0).owners == ((A,),)                 # the removal was not applied
-    assert g.shard.live_incarnation(A, 0.0) == 5
+    g.submit(a.sign(0, Apply(1, [H[0]], [], ADDR_A)), 0.0)
+    good = a.sign(0, Apply(2, [], [H[0]], ADDR_A))
+    assert good.proof is not None
+    forged = dataclasses.replace(good, proof=Proof(good.proof.cert, good.proof.nonce + 1, good.proof.signature))
+    assert g.submit(forged, 0.0) is ApplyOutcome.REFUSED                 # a signature of another message
+    assert g.submit(dataclasses.replace(good, proof=None), 0.0) is ApplyOutcome.REFUSED
+    assert g.submit(Report(0, A, 9, Heartbeat(ADDR_A)), 0.0) is ApplyOutcome.REFUSED   # a forged newer incarnation
     s = g.stats(0.0)
     assert (s["refused_bad_signature"], s["refused_unsigned"], s["refused"]) == (1, 2, 3)
+    assert g.shard.locate([H[0]], 0.0).owners == ((A,),)                 # the removal was not applied
+    assert g.shard.live_incarnation(A, 0.0) == 5
+
+
+def test_every_field_of_a_report_is_signed(certs: Path) -> None:
+    g, a = gate(certs), signer(certs, "node-a", A)
+    g.submit(a.sign(0, Apply(1, [H[0]], [], ADDR_A, [b"v1"])), 0.0)
+    good = a.sign(0, Apply(2, [H[1]], [H[0]], ADDR_A, [b"v2"]))
+    changed: list[Body] = [Apply(3, [H[1]], [H[0]], ADDR_A, [b"v2"]), Apply(2, [H[2]], [H[0]], ADDR_A, [b"v2"]),
+               Apply(2, [H[1]], [], ADDR_A, [b"v2"]), Apply(2, [H[1]], [H[0]], None, [b"v2"]),
+               Apply(2, [H[1]], [H[0]], ADDR_A, [b"v3"]), Apply(2, [H[1]], [H[0]], ADDR_A),
+               EndResync(2, 2)]
+    for body in changed:
+        assert g.submit(dataclasses.replace(good, body=body), 0.0) is ApplyOutcome.REFUSED, body
+    assert g.submit(dataclasses.replace(good, incarnation=6), 0.0) is ApplyOutcome.REFUSED
+    assert g.stats(0.0)["refused_bad_signature"] == len(changed) + 1
+    assert g.submit(dataclasses.replace(good, shard=1), 0.0) is ApplyOutcome.REFUSED      # another shard's
+    assert g.submit(("not", "a", "report"), 0.0) is ApplyOutcome.REFUSED
+    assert g.stats(0.0)["refused_malformed"] == 2
+    assert g.submit(good, 0.0) is ApplyOutcome.ACCEPTED                  # the report as signed still counts
+    assert g.shard.locate([H[0], H[1]], 0.0).versions == ((), (b"v2",))
 
 
 def test_another_nodes_key_cannot_speak_for_a_node_or_invent_ids(certs: Path) -> None:
     g, a, b = gate(certs), signer(certs, "node-a", A), signer(certs, "node-b", B)
-    g.apply(A, 5, 1, [H[0]], [], 0.0, ADDR_A, a.apply(0, 1, [H[0]], [], ADDR_A))
-    g.heartbeat(B, 5, ADDR_B, 0.0, b.heartbeat(0, ADDR_B, None))
+    g.submit(a.sign(0, Apply(1, [H[0]], [], ADDR_A)), 0.0)
+    g.submit(b.sign(0, Heartbeat(ADDR_B)), 0.0)
     as_a = signer(certs, "node-b", A)                       # B's key, A's id: removals, incarnations
-    assert g.apply(A, 5, 2, [], [H[0]], 0.0, ADDR_A, as_a.apply(0, 2, [], [H[0]], ADDR_A)) is ApplyOutcome.REFUSED
-    assert g.heartbeat(A, 9, ADDR_B, 0.0, signer(certs, "node-b", A, 9).heartbeat(0, ADDR_B, None)) \
-        is ApplyOutcome.REFUSED
+    assert g.submit(as_a.sign(0, Apply(2, [], [H[0]], ADDR_A)), 0.0) is ApplyOutcome.REFUSED
+    assert g.submit(signer(certs, "node-b", A, 9).sign(0, Heartbeat(ADDR_B)), 0.0) is ApplyOutcome.REFUSED
     ghost = signer(certs, "node-b", "ghost")                # B's key, an id no node has
-    assert g.heartbeat("ghost", 5, ADDR_B, 0.0, ghost.heartbeat(0, ADDR_B, None)) is ApplyOutcome.REFUSED
+    assert g.submit(ghost.sign(0, Heartbeat(ADDR_B)), 0.0) is ApplyOutcome.REFUSED
     assert g.shard.locate([H[0]], 0.0).owners == ((A,),)
     assert [n.node_id for n in g.shard.nodes(0.0)] == [A, B]
     assert g.stats(0.0)["refused_wrong_node"] == 3
@@ -85,36 +116,36 @@ def test_another_nodes_key_cannot_speak_for_a_node_or_invent_ids(certs: Path) ->
 def test_an_address_outside_the_certificate_is_refused(certs: Path) -> None:
     g, a = gate(certs), signer(certs, "node-a", A)
     hijack = NodeAddress("10.9.9.9", 7000, "tls-tcp", "node-a")
-    assert g.heartbeat(A, 5, hijack, 0.0, a.heartbeat(0, hijack, None)) is ApplyOutcome.REFUSED
+    assert g.submit(a.sign(0, Heartbeat(hijack)), 0.0) is ApplyOutcome.REFUSED
     as_b = NodeAddress("127.0.0.1", 7000, "tls-tcp", "node-b")       # A advertising B's TLS name
-    assert g.begin_resync(A, 5, as_b, 0.0, a.begin_resync(0, as_b)) == 0
+    assert g.submit(a.sign(0, BeginResync(1, as_b)), 0.0) is ApplyOutcome.REFUSED
     c = signer(certs, "node-c", "ray-id-c")
     addr_c = NodeAddress("127.0.0.1", 7002, "tls-tcp", "node-c")
-    assert g.heartbeat("ray-id-c", 5, addr_c, 0.0, c.heartbeat(0, addr_c, None)) is ApplyOutcome.REFUSED
+    assert g.submit(c.sign(0, Heartbeat(addr_c)), 0.0) is ApplyOutcome.REFUSED
     assert g.shard.nodes(0.0) == []
     assert g.stats(0.0)["refused_address"] == 3
 
 
 def test_a_replayed_report_is_refused(certs: Path) -> None:
     g, a = gate(certs), signer(certs, "node-a", A)
-    first = a.apply(0, 1, [H[0]], [], ADDR_A)
-    g.apply(A, 5, 1, [H[0]], [], 0.0, ADDR_A, first)
-    removal = a.apply(0, 2, [], [H[0]], ADDR_A)
-    g.apply(A, 5, 2, [], [H[0]], 0.0, ADDR_A, removal)
-    g.end_resync(A, 5, 0, 3, 0.0, a.end_resync(0, 0, 3))     # any later report of A
-    assert g.apply(A, 5, 1, [H[0]], [], 0.0, ADDR_A, first) is ApplyOutcome.REFUSED
+    first = a.sign(0, Apply(1, [H[0]], [], ADDR_A))
+    g.submit(first, 0.0)
+    g.submit(a.sign(0, Apply(2, [], [H[0]], ADDR_A)), 0.0)
+    g.submit(a.sign(0, EndResync(1, 3)), 0.0)                # any later report of A
+    assert g.submit(first, 0.0) is ApplyOutcome.REFUSED
     assert g.stats(0.0)["refused_replay"] == 1
+    assert g.shard.locate([H[0]], 0.0).owners == ((),)
 
 
 def test_foreign_and_revoked_certificates_are_refused(certs: Path) -> None:
     g = gate(certs)
     foreign = signer(certs / "other", "node-a", A)
-    assert g.heartbeat(A, 5, ADDR_A, 0.0, foreign.heartbeat(0, ADDR_A, None)) is ApplyOutcome.REFUSED
+    assert g.submit(foreign.sign(0, Heartbeat(ADDR_A)), 0.0) is ApplyOutcome.REFUSED
     a = signer(certs, "node-a", A)
-    assert g.heartbeat(A, 5, ADDR_A, 0.0, a.heartbeat(0, ADDR_A, None)) is ApplyOutcome.ACCEPTED
+    assert g.submit(a.sign(0, Heartbeat(ADDR_A)), 0.0) is ApplyOutcome.ACCEPTED
     serial = TrustAnchor.from_files(certs / "ca.pem").identity((certs / "node-a.pem").read_bytes()).serial
     g.verifier = g.verifier.with_revoked(frozenset({serial}))
-    assert g.apply(A, 5, 1, [H[1]], [], 0.0, ADDR_A, a.apply(0, 1, [H[1]], [], ADDR_A)) is ApplyOutcome.REFUSED
+    assert g.submit(a.sign(0, Apply(1, [H[1]], [], ADDR_A)), 0.0) is ApplyOutcome.REFUSED
     s = g.stats(0.0)
     assert (s["refused_untrusted"], s["refused_revoked"]) == (1, 1)
     assert g.shard.locate([H[1]], 0.0).owners == ((),)
@@ -122,11 +153,10 @@ def test_foreign_and_revoked_certificates_are_refused(certs: Path) -> None:
 
 def test_a_resync_is_signed_end_to_end(certs: Path) -> None:
     g, a, b = gate(certs), signer(certs, "node-a", A), signer(certs, "node-b", A)
-    rid = g.begin_resync(A, 5, ADDR_A, 0.0, a.begin_resync(0, ADDR_A))
-    assert rid > 0
-    assert not g.resync_batch(A, 5, rid, [H[2]], 0.0, b.resync_batch(0, rid, [H[2]]))   # B cannot stage for A
-    assert g.resync_batch(A, 5, rid, [H[3]], 0.0, a.resync_batch(0, rid, [H[3]]))
-    assert g.end_resync(A, 5, rid, 1, 0.0, a.end_resync(0, rid, 1))
+    assert g.submit(a.sign(0, BeginResync(1, ADDR_A)), 0.0) is ApplyOutcome.ACCEPTED
+    assert g.submit(b.sign(0, ResyncBatch(1, [H[2]])), 0.0) is ApplyOutcome.REFUSED   # B cannot stage for A
+    assert g.submit(a.sign(0, ResyncBatch(1, [H[3]])), 0.0) is ApplyOutcome.ACCEPTED
+    assert g.submit(a.sign(0, EndResync(1, 1)), 0.0) is ApplyOutcome.ACCEPTED
     assert g.shard.locate([H[2], H[3]], 0.0).owners == ((), (A,))
 
 
@@ -140,39 +170,34 @@ def test_a_squatter_cannot_keep_a_joining_node_out_of_its_own_id(certs: Path) ->
                                                                              JOINING)
     # a valid certificate bound to no live node reports first under the joining node's Ray id,
     # with an incarnation and nonces far above any the real node will use
-    assert g.heartbeat(JOINING, 2**62, _address("spare-1"), 0.0, squat.heartbeat(0, _address("spare-1"), None)) \
-        is ApplyOutcome.ACCEPTED
-    assert g.apply(JOINING, 2**62, 1, [H[0]], [], 0.0, _address("spare-1"),
-                   squat.apply(0, 1, [H[0]], [], _address("spare-1"))) is ApplyOutcome.ACCEPTED
+    assert g.submit(squat.sign(0, Heartbeat(_address("spare-1"))), 0.0) is ApplyOutcome.ACCEPTED
+    assert g.submit(squat.sign(0, Apply(1, [H[0]], [], _address("spare-1"))), 0.0) is ApplyOutcome.ACCEPTED
     # the node whose id it is (its certificate's name derives from the id) takes its id back at once
     addr = _address(derived_node_name(JOINING))
-    assert g.heartbeat(JOINING, 5, addr, 1.0, real.heartbeat(0, addr, None)) is ApplyOutcome.ACCEPTED
-    assert g.apply(JOINING, 5, 1, [H[1]], [], 1.0, addr, real.apply(0, 1, [H[1]], [], addr)) is ApplyOutcome.ACCEPTED
+    assert g.submit(real.sign(0, Heartbeat(addr)), 1.0) is ApplyOutcome.ACCEPTED
+    assert g.submit(real.sign(0, Apply(1, [H[1]], [], addr)), 1.0) is ApplyOutcome.ACCEPTED
     assert g.shard.locate([H[0], H[1]], 1.0).owners == ((), (JOINING,))   # the squatter's entries are gone
     assert [n.address for n in g.shard.nodes(1.0)] == [addr]
     # and the squatter, still reporting, is refused from then on
-    assert g.heartbeat(JOINING, 2**62, _address("spare-1"), 2.0, squat.heartbeat(0, _address("spare-1"), None)) \
-        is ApplyOutcome.REFUSED
+    assert g.submit(squat.sign(0, Heartbeat(_address("spare-1"))), 2.0) is ApplyOutcome.REFUSED
     # a name derived from another id never speaks for this one, first or not
     other = signer(certs, derived_node_name(OTHER), JOINING)
-    assert g.heartbeat(JOINING, 5, _address(derived_node_name(OTHER)), 2.0,
-                       other.heartbeat(0, _address(derived_node_name(OTHER)), None)) is ApplyOutcome.REFUSED
+    assert g.submit(other.sign(0, Heartbeat(_address(derived_node_name(OTHER)))), 2.0) is ApplyOutcome.REFUSED
     assert g.stats(2.0)["refused_wrong_node"] == 2
 
 
 def test_a_binding_of_other_names_lasts_one_lease_and_the_operator_can_clear_it(certs: Path) -> None:
     # nodes named by $KVFABRIC_NODE_NAME: no name says which id is whose
     g, squat, real = gate(certs), signer(certs, "spare-1", A), signer(certs, "node-a", A)
-    assert g.heartbeat(A, 5, _address("spare-1"), 0.0, squat.heartbeat(0, _address("spare-1"), None)) \
-        is ApplyOutcome.ACCEPTED
-    assert g.heartbeat(A, 5, ADDR_A, 9.9, real.heartbeat(0, ADDR_A, None)) is ApplyOutcome.REFUSED   # still live
-    assert g.heartbeat(A, 5, ADDR_A, 10.0, real.heartbeat(0, ADDR_A, None)) is ApplyOutcome.ACCEPTED  # one lease on
+    assert g.submit(squat.sign(0, Heartbeat(_address("spare-1"))), 0.0) is ApplyOutcome.ACCEPTED
+    assert g.submit(real.sign(0, Heartbeat(ADDR_A)), 9.9) is ApplyOutcome.REFUSED    # still live
+    assert g.submit(real.sign(0, Heartbeat(ADDR_A)), 10.0) is ApplyOutcome.ACCEPTED  # one lease on
     assert g.bindings() == {A: "node-a"}
     # a squatter that keeps reporting holds the id only until the operator clears it
-    assert g.heartbeat(B, 5, _address("spare-1"), 20.0, signer(certs, "spare-1", B).heartbeat(
-        0, _address("spare-1"), None)) is ApplyOutcome.ACCEPTED
+    assert g.submit(signer(certs, "spare-1", B).sign(0, Heartbeat(_address("spare-1"))), 20.0) \
+        is ApplyOutcome.ACCEPTED
     real_b = signer(certs, "node-b", B)
-    assert g.heartbeat(B, 5, ADDR_B, 21.0, real_b.heartbeat(0, ADDR_B, None)) is ApplyOutcome.REFUSED
+    assert g.submit(real_b.sign(0, Heartbeat(ADDR_B)), 21.0) is ApplyOutcome.REFUSED
     assert g.unbind(B) == "spare-1" and g.shard.live_incarnation(B, 21.0) is None
-    assert g.heartbeat(B, 5, ADDR_B, 21.0, real_b.heartbeat(0, ADDR_B, None)) is ApplyOutcome.ACCEPTED
+    assert g.submit(real_b.sign(0, Heartbeat(ADDR_B)), 21.0) is ApplyOutcome.ACCEPTED
     assert g.bindings() == {A: "node-a", B: "node-b"}

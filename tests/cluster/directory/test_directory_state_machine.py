@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from cluster.directory.report import Apply, BeginResync, Body, EndResync, Heartbeat, Report, ResyncBatch
 from cluster.directory.shard import DIGESTS_KEPT, DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, batch_digest
 
@@ -25,6 +26,7 @@ ADDRS = [NodeAddress("127.0.0.1", 7000 + i, "tls-tcp") for i in range(2)]
 nodes = st.sampled_from(NODES)
 incarnations = st.integers(1, 3)
 hash_sets = st.lists(st.sampled_from(HASHES), max_size=4)
+resync_ids = st.integers(1, 3)   # the node names its resyncs: few ids, so one is reused across resyncs
 
 
 @dataclass
@@ -48,7 +50,6 @@ class Model:
     def __init__(self) -> None:
         self.nodes: dict[str, MNode] = {}
         self.resyncs: dict[str, MResync] = {}
-        self.next_resync_id = 1
 
     def live(self, node_id: str, now: float) -> MNode | None:
         n = self.nodes.get(node_id)
@@ -109,16 +110,15 @@ class Model:
             n.address = addr
         return ApplyOutcome.ACCEPTED
 
-    def begin_resync(self, node_id: str, inc: int, addr: NodeAddress, now: float) -> int:
+    def begin_resync(self, node_id: str, inc: int, rid: int, addr: NodeAddress, now: float) -> ApplyOutcome:
         n = self.live(node_id, now)
         if n is not None and inc < self.known(node_id, n):
-            return 0
+            return ApplyOutcome.STALE
         if n is None:
             n = self.nodes[node_id] = MNode(inc, None, now)
         n.address, n.lease_expiry = addr, now + LEASE
-        self.resyncs[node_id] = MResync(self.next_resync_id, inc)
-        self.next_resync_id += 1
-        return self.resyncs[node_id].resync_id
+        self.resyncs[node_id] = MResync(rid, inc)
+        return ApplyOutcome.ACCEPTED
 
     def current(self, node_id: str, inc: int, rid: int, now: float) -> MResync | None:
         n = self.live(node_id, now)
@@ -128,22 +128,23 @@ class Model:
         n.lease_expiry = now + LEASE
         return r
 
-    def resync_batch(self, node_id: str, inc: int, rid: int, hashes: list[bytes], now: float) -> bool:
-        r = self.current(node_id, inc, rid, now)
-        if r is not None:
-            r.staged |= set(hashes)
-        return r is not None
-
-    def end_resync(self, node_id: str, inc: int, rid: int, seq: int, now: float) -> bool:
+    def resync_batch(self, node_id: str, inc: int, rid: int, hashes: list[bytes], now: float) -> ApplyOutcome:
         r = self.current(node_id, inc, rid, now)
         if r is None:
-            return False
+            return ApplyOutcome.GAP
+        r.staged |= set(hashes)
+        return ApplyOutcome.ACCEPTED
+
+    def end_resync(self, node_id: str, inc: int, rid: int, seq: int, now: float) -> ApplyOutcome:
+        r = self.current(node_id, inc, rid, now)
+        if r is None:
+            return ApplyOutcome.GAP
         del self.resyncs[node_id]
         n = self.nodes[node_id]
         if inc == n.incarnation and n.last_seq > seq:
-            return False
+            return ApplyOutcome.STALE
         n.entries, n.incarnation, n.last_seq, n.digests = set(r.staged), inc, seq, {}
-        return True
+        return ApplyOutcome.ACCEPTED
 
     def locate(self, hashes: list[bytes], now: float,
                exclude: set[str]) -> tuple[list[tuple[str, ...]], dict[str, int]]:
@@ -165,11 +166,13 @@ class DirectoryMachine(RuleBasedStateMachine):
         self.shard = DirectoryShard(lease_s=LEASE)
         self.model = Model()
         self.now = 0.0
-        self.rids: dict[str, list[int]] = {k: [0] for k in NODES}   # every resync id handed out, per node
+
+    def submit(self, node: str, inc: int, body: Body) -> ApplyOutcome:
+        return self.shard.submit(Report(self.shard.shard, node, inc, body), self.now)
 
     @rule(node=nodes, inc=incarnations, addr=st.sampled_from(ADDRS), acked=st.none() | st.integers(0, 4))
     def heartbeat(self, node: str, inc: int, addr: NodeAddress, acked: int | None) -> None:
-        got = self.shard.heartbeat(node, inc, addr, self.now, acked_seq=acked)
+        got = self.submit(node, inc, Heartbeat(addr, acked))
         assert got is self.model.heartbeat(node, inc, addr, self.now, acked)
 
     @rule(node=nodes, inc=incarnations, data=st.data(), stored=hash_sets, removed=hash_sets,
@@ -180,27 +183,26 @@ class DirectoryMachine(RuleBasedStateMachine):
         near = m.last_seq if m is not None else 0
         # mostly the next batch, sometimes a retry, a gap, or an incarnation's first batch
         seq = data.draw(st.sampled_from([near + 1, near + 1, near + 1, max(1, near), near + 2, 1]))
-        got = self.shard.apply(node, inc, seq, stored, removed, self.now, addr)
+        got = self.submit(node, inc, Apply(seq, stored, removed, addr))
         assert got is self.model.apply(node, inc, seq, stored, removed, self.now, addr)
 
-    @rule(node=nodes, inc=incarnations, addr=st.sampled_from(ADDRS))
-    def begin_resync(self, node: str, inc: int, addr: NodeAddress) -> None:
-        rid = self.shard.begin_resync(node, inc, addr, self.now)
-        assert rid == self.model.begin_resync(node, inc, addr, self.now)
-        self.rids[node].append(rid)
+    @rule(node=nodes, inc=incarnations, rid=resync_ids, addr=st.sampled_from(ADDRS))
+    def begin_resync(self, node: str, inc: int, rid: int, addr: NodeAddress) -> None:
+        got = self.submit(node, inc, BeginResync(rid, addr))
+        assert got is self.model.begin_resync(node, inc, rid, addr, self.now)
 
     def resync_call(self, node: str, data: st.DataObject) -> tuple[int, int]:
         """Mostly the node's current resync; sometimes a superseded id or another incarnation."""
         r = self.model.resyncs.get(node)
         current = [(r.incarnation, r.resync_id)] * 4 if r is not None else []
-        others = [(inc, rid) for inc in (1, 2, 3) for rid in self.rids[node][-2:]]
+        others = [(inc, rid) for inc in (1, 2, 3) for rid in (1, 2, 3)]
         return data.draw(st.sampled_from(current + others))
 
     @rule(node=nodes, data=st.data(), hashes=hash_sets)
     def resync_batch(self, node: str, data: st.DataObject, hashes: list[bytes]) -> None:
         inc, rid = self.resync_call(node, data)
-        got = self.shard.resync_batch(node, inc, rid, hashes, self.now)
-        assert got == self.model.resync_batch(node, inc, rid, hashes, self.now)
+        got = self.submit(node, inc, ResyncBatch(rid, hashes))
+        assert got is self.model.resync_batch(node, inc, rid, hashes, self.now)
 
     @rule(node=nodes, data=st.data())
     def end_resync(self, node: str, data: st.DataObject) -> None:
@@ -208,8 +210,8 @@ class DirectoryMachine(RuleBasedStateMachine):
         m = self.model.nodes.get(node)
         near = m.last_seq if m is not None else 0
         seq = data.draw(st.sampled_from([near, near + 1, max(0, near - 1)]))   # snapshots behind the shard too
-        got = self.shard.end_resync(node, inc, rid, seq, self.now)
-        assert got == self.model.end_resync(node, inc, rid, seq, self.now)
+        got = self.submit(node, inc, EndResync(rid, seq))
+        assert got is self.model.end_resync(node, inc, rid, seq, self.now)
 
     @rule(dt=st.sampled_from([0.0, 0.5, 2.0, 4.0, 5.0, 7.0]))
     def advance(self, dt: float) -> None:

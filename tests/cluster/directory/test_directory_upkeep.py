@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Collection, Sequence
+from collections.abc import Collection
 from pathlib import Path
 
 import pytest
 
-from cluster.directory.auth import DirectoryGate, Proof, ReportSigner
+from cluster.directory.auth import DirectoryGate
+from cluster.directory.report import Report, ReportSigner
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.directory.upkeep import DirectoryUpkeep, ShardUnavailable
@@ -54,38 +55,14 @@ class MemoryDirectory:
         self.gates[k] = self._gate(k)
         self.epochs[k] = f"e{int(self.epochs[k][1:]) + 1}"
 
-    def _gate_of(self, shard: int) -> DirectoryGate:
-        self.num_calls += 1
-        if shard in self.stalled:
-            raise ShardUnavailable(f"shard {shard} stalled")
-        return self.gates[shard]
-
     def epoch(self, shard: int) -> str | None:
         return self.epochs[shard]
 
-    async def heartbeat(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
-                        acked_seq: int | None, proof: Proof) -> ApplyOutcome:
-        return self._gate_of(shard).heartbeat(node_id, incarnation, address, self.clock(), proof,
-                                              acked_seq=acked_seq)
-
-    async def apply(self, shard: int, node_id: str, incarnation: int, seq: int, stored: Sequence[bytes],
-                    removed: Sequence[bytes], address: NodeAddress, proof: Proof,
-                    versions: Sequence[bytes] = ()) -> ApplyOutcome:
-        return self._gate_of(shard).apply(node_id, incarnation, seq, stored, removed, self.clock(), address, proof,
-                                          versions)
-
-    async def begin_resync(self, shard: int, node_id: str, incarnation: int, address: NodeAddress,
-                           proof: Proof) -> int:
-        return self._gate_of(shard).begin_resync(node_id, incarnation, address, self.clock(), proof)
-
-    async def resync_batch(self, shard: int, node_id: str, incarnation: int, resync_id: int,
-                           hashes: Sequence[bytes], proof: Proof, versions: Sequence[bytes] = ()) -> bool:
-        return self._gate_of(shard).resync_batch(node_id, incarnation, resync_id, hashes, self.clock(), proof,
-                                                 versions)
-
-    async def end_resync(self, shard: int, node_id: str, incarnation: int, resync_id: int, seq: int,
-                         proof: Proof) -> bool:
-        return self._gate_of(shard).end_resync(node_id, incarnation, resync_id, seq, self.clock(), proof)
+    async def report(self, report: Report) -> ApplyOutcome:
+        self.num_calls += 1
+        if report.shard in self.stalled:
+            raise ShardUnavailable(f"shard {report.shard} stalled")
+        return self.gates[report.shard].submit(report, self.clock())
 
 
 @pytest.fixture(scope="module")
@@ -168,3 +145,33 @@ def test_a_restarted_shard_is_rebuilt_after_a_jittered_delay(certs: Path) -> Non
     assert listed(directory, held) == {x for x in held if shard_of(x, SHARDS) == 1}
     run_ticks(upkeep, clock, 2.0)            # the next heartbeat sees the new epoch; resync within the jitter
     assert listed(directory, held) == held
+
+
+def test_the_background_pass_feeds_the_directory_and_outlives_a_failing_pass(
+        certs: Path, caplog: pytest.LogCaptureFixture) -> None:
+    clock = Clock()
+    directory = MemoryDirectory(certs, clock)
+    held = {h(i) for i in range(20)}
+    upkeep = make(certs, held, clock, directory)
+    beats: list[float] = []
+    passes = 0
+
+    def feed() -> None:   # what a node's store hands over at the start of each pass
+        nonlocal passes
+        passes += 1
+        clock.now += 0.3
+        if passes == 2:
+            raise RuntimeError("a bug in one pass")
+        if passes == 3:
+            upkeep.record([(h(50), True)])
+            held.add(h(50))
+
+    async def main() -> None:
+        task = asyncio.get_running_loop().create_task(upkeep.run_forever(feed, lambda: beats.append(clock.now)))
+        while not (passes > 3 and listed(directory, held) == held and len(beats) >= 3):
+            await asyncio.sleep(0.005)
+        task.cancel()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+    assert "directory sync pass failed" in caplog.text
+    assert max(beats) > 0.6                   # heartbeats went on after the failing (second) pass

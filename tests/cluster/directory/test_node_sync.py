@@ -3,12 +3,28 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
+from cluster.directory.report import Apply, BeginResync, Body, EndResync, Report, ResyncBatch
 from cluster.directory.shard import DirectoryShard
-from cluster.directory.sync import DirectorySync
+from cluster.directory.sync import Batch, DirectorySync
 from cluster.directory.types import ApplyOutcome, NodeAddress
 
 ADDR = NodeAddress("127.0.0.1", 1, "tls-tcp")
+
+
+def submit(shard: DirectoryShard, incarnation: int, body: Body) -> ApplyOutcome:
+    return shard.submit(Report(shard.shard, "n", incarnation, body), 0.0)
+
+
+def send(shard: DirectoryShard, incarnation: int, batch: Batch) -> ApplyOutcome:
+    return submit(shard, incarnation, Apply(batch.seq, batch.stored, batch.removed, ADDR, batch.versions))
+
+
+def resync(shard: DirectoryShard, incarnation: int, seq: int, snapshot: Sequence[bytes]) -> bool:
+    """A node's resync as DirectoryUpkeep sends it (named by the seq it ends at); whether it ended."""
+    return all(submit(shard, incarnation, body) is ApplyOutcome.ACCEPTED
+               for body in (BeginResync(seq, ADDR), ResyncBatch(seq, snapshot), EndResync(seq, seq)))
 
 
 def h(i: int) -> bytes:
@@ -81,26 +97,20 @@ def test_replaying_random_operations_through_a_real_shard_ends_in_the_held_set()
                 if sync.resync_wanted(k):
                     seq = sync.start_resync(k)
                     snapshot = sync.group_by_shard(held)[k]
-                    rid = shards[k].begin_resync("n", incarnation, ADDR, 0.0)
-                    shards[k].resync_batch("n", incarnation, rid, snapshot, 0.0)
-                    sync.finish_resync(k, shards[k].end_resync("n", incarnation, rid, seq, 0.0))
+                    sync.finish_resync(k, resync(shards[k], incarnation, seq, snapshot))
                 elif sync.due(k, now=1.0):
                     batch = sync.take_batch(k)
                     lost = rng.random() < 0.05
-                    outcome = None if lost else shards[k].apply("n", incarnation, batch.seq, batch.stored,
-                                                                batch.removed, 0.0, ADDR)
+                    outcome = None if lost else send(shards[k], incarnation, batch)
                     sync.answered(batch, outcome)
         for k in range(2):   # drain
             for _ in range(3):
                 if sync.resync_wanted(k):
                     seq = sync.start_resync(k)
-                    rid = shards[k].begin_resync("n", incarnation, ADDR, 0.0)
-                    shards[k].resync_batch("n", incarnation, rid, sync.group_by_shard(held)[k], 0.0)
-                    sync.finish_resync(k, shards[k].end_resync("n", incarnation, rid, seq, 0.0))
+                    sync.finish_resync(k, resync(shards[k], incarnation, seq, sync.group_by_shard(held)[k]))
                 elif sync.due(k, now=2.0, force=True):
                     batch = sync.take_batch(k)
-                    sync.answered(batch, shards[k].apply("n", incarnation, batch.seq, batch.stored, batch.removed,
-                                                         0.0, ADDR))
+                    sync.answered(batch, send(shards[k], incarnation, batch))
         listed = {x for k in range(2) for x in sync.group_by_shard(h(i) for i in range(40))[k]
                   if shards[k].locate([x], 0.0).owners[0]}
         assert listed == held, f"trial {trial}"
@@ -112,18 +122,17 @@ def test_a_batch_answered_conflict_makes_the_node_resync_until_the_map_equals_wh
     held = {h(1)}
     sync.record([(h(1), True)], now=0.0)
     first = sync.take_batch(0)
-    sync.answered(first, shard.apply("n", 1, first.seq, first.stored, first.removed, 0.0, ADDR))
-    shard.apply("n", 1, 2, [], [h(1)], 0.0, ADDR)            # someone else's batch 2 under this node's name
+    sync.answered(first, send(shard, 1, first))
+    submit(shard, 1, Apply(2, [], [h(1)], ADDR))              # someone else's batch 2 under this node's name
     held.add(h(2))
     sync.record([(h(2), True)], now=0.0)
     second = sync.take_batch(0)
-    outcome = shard.apply("n", 1, second.seq, second.stored, second.removed, 0.0, ADDR)
+    outcome = send(shard, 1, second)
     assert outcome is ApplyOutcome.CONFLICT
     sync.answered(second, outcome)
     assert sync.resync_wanted(0)
     seq = sync.start_resync(0)
-    rid = shard.begin_resync("n", 1, ADDR, 0.0)
-    assert shard.resync_batch("n", 1, rid, sorted(held), 0.0)
-    sync.finish_resync(0, shard.end_resync("n", 1, rid, seq, 0.0))
+    assert resync(shard, 1, seq, sorted(held))
+    sync.finish_resync(0, True)
     assert not sync.resync_wanted(0)
     assert shard.locate([h(1), h(2)], 0.0).owners == (("n",), ("n",))

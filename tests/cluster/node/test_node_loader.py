@@ -22,6 +22,7 @@ from prometheus_client import CollectorRegistry
 
 from cluster.api import LoadReply, Where, payload_shape
 from cluster.directory.client import Located
+from cluster.directory.report import Apply, Heartbeat, Report
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import NodeAddress
 from cluster.node.local import LocalFabric
@@ -96,8 +97,8 @@ def _run(cert_dir: Path, tmp_path: Path, body: Any) -> None:
         server = TlsTcpServer(NodeCredentials(CredentialFiles.for_node(cert_dir, "node-a")), a_store, "127.0.0.1", 0)
         host, port = await server.start()
         shard = DirectoryShard()
-        shard.heartbeat(A_ID, 1, NodeAddress(host, port, "tls-tcp", "node-a"), 0.0)
-        shard.apply(A_ID, 1, 1, HASHES, [], 0.0)
+        shard.submit(Report(0, A_ID, 1, Heartbeat(NodeAddress(host, port, "tls-tcp", "node-a"))), 0.0)
+        shard.submit(Report(0, A_ID, 1, Apply(1, HASHES)), 0.0)
         client = TlsTcpClient(NodeCredentials(CredentialFiles.for_node(cert_dir, "node-b")))
         registry = CollectorRegistry()
         tasks: list[asyncio.Task[None]] = []

@@ -23,22 +23,14 @@ pull and a wrong "no" a recompute; neither serves wrong KV. The rules below keep
   already accepted a batch beyond `seq`, `EndResync` is refused as STALE (the snapshot is older than
   what the shard holds) and the node starts over, as it does on a GAP (a resync unknown or superseded).
 
-Layout (per (hash, node) entry: the 32-byte key object, its slot in a per-node set, owner tuples and the
-dict itself; `benchmarks/bench_directory.py` measures the bytes, docs/benchmarks.md lists them):
+Layout (the per-entry cost adds each node's set of its hashes to the owner map's, directory/owners.py):
 
-    _owners : dict[bytes, int | tuple[int, ...]]   hash -> owner index, or >= 2 indexes sorted by node id
+    _map    : OwnerMap                             hash -> owner indexes and block versions (directory/owners.py)
     _nodes  : list[_Node | None]                   per node index: incarnation, address, seq, lease, entries
     _index  : dict[str, int]                       node id -> index; interned for the shard's lifetime
 
-    _versions: dict[bytes, dict[int, bytes]]      hash -> owner index -> block version, grouped by content
-
-A single owner is stored as a bare int (the same int object as the node's index, so it costs nothing
-beyond the dict slot); only shared blocks pay for a tuple. Block versions (a tag of the bytes and the
-producer's name, fabric.provenance.block_version) are kept only for hashes whose owners reported one:
-`locate` answers each owner's version and the oldest version (by when its content was first reported)
-an owner still holds (the one pullers take: docs/provenance.md), so owners holding different bytes at
-one address are told apart. Each node keeps the set of its hashes so a new incarnation, a resync or an
-expiry touches only that node's entries.
+Each node keeps the set of its hashes so a new incarnation, a resync or an expiry touches only that
+node's entries.
 
 Complexity: apply O(entries in the batch); locate O(hashes x owners); dropping or resyncing a node
 O(its entries); the set of dead nodes is recomputed only when a lease may have passed (O(nodes)).
@@ -47,9 +39,9 @@ O(its entries); the set of dead nodes is recomputed only when a lease may have p
 from __future__ import annotations
 
 import math
-import sys
 from collections.abc import Collection, Sequence
 
+from cluster.directory.owners import MAX_VERSION_BYTES, OwnerMap
 from cluster.directory.report import Apply, BeginResync, EndResync, Heartbeat, Report, ResyncBatch
 from cluster.directory.types import (
     ApplyOutcome,
@@ -61,9 +53,7 @@ from cluster.directory.types import (
     leading_runs,
     shard_of,
 )
-from fabric.provenance import VERSION_TAG_SIZE
 
-MAX_VERSION_BYTES = VERSION_TAG_SIZE + 255   # a block version: its tag and a producer name (fabric.provenance)
 DIGESTS_KEPT = 16   # per node: content digests of its last applied batches, to tell a retry from a conflict
 
 
@@ -102,14 +92,11 @@ class DirectoryShard:
         self.shard = shard
         self.num_shards = num_shards
         self.lease_s = lease_s
-        self._owners: dict[bytes, int | tuple[int, ...]] = {}
-        self._versions: dict[bytes, dict[int, bytes]] = {}
         self._nodes: list[_Node | None] = []
         self._ids: list[NodeId] = []
+        self._map = OwnerMap(self._ids)
         self._index: dict[str, int] = {}
         self._resyncs: dict[int, _Resync] = {}
-        self._num_entries = 0
-        self._num_single = 0     # hashes with exactly one owner (stored as a bare int)
         self._dead: frozenset[int] = frozenset()
         self._dead_valid: tuple[float, float] | None = None   # [from, until) where _dead is exact
         self._counters = {"applied": 0, "duplicate": 0, "stale": 0, "gap": 0, "conflict": 0, "heartbeats": 0,
@@ -187,16 +174,17 @@ class DirectoryShard:
             return self._count(ApplyOutcome.DUPLICATE if same else ApplyOutcome.CONFLICT)
         elif seq > node.last_seq + 1:
             return self._count(ApplyOutcome.GAP)
+        entries, idx, owners = node.entries, node.idx, self._map
         for h in removed:
-            if h in node.entries:
-                node.entries.remove(h)
-                self._remove_owner(h, node.idx)
+            if h in entries:
+                entries.remove(h)
+                owners.remove(h, idx)
         for h in stored:
-            if h not in node.entries:
-                node.entries.add(h)
-                self._add_owner(h, node.idx)
+            if h not in entries:
+                entries.add(h)
+                owners.add(h, idx)
         for h, version in zip(stored, versions, strict=False):
-            self._set_version(h, node.idx, version)
+            owners.set_version(h, idx, version)
         node.last_seq = seq
         node.digests[seq] = batch_digest(stored, removed)
         node.digests.pop(seq - DIGESTS_KEPT, None)
@@ -261,11 +249,11 @@ class DirectoryShard:
         old = node.entries
         staged = resync.staged
         for h in old - staged:
-            self._remove_owner(h, node.idx)
+            self._map.remove(h, node.idx)
         for h in staged - old:
-            self._add_owner(h, node.idx)
+            self._map.add(h, node.idx)
         for h, version in resync.versions.items():
-            self._set_version(h, node.idx, version)
+            self._map.set_version(h, node.idx, version)
         node.entries = staged
         node.digests.clear()   # the snapshot supersedes every earlier batch; the node retries none of them
         node.incarnation = incarnation
@@ -281,44 +269,14 @@ class DirectoryShard:
             excluded = {self._index[n] for n in exclude if n in self._index}
             if excluded:
                 dead = dead | excluded
-        ids = self._ids
-        get = self._owners.get
-        owners: list[tuple[NodeId, ...]] = []
-        append = owners.append
-        for h in hashes:
-            v = get(h)
-            if v is None:
-                append(())
-            elif isinstance(v, int):
-                append(() if v in dead else (ids[v],))
-            else:
-                append(tuple([ids[n] for n in v if n not in dead]))
+        owners = self._map.owners(hashes, dead)
         addresses: dict[NodeId, NodeAddress] = {}
         for n in {n for t in owners for n in t}:
             node = self._nodes[self._index[n]]
             assert node is not None and node.address is not None, f"locate named node {n} without an address"
             addresses[n] = node.address
-        versions, firsts = self._versions_of(hashes, owners, dead)
+        versions, firsts = self._map.versions(hashes, owners, dead, self._index)
         return LocateReply(tuple(owners), leading_runs(owners), addresses, versions, firsts)
-
-    def _versions_of(self, hashes: Sequence[bytes], owners: Sequence[tuple[NodeId, ...]], dead: frozenset[int]
-                     ) -> tuple[tuple[tuple[bytes, ...], ...], tuple[bytes, ...]]:
-        """Per hash, each listed owner's block version and the first-reported version of a live owner
-        (both empty when no owner of any hash reported one)."""
-        if not self._versions:
-            return (), ()
-        index, get = self._index, self._versions.get
-        versions: list[tuple[bytes, ...]] = []
-        firsts: list[bytes] = []
-        for h, listed in zip(hashes, owners, strict=True):
-            known = get(h)
-            if not known:
-                versions.append(())
-                firsts.append(b"")
-                continue
-            versions.append(tuple(known.get(index[n], b"") for n in listed))
-            firsts.append(next((v for idx, v in known.items() if idx not in dead), b""))
-        return tuple(versions), tuple(firsts)
 
     def nodes(self, now: float) -> list[NodeInfo]:
         """Live nodes that have an address, by node id."""
@@ -348,8 +306,9 @@ class DirectoryShard:
         self.expire(now)
         return {"shard": self.shard, "num_shards": self.num_shards,
                 "num_nodes": sum(1 for n in self._nodes if n is not None),
-                "num_entries": self._num_entries, "num_hashes": len(self._owners),
-                "num_resyncs_open": len(self._resyncs), "bytes_per_entry": self._bytes_per_entry(),
+                "num_entries": self._map.num_entries, "num_hashes": self._map.num_hashes,
+                "num_resyncs_open": len(self._resyncs),
+                "bytes_per_entry": self._map.bytes_per_entry(n.entries for n in self._nodes if n is not None),
                 **self._counters}
 
     # ------------------------------------------------------------------ internals
@@ -416,7 +375,7 @@ class DirectoryShard:
 
     def _clear_entries(self, node: _Node) -> None:
         for h in node.entries:
-            self._remove_owner(h, node.idx)
+            self._map.remove(h, node.idx)
         node.entries = set()
 
     def _resync_of(self, node_id: str, incarnation: int, resync_id: int, now: float) -> tuple[_Node, _Resync] | None:
@@ -426,60 +385,6 @@ class DirectoryShard:
             return None
         node.lease_expiry = now + self.lease_s   # a call of the node's current resync renews its lease
         return node, resync
-
-    def _add_owner(self, h: bytes, idx: int) -> None:
-        self._num_entries += 1
-        v = self._owners.get(h)
-        if v is None:
-            self._owners[h] = idx
-            self._num_single += 1
-            return
-        if isinstance(v, int):
-            self._num_single -= 1
-            v = (v,)
-        assert idx not in v, f"node {self._ids[idx]} already owns {h.hex()}"
-        self._owners[h] = tuple(sorted((*v, idx), key=self._ids.__getitem__))
-
-    def _set_version(self, h: bytes, idx: int, version: bytes) -> None:
-        if type(version) is not bytes or len(version) > MAX_VERSION_BYTES:   # a node's claim, checked here:
-            version = b""                                                   # locate answers only bytes
-        known = self._versions.get(h)
-        if not version:
-            if known is not None:
-                known.pop(idx, None)
-            return
-        if known is None:
-            self._versions[h] = {idx: version}
-        elif known.get(idx) != version:
-            # Owners stay grouped by content tag, groups in the order their tag was first reported,
-            # so the first entry is the oldest version any owner still holds (O(owners of h)).
-            known.pop(idx, None)
-            tag = version[:VERSION_TAG_SIZE]
-            entries = list(known.items())
-            at = max((i + 1 for i, (_, v) in enumerate(entries) if v[:VERSION_TAG_SIZE] == tag), default=len(entries))
-            entries.insert(at, (idx, version))
-            self._versions[h] = dict(entries)
-
-    def _remove_owner(self, h: bytes, idx: int) -> None:
-        known = self._versions.get(h)
-        if known is not None:
-            known.pop(idx, None)
-            if not known:
-                del self._versions[h]
-        self._num_entries -= 1
-        v = self._owners[h]
-        if isinstance(v, int):
-            assert v == idx, f"node {self._ids[idx]} does not own {h.hex()}"
-            del self._owners[h]
-            self._num_single -= 1
-            return
-        rest = tuple([n for n in v if n != idx])
-        assert len(rest) == len(v) - 1, f"node {self._ids[idx]} does not own {h.hex()}"
-        if len(rest) == 1:
-            self._owners[h] = rest[0]
-            self._num_single += 1
-        else:
-            self._owners[h] = rest
 
     def _dead_at(self, now: float) -> frozenset[int]:
         """Indexes of records locate must skip: lease passed or no address yet. Cached while exact."""
@@ -498,17 +403,3 @@ class DirectoryShard:
         self._dead = frozenset(dead)
         self._dead_valid = (now, until)
         return self._dead
-
-    def _bytes_per_entry(self) -> float:
-        """Estimate from object sizes: dict + key bytes + owner tuples + the per-node hash sets."""
-        if self._num_entries == 0:
-            return 0.0
-        num_hashes = len(self._owners)
-        key_size = sys.getsizeof(next(iter(self._owners))) if num_hashes else 0
-        num_multi = num_hashes - self._num_single
-        tuples = num_multi * sys.getsizeof(()) + 8 * (self._num_entries - self._num_single)
-        sets = sum(sys.getsizeof(n.entries) for n in self._nodes if n is not None)
-        # a hash owned by k nodes is one dict key plus up to k - 1 more equal bytes objects in other nodes' sets
-        keys = key_size * self._num_entries
-        total = sys.getsizeof(self._owners) + keys + tuples + sets
-        return total / self._num_entries

@@ -233,6 +233,8 @@ def test_shards_split_by_hash_bytes() -> None:
     assert d.owns(b"\x03" + bytes(31)) and not d.owns(h)
     with pytest.raises(ValueError, match="belongs to shard 0"):
         apply(d, A, 1, 1, [h], [], 0.0, ADDR)
+    with pytest.raises(ValueError, match="for shard 0 sent to shard 3"):
+        d.submit(Report(0, A, 1, Heartbeat(ADDR)), 0.0)
     assert d.nodes(0.0) == []                                   # nothing was applied
     with pytest.raises(ValueError):
         DirectoryShard(4, 4)

@@ -48,12 +48,14 @@ class DirectoryApi(Protocol):
 
 
 class DirectoryUpkeep:
-    def __init__(self, directory: DirectoryApi, config: ClusterConfig, *, node_id: str, incarnation: int,
-                 address: NodeAddress, reports: ReportSigner, held: Callable[[], Awaitable[Collection[bytes]]],
-                 metrics: ClusterMetrics, clock: Callable[[], float], rng: random.Random | None = None) -> None:
+    """One node incarnation's reports to every shard; `reports` names the node and its incarnation."""
+
+    def __init__(self, directory: DirectoryApi, config: ClusterConfig, *, address: NodeAddress,
+                 reports: ReportSigner, held: Callable[[], Awaitable[Collection[bytes]]], metrics: ClusterMetrics,
+                 clock: Callable[[], float], rng: random.Random | None = None) -> None:
         self.directory = directory
         self.config = config
-        self.node_id, self.incarnation, self.address = node_id, incarnation, address
+        self.address = address
         self.reports = reports
         self.held = held
         self.metrics = metrics
@@ -144,7 +146,7 @@ class DirectoryUpkeep:
             logger.error("directory shard %d refused this node's heartbeat (see the shard's log)", shard)
         elif outcome is ApplyOutcome.STALE:
             logger.error("directory shard %d knows a newer incarnation of node %s than %d", shard,
-                         self.node_id, self.incarnation)
+                         self.reports.node_id, self.reports.incarnation)
 
     def _check_epoch(self, shard: int) -> None:
         epoch = self.directory.epoch(shard)

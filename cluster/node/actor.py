@@ -128,9 +128,8 @@ class NodeActor:
         c = self.config.cluster
         self.directory = DirectoryClient(c)
         rt.metrics.watch_breakers(self.directory.breakers)
-        self.upkeep = DirectoryUpkeep(self.directory, c, node_id=self.node_id, incarnation=self.incarnation,
-                                      address=rt.address, reports=rt.reports, held=rt.held_versions,
-                                      metrics=rt.metrics, clock=time.monotonic)
+        self.upkeep = DirectoryUpkeep(self.directory, c, address=rt.address, reports=rt.reports,
+                                      held=rt.held_versions, metrics=rt.metrics, clock=time.monotonic)
         self.loader = NodeLoader(self.config, node_id=self.node_id, transport=rt.address.transport, local=rt.local,
                                  directory=self.directory, client=rt.client, verifier=rt.verifier,
                                  metrics=rt.metrics, kv_events=rt.kv_events, spawn=self._spawn,

@@ -79,8 +79,8 @@ def make(certs: Path, held: set[bytes], clock: Clock, directory: MemoryDirectory
 
     config = ClusterConfig(directory_shards=SHARDS, heartbeat_s=1.0, flush_ms=5.0, resync_jitter_s=0.5)
     reports = ReportSigner(NodeSigner(certs / "node-a.pem", certs / "node-a.key"), NODE, 5)
-    return DirectoryUpkeep(directory, config, node_id=NODE, incarnation=5, address=ADDR, reports=reports,
-                           held=held_now, metrics=ClusterMetrics(None), clock=clock, rng=random.Random(1))
+    return DirectoryUpkeep(directory, config, address=ADDR, reports=reports, held=held_now,
+                           metrics=ClusterMetrics(None), clock=clock, rng=random.Random(1))
 
 
 def listed(directory: MemoryDirectory, hashes: Collection[bytes]) -> set[bytes]:

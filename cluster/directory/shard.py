@@ -23,14 +23,12 @@ pull and a wrong "no" a recompute; neither serves wrong KV. The rules below keep
   already accepted a batch beyond `seq`, `EndResync` is refused as STALE (the snapshot is older than
   what the shard holds) and the node starts over, as it does on a GAP (a resync unknown or superseded).
 
-Layout (the per-entry cost adds each node's set of its hashes to the owner map's, directory/owners.py):
+Layout (each node keeps the set of its hashes, so a new incarnation, a resync or an expiry touches
+only that node's entries; these sets add to the per-entry bytes of the owner map):
 
     _map    : OwnerMap                             hash -> owner indexes and block versions (directory/owners.py)
     _nodes  : list[_Node | None]                   per node index: incarnation, address, seq, lease, entries
     _index  : dict[str, int]                       node id -> index; interned for the shard's lifetime
-
-Each node keeps the set of its hashes so a new incarnation, a resync or an expiry touches only that
-node's entries.
 
 Complexity: apply O(entries in the batch); locate O(hashes x owners); dropping or resyncing a node
 O(its entries); the set of dead nodes is recomputed only when a lease may have passed (O(nodes)).
@@ -40,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
 
 from cluster.directory.owners import MAX_VERSION_BYTES, OwnerMap
 from cluster.directory.report import Apply, BeginResync, EndResync, Heartbeat, Report, ResyncBatch
@@ -71,14 +70,12 @@ class _Node:
         self.digests: dict[int, bytes] = {}   # seq -> batch_digest, the last DIGESTS_KEPT applied
 
 
+@dataclass(slots=True)
 class _Resync:
-    __slots__ = ("incarnation", "resync_id", "staged", "versions")
-
-    def __init__(self, resync_id: int, incarnation: int) -> None:
-        self.resync_id = resync_id
-        self.incarnation = incarnation
-        self.staged: set[bytes] = set()
-        self.versions: dict[bytes, bytes] = {}
+    resync_id: int     # named by the node
+    incarnation: int
+    staged: set[bytes] = field(default_factory=set)
+    versions: dict[bytes, bytes] = field(default_factory=dict)
 
 
 class DirectoryShard:
@@ -89,9 +86,7 @@ class DirectoryShard:
             raise ValueError(f"shard {shard} is not in 0..{num_shards - 1}")
         if lease_s <= 0:
             raise ValueError(f"lease_s must be positive, got {lease_s}")
-        self.shard = shard
-        self.num_shards = num_shards
-        self.lease_s = lease_s
+        self.shard, self.num_shards, self.lease_s = shard, num_shards, lease_s
         self._nodes: list[_Node | None] = []
         self._ids: list[NodeId] = []
         self._map = OwnerMap(self._ids)
@@ -113,7 +108,7 @@ class DirectoryShard:
         if report.shard != self.shard:
             raise ValueError(f"a report for shard {report.shard} sent to shard {self.shard}")
         node_id, incarnation, body = report.node_id, report.incarnation, report.body
-        match body:
+        match body:   # one handler per operation; each answers by the module's rules
             case Apply():
                 return self._apply(node_id, incarnation, body, now)
             case Heartbeat():

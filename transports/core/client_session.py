@@ -1,6 +1,11 @@
 """The client's side of a pull connection, sans-I/O: submit PULLs, check each arriving block against its
 digest and queue every request's results (an `Outcome`) until its caller takes them.
 
+Results leave the session one way: through their request's `Outcome`. The calls that feed the
+session (`receive`, `end_of_stream`, `connection_lost`, `handle_timer`) return only the ids of the
+requests whose outcomes they changed, for the adapter to wake their callers; the payload bytes
+waiting in outcomes (`buffered`) are what an adapter's flow control weighs.
+
 The protocol both sides follow, the timers and the error rules are described in `transports.core.session`.
 """
 
@@ -41,12 +46,39 @@ __all__ = ["ClientSession", "Outcome"]
 @dataclass(slots=True)
 class Outcome:
     """What one client request has given and its caller has not taken yet: results in the order
-    asked (the caller pops them), whether it is done, and whether the server answered it at all
-    (anything but a PEER_GONE miss: a pooled connection that was already gone answers nothing)."""
+    asked (the caller `take`s them), whether it is done, whether the server answered it at all
+    (anything but a PEER_GONE miss: a pooled connection that was already gone answers nothing),
+    and the payload bytes of the hits waiting in `results`."""
 
     results: deque[PullResult] = field(default_factory=deque)
     done: bool = False
     answered: bool = False
+    num_bytes: int = 0
+
+    def put(self, results: list[PullResult], done: bool) -> None:
+        """Queue what the session made of the server's answers to this request."""
+        self.results.extend(results)
+        self.done = self.done or done
+        answered = self.answered
+        for r in results:
+            if isinstance(r, Hit):
+                self.num_bytes += len(r.payload)
+                answered = True
+            elif not answered and r.reason is not MissReason.PEER_GONE:
+                answered = True
+        self.answered = answered
+
+    def clear(self) -> None:
+        """Forget the results not taken (their caller gave up)."""
+        self.results.clear()
+        self.num_bytes = 0
+
+    def take(self) -> PullResult:
+        """The next result, in the order asked (the caller checks `results` is not empty)."""
+        r = self.results.popleft()
+        if isinstance(r, Hit):
+            self.num_bytes -= len(r.payload)
+        return r
 
 
 def _refusal(frame: Error) -> MissReason:
@@ -118,9 +150,14 @@ class ClientSession(SessionBase):
         return rid, [Pull(rid, tuple(addresses), namespace)]
 
     def outcome(self, request_id: int) -> Outcome:
-        """The results of a request submitted and not cancelled (see `Outcome`); every call that
-        returns results also queues them here, so an adapter keeps no copy of them."""
+        """The results of a request submitted and not cancelled (see `Outcome`): the only place
+        they are handed over, so an adapter keeps no copy of them."""
         return self.outcomes[request_id]
+
+    @property
+    def buffered(self) -> int:
+        """Payload bytes of hits queued in outcomes and not taken yet (a cancelled request's are gone)."""
+        return sum(outcome.num_bytes for outcome in self.outcomes.values())
 
     def cancel(self, request_id: int) -> None:
         """The caller is done with a request (it took its results, or gave up): its late frames
@@ -132,38 +169,36 @@ class ClientSession(SessionBase):
             self.decoder.detach_payload()
 
     # -- input
-    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[tuple[int, list[PullResult], bool]]:
-        """Bytes from the server: (request id, results, request done) per request touched."""
+    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[int]:
+        """Bytes from the server: the ids of the requests whose outcomes changed."""
         return self._guarded(lambda: self.decoder.feed(data), now)
 
-    def receive_frames(self, frames: list[Frame], now: float) -> list[tuple[int, list[PullResult], bool]]:
+    def receive_frames(self, frames: list[Frame], now: float) -> list[int]:
         """Frames an adapter decoded with `self.decoder`, after every read (see ServerSession)."""
         return self._guarded(lambda: frames, now)
 
-    def end_of_stream(self, now: float) -> list[tuple[int, list[PullResult], bool]]:
-        out = self._guarded(self._close_decoder, now)
-        return out + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
+    def end_of_stream(self, now: float) -> list[int]:
+        touched = self._guarded(self._close_decoder, now)
+        return touched + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
 
-    def _record(self, out: list[tuple[int, list[PullResult], bool]]) -> list[tuple[int, list[PullResult], bool]]:
-        """Queue what `out` holds in the requests' outcomes; `out` itself goes back to the adapter
-        (for its metrics and wake-ups)."""
+    def _record(self, out: list[tuple[int, list[PullResult], bool]]) -> list[int]:
+        """Queue what `out` holds (request id, results, request done) in the requests' outcomes;
+        the ids of those touched go back to the adapter (for its wake-ups)."""
         outcomes = self.outcomes
+        touched: dict[int, None] = {}   # in order, once each
         for rid, results, done in out:
             outcome = outcomes.get(rid)
             if outcome is None:
                 continue
-            outcome.results.extend(results)
-            outcome.done = outcome.done or done
-            if not outcome.answered:
-                outcome.answered = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
-        return out
+            outcome.put(results, done)
+            touched[rid] = None
+        return list(touched)
 
     def _close_decoder(self) -> list[Frame]:
         self.decoder.close()
         return []
 
-    def _guarded(self, decode: Callable[[], list[Frame]],
-                 now: float) -> list[tuple[int, list[PullResult], bool]]:
+    def _guarded(self, decode: Callable[[], list[Frame]], now: float) -> list[int]:
         if self.state is not State.OPEN:
             return []
         self.last_rx = now
@@ -231,8 +266,9 @@ class ClientSession(SessionBase):
             else:
                 raise ProtocolError(f"a server may not send {frame.TYPE.name} frames")
 
-    def connection_lost(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
-        """The connection is gone: every pending address becomes a miss for `reason`."""
+    def connection_lost(self, reason: MissReason) -> list[int]:
+        """The connection is gone: every pending address becomes a miss for `reason` (the ids of the
+        requests that got them)."""
         return self._record(self._lose(reason))
 
     def _lose(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
@@ -264,9 +300,9 @@ class ClientSession(SessionBase):
                      if d is not None]
         return min(deadlines, default=None)
 
-    def handle_timer(self, now: float) -> tuple[list[Frame], list[tuple[int, list[PullResult], bool]]]:
-        """(frames to send, results): a stalled server ends its requests in TIMEOUT misses; an idle
-        connection says BYE."""
+    def handle_timer(self, now: float) -> tuple[list[Frame], list[int]]:
+        """(frames to send, ids of the requests whose outcomes changed): a stalled server ends its
+        requests in TIMEOUT misses; an idle connection says BYE."""
         if self.state is not State.OPEN or self.paused_since is not None:
             return [], []
         deadline = self._frame_deadline()

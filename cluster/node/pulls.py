@@ -49,6 +49,8 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class PullOutcome:
+    """What a load's pulls did: counts for the node's metrics, and one sample per attempt on a peer."""
+
     num_bytes: int = 0
     num_failures: int = 0          # a peer that errored or timed out
     num_fallbacks: int = 0         # tries of a run (or its rest) on another owner than the one planned first

@@ -523,6 +523,9 @@ def test_the_client_session_keeps_each_requests_results_until_its_caller_takes_t
     assert [bytes(r.payload) for r in two.results if isinstance(r, Hit)] == [blocks[addr(1)].payload,
                                                                             blocks[addr(2)].payload]
     assert pair.client.buffered == one.num_bytes + two.num_bytes == 300   # hits' payload bytes not taken
+    tally = pair.client.take_tally()   # what an adapter counts in its metrics, once
+    assert (tally.num_hits, tally.num_bytes, tally.misses) == (3, 300, {MissReason.NOT_FOUND: 1})
+    assert pair.client.take_tally().num_hits == 0
     assert isinstance(one.take(), Hit)   # the caller takes what it reads
     assert len(pair.client.outcome(first).results) == 1 and pair.client.buffered == 200
     pair.client.cancel(first)

@@ -4,7 +4,8 @@ digest and queue every request's results (an `Outcome`) until its caller takes t
 Results leave the session one way: through their request's `Outcome`. The calls that feed the
 session (`receive`, `end_of_stream`, `connection_lost`, `handle_timer`) return only the ids of the
 requests whose outcomes they changed, for the adapter to wake their callers; the payload bytes
-waiting in outcomes (`buffered`) are what an adapter's flow control weighs.
+waiting in outcomes (`buffered`) are what an adapter's flow control weighs, and a `Tally` of what
+was queued is what it counts in its metrics.
 
 The protocol both sides follow, the timers and the error rules are described in `transports.core.session`.
 """
@@ -40,7 +41,17 @@ from transports.core.codec import (
 from transports.core.session_base import SessionBase, State
 from transports.core.tracker import MAX_ADDRESSES_PER_PULL, PullTracker
 
-__all__ = ["ClientSession", "Outcome"]
+__all__ = ["ClientSession", "Outcome", "Tally"]
+
+
+@dataclass(slots=True)
+class Tally:
+    """What a session queued in its requests' outcomes since its adapter last took the tally (for
+    the adapter's metrics): hits, their payload bytes, misses by reason."""
+
+    num_hits: int = 0
+    num_bytes: int = 0
+    misses: dict[MissReason, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -55,18 +66,24 @@ class Outcome:
     answered: bool = False
     num_bytes: int = 0
 
-    def put(self, results: list[PullResult], done: bool) -> None:
-        """Queue what the session made of the server's answers to this request."""
+    def put(self, results: list[PullResult], done: bool, tally: Tally) -> None:
+        """Queue what the session made of the server's answers to this request (counted in `tally`)."""
         self.results.extend(results)
         self.done = self.done or done
         answered = self.answered
+        num_hits = num_bytes = 0
         for r in results:
             if isinstance(r, Hit):
-                self.num_bytes += len(r.payload)
+                num_hits += 1
+                num_bytes += len(r.payload)
                 answered = True
-            elif not answered and r.reason is not MissReason.PEER_GONE:
-                answered = True
+            else:
+                tally.misses[r.reason] = tally.misses.get(r.reason, 0) + 1
+                answered = answered or r.reason is not MissReason.PEER_GONE
         self.answered = answered
+        self.num_bytes += num_bytes
+        tally.num_hits += num_hits
+        tally.num_bytes += num_bytes
 
     def clear(self) -> None:
         """Forget the results not taken (their caller gave up)."""
@@ -104,6 +121,7 @@ class ClientSession(SessionBase):
         self.last_rx = now
         self.paused_since: float | None = None
         self.num_digest_mismatches = 0
+        self.tally = Tally()
         self._init_session(decoder or FrameDecoder(max_payload=max_payload), now)
         self.decoder.payload_target = self._payload_target
         self.decoder.request_known = self._issued
@@ -154,6 +172,11 @@ class ClientSession(SessionBase):
         they are handed over, so an adapter keeps no copy of them."""
         return self.outcomes[request_id]
 
+    def take_tally(self) -> Tally:
+        """What was queued since the last call (see `Tally`)."""
+        tally, self.tally = self.tally, Tally()
+        return tally
+
     @property
     def buffered(self) -> int:
         """Payload bytes of hits queued in outcomes and not taken yet (a cancelled request's are gone)."""
@@ -190,7 +213,7 @@ class ClientSession(SessionBase):
             outcome = outcomes.get(rid)
             if outcome is None:
                 continue
-            outcome.put(results, done)
+            outcome.put(results, done, self.tally)
             touched[rid] = None
         return list(touched)
 

@@ -112,9 +112,15 @@ class ClientConnection:
         self._deliver(self.session.receive_frames(frames, self._loop.time()))
 
     def _deliver(self, touched: list[int]) -> None:
-        """Wake the callers of the requests whose outcomes the session changed; pause reading while
-        over RESULTS_HIGH bytes of results wait and no caller starves."""
-        transport = self.client.transport
+        """Count what the session queued, wake the callers of the requests whose outcomes it changed,
+        and pause reading while over RESULTS_HIGH bytes of results wait and no caller starves."""
+        metrics, transport = self.client.metrics, self.client.transport
+        tally = self.session.take_tally()
+        for reason, count in tally.misses.items():
+            metrics.child(metrics.pulls, transport, reason.value).inc(count)
+        if tally.num_hits:
+            metrics.child(metrics.pulls, transport, "hit").inc(tally.num_hits)
+            metrics.child(metrics.pull_bytes, transport).inc(tally.num_bytes)
         for rid in touched:
             req = self.requests.get(rid)
             if req is None:
@@ -222,7 +228,6 @@ class TlsTcpClient:
                     while True:
                         while results:
                             r = outcome.take()   # out of the window; `consumed` resumes below
-                            self.metrics.record(self.transport, r)
                             if (not isinstance(r, Hit) and i == 0 and attempt == 0 and reused
                                     and not outcome.answered and r.reason is MissReason.PEER_GONE):
                                 retry = True  # the pooled connection was gone before answering anything

@@ -14,7 +14,7 @@ whole range as fallbacks:
 Greedy longest run first is optimal for the number of requests: the run that reaches furthest from
 the current block can never be beaten by one that stops earlier (the classic interval-cover argument).
 Only a leading prefix is useful to an engine, so the plan stops at the first block nobody owns.
-Ties (equal run length and load) go by rendezvous hashing: BLAKE3(block hash ‖ node id), lowest
+Ties (equal run length) go by rendezvous hashing: BLAKE3(block hash ‖ node id), lowest
 first. So no node wins every tie by its name (a node called "0-…" would otherwise be asked first
 for everything), and the same block is still asked of the same owner every time.
 Complexity: O(blocks x owners per block).
@@ -27,15 +27,12 @@ that more independent producers hold (and owners that reported none), treats a t
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from types import MappingProxyType
 
 import blake3
 
 from fabric.provenance import VERSION_TAG_SIZE
-
-_NO_LOAD: Mapping[str, float] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,14 +49,14 @@ class PullRun:
         return self.end - self.start
 
 
-def plan_pulls(owners: Sequence[Sequence[str]], start: int, *, load: Mapping[str, float] = _NO_LOAD,
-               hashes: Sequence[bytes] | None = None) -> list[PullRun]:
+def plan_pulls(owners: Sequence[Sequence[str]], start: int, *, hashes: Sequence[bytes] | None = None
+               ) -> list[PullRun]:
     """Cover blocks `start..` with the fewest runs, stopping at the first block with no owner.
 
     `owners[i]` are the live owners of block i; blocks before `start` are held locally. At each step
-    the owner with the longest run from the current block wins; ties go to the lower `load`, then to
-    the rendezvous hash of the run's first block (`hashes[i]`; its index when no hashes are given)
-    with the node id. Alternates are ranked the same way.
+    the owner with the longest run from the current block wins; ties go to the rendezvous hash of
+    the run's first block (`hashes[i]`; its index when no hashes are given) with the node id.
+    Alternates are ranked the same way.
     """
     if start < 0:
         raise ValueError(f"start must be >= 0, got {start}")
@@ -69,7 +66,7 @@ def plan_pulls(owners: Sequence[Sequence[str]], start: int, *, load: Mapping[str
     while i < len(members) and members[i]:
         lengths = {node: _run_length(members, node, i) for node in members[i]}
         block = hashes[i] if hashes is not None else i.to_bytes(8, "little")
-        ranked = sorted(lengths, key=lambda n: (-lengths[n], load.get(n, 0.0), _rendezvous(block, n), n))
+        ranked = sorted(lengths, key=lambda n: (-lengths[n], _rendezvous(block, n), n))
         best = ranked[0]
         end = i + lengths[best]
         alternates = tuple(n for n in ranked[1:] if i + lengths[n] >= end)

@@ -1,8 +1,9 @@
 """Pulling the missing part of a prefix from peers: runs per owner, concurrently, with fallback.
 
-    hashes[start:]  ──directory──► owners per block ──plan_pulls──► runs [(node, start, end, alternates)]
+    LoadPlan (plan.py) ──► its runs [(node, start, end, alternates)], concurrently
     each run: pull every (block, layer) of the run from its node; a MISS, an error or a timeout moves
-    the blocks still incomplete to the next alternate; when none is left they stay missing.
+    the blocks still incomplete to the next alternate; when none is left, a next round plans the
+    rest over the owners not seen failing (plan_pulls); what is still missing then stays missing.
 
 For a layer-wise consumer a run is asked layer-major (layer 0 of every block first, so it can start
 early). Otherwise it is asked block-major: the run's slots in `out` ([blocks, layers, bytes]) are
@@ -31,29 +32,29 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from cluster.node.plan import LoadPlan
 from cluster.planner import PullRun, plan_pulls
-from fabric.keys import BlockAddress, BlockHash
-from fabric.provenance import Provenance, Rejection
-from transports.core.base import Hit, Peer, TransportClient
+from fabric.keys import BlockAddress
+from fabric.provenance import Rejection
+from transports.core.base import Hit, TransportClient
 from transports.core.certs import CertificateError
 from transports.core.codec import ProtocolError
-from transports.core.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
 class PullOutcome:
+    """What a load's pulls did: counts for the node's metrics, and one sample per attempt on a peer."""
+
     num_bytes: int = 0
-    num_misses: int = 0            # the directory named an owner, the owner answered MISS
     num_failures: int = 0          # a peer that errored or timed out
-    num_fallbacks: int = 0         # runs (or their rest) retried on an alternate owner
-    said_yes_owner_no: int = 0     # runs whose owner did not have what the directory said
+    num_fallbacks: int = 0         # tries of a run (or its rest) on another owner than the one planned first
+    said_yes_owner_no: int = 0     # runs whose owner answered MISS for what the directory said it held
     rejections: dict[Rejection, int] = field(default_factory=dict)   # payloads whose provenance failed
     samples: list[PullSample] = field(default_factory=list)   # one per attempt on a peer, for estimates
 
@@ -71,116 +72,44 @@ class PullSample:
     cut: bool = False
 
 
-@dataclass(slots=True)
-class Provenances:
-    """What a pull checks provenance against, and the record each pulled block keeps (for a mirror):
-    `records[b]` is the one record its layers were accepted under (None: none yet)."""
+async def pull_prefix(client: TransportClient, plan: LoadPlan, *, timeout_s: float, max_rounds: int = 3,
+                      outcome: PullOutcome | None = None) -> PullOutcome:
+    """Fill `plan.out[b]` for the plan's blocks `num_local..num_blocks` from their owners.
 
-    verifier: ProvenanceVerifier
-    namespace: bytes
-    records: list[Provenance | None]
-    tenants: frozenset[str] | None = None   # whose namespace it is: producers must be authorised for them
-    quarantined: frozenset[str] = frozenset()   # producers caught signing wrong KV: their records are refused
-    _seen: list[bool] = field(init=False)
-
-    def __post_init__(self) -> None:
-        self._seen = [False] * len(self.records)
-
-    def accept(self, b: int, record: Provenance | None) -> bool:
-        """Whether a layer of block b under `record` may join the block: its first record, or that one again."""
-        if not self._seen[b]:
-            self._seen[b] = True
-            self.records[b] = record
-            return True
-        return record is self.records[b] or record == self.records[b]
-
-    def forget(self, b: int) -> None:
-        """Block b starts over (its layers are pulled again, whole, from another owner)."""
-        self._seen[b] = False
-        self.records[b] = None
-
-
-@dataclass(slots=True)
-class LayerProgress:
-    """Which (block, layer) slots of a planned load are filled; lets a consumer wait per layer."""
-
-    num_blocks: int
-    num_layers: int
-    done: np.ndarray = field(init=False)
-    layer_ready: list[asyncio.Event] = field(init=False)
-    _missing: list[int] = field(init=False)   # per layer, blocks not yet filled: O(1) per fill
-
-    def __post_init__(self) -> None:
-        self.done = np.zeros((self.num_blocks, self.num_layers), dtype=bool)
-        self.layer_ready = [asyncio.Event() for _ in range(self.num_layers)]
-        self._missing = [self.num_blocks] * self.num_layers
-        if self.num_blocks == 0:   # nothing to wait for
-            for ready in self.layer_ready:
-                ready.set()
-
-    def fill(self, block: int, layer: int) -> None:
-        if self.done[block, layer]:
-            return
-        self.done[block, layer] = True
-        self._missing[layer] -= 1
-        if self._missing[layer] == 0:
-            self.layer_ready[layer].set()
-
-    def unfill_block(self, block: int) -> None:
-        """Every layer of `block` is missing again (a block-major pull re-pulls it whole)."""
-        for layer in range(self.num_layers):
-            if self.done[block, layer]:
-                self.done[block, layer] = False
-                self._missing[layer] += 1
-                self.layer_ready[layer].clear()
-
-    def complete_blocks(self) -> int:
-        """Length of the leading run of blocks filled in every layer."""
-        full = self.done.all(axis=1)
-        return self.num_blocks if full.all() else int(np.argmin(full))
-
-
-async def pull_prefix(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash],
-                      owners: Sequence[Sequence[str]], start: int, out: np.ndarray, digests: list[list[bytes]],
-                      progress: LayerProgress, sources: list[str], *, verifier: ProvenanceVerifier,
-                      namespace: bytes, provenance: list[Provenance | None], timeout_s: float,
-                      max_rounds: int = 3, layer_major: bool = True, outcome: PullOutcome | None = None,
-                      tenants: frozenset[str] | None = None, quarantined: frozenset[str] = frozenset()
-                      ) -> PullOutcome:
-    """Fill `out[b]` (uint8 [layers, bytes]) for blocks `start..len(out)` from their owners.
-
-    Each round plans runs over the owners not yet seen failing, from the first incomplete block,
-    and pulls them concurrently; a failed run's blocks are planned again over the others. Only
-    payloads whose provenance `verifier` accepts for `namespace` (by a producer authorised for
-    `tenants`, when given, and not `quarantined`) are filled; `provenance[b]` gets
-    the record block b was accepted under. `outcome` (made here when not given) collects counts and
-    one `PullSample` per attempt, also when the caller cancels the pull midway (its deadline).
+    The first round pulls the plan's runs concurrently, each falling back to its alternates; a
+    later round plans runs again over the owners not yet seen failing, from the first incomplete
+    block. Only payloads whose provenance `plan.checks` accepts are filled; `plan.provenance[b]`
+    gets the record block b was accepted under. `outcome` (made here when not given) collects
+    counts and one `PullSample` per attempt, also when the caller cancels the pull midway (its deadline).
     """
     outcome = outcome if outcome is not None else PullOutcome()
-    provs = Provenances(verifier, namespace, provenance, tenants, quarantined)
+    progress, owners, peers = plan.progress, plan.owners, plan.peers
     bad: set[str] = set()
-    for _ in range(max_rounds):
+    runs = plan.runs
+    for round_ in range(max_rounds):
         first = progress.complete_blocks()
         if first >= progress.num_blocks:
             break
-        usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
-                  for i in range(progress.num_blocks)]
-        runs = plan_pulls(usable, first, hashes=hashes)
+        if round_:   # some owner failed: plan what is left over the others
+            usable = [() if i < first else tuple(o for o in owners[i] if o not in bad and o in peers)
+                      for i in range(progress.num_blocks)]
+            runs = plan_pulls(usable, first, hashes=plan.hashes)
         if not runs:
             break
-        await asyncio.gather(*(_pull_run(client, peers, hashes, run, out, digests, progress, sources, outcome,
-                                         provs, bad, timeout_s, layer_major) for run in runs))
-        outcome.num_fallbacks += bool(bad)
+        await asyncio.gather(*(_pull_run(client, plan, run, outcome, bad, timeout_s, retry=round_ > 0)
+                               for run in runs))
     return outcome
 
 
-async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: Sequence[BlockHash], run: PullRun,
-                    out: np.ndarray, digests: list[list[bytes]], progress: LayerProgress, sources: list[str],
-                    outcome: PullOutcome, provs: Provenances, bad: set[str], timeout_s: float,
-                    layer_major: bool) -> None:
+async def _pull_run(client: TransportClient, plan: LoadPlan, run: PullRun, outcome: PullOutcome, bad: set[str],
+                    timeout_s: float, *, retry: bool) -> None:
+    """Pull `run` from its node, then from each alternate while blocks of it are missing. `retry`:
+    the run is a later round's (its blocks' first owner failed), so its every attempt is a fallback."""
+    out, digests, progress, sources, provs = plan.out, plan.digests, plan.progress, plan.sources, plan.checks
+    hashes, layer_major = plan.hashes, plan.layer_major
     num_layers, nbytes = out.shape[1], out.shape[2]
     for attempt, node_id in enumerate((run.node_id, *run.alternates)):
-        peer = peers.get(node_id)
+        peer = plan.peers.get(node_id)
         if layer_major:
             missing = [(b, layer) for layer in range(num_layers) for b in range(run.start, run.end)
                        if not progress.done[b, layer]]
@@ -192,12 +121,10 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
         # Every slot of the run still missing, block-major: they are `out[run.start:run.end]` in order.
         flat = out[run.start:run.end].reshape(-1) if not layer_major and \
             len(missing) == (run.end - run.start) * num_layers and out.flags.c_contiguous else None
-        if peer is None:
+        if peer is None or node_id in bad:
             continue
-        if attempt:
+        if attempt or retry:   # counted once per try on another owner than the blocks' first
             outcome.num_fallbacks += 1
-        if node_id in bad:
-            continue
         slot = {BlockAddress(hashes[b], layer): (b, layer) for b, layer in missing}
         got_miss = False
         refused: dict[Rejection, int] = {}   # this attempt's provenance rejections, by reason
@@ -270,5 +197,4 @@ async def _pull_run(client: TransportClient, peers: Mapping[str, Peer], hashes: 
                            node_id, run.start, run.end, ", ".join(f"{r.value}: {n}" for r, n in refused.items()))
         if got_miss:
             bad.add(node_id)
-            outcome.num_misses += 1
             outcome.said_yes_owner_no += 1

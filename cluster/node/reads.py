@@ -1,8 +1,9 @@
 """A node's read path: lookup and load of a run of block hashes, local blocks first, then pulls.
 
     hashes ──LocalFabric.local_tiers──► leading local run ──Locator.locate──► owners of the rest
-           ──plan_pulls──► runs per owner ──plan_by_deadline──► the runs expected to land in time
-           ──read local run + pull_prefix (node/pulls.py)──► verified leading run ──► LoadReply
+           ──plan_pulls──► runs per owner (a Placement) ──plan_by_deadline──► the runs expected to land
+           in time ──read local run──► a LoadPlan (node/plan.py)
+           ──pull_prefix (node/pulls.py)──► verified leading run ──► LoadReply
                                                         └──► mirror into this node's RAM (background)
                                                         └──► what each peer's pulls took ──► PeerEstimates
 
@@ -42,7 +43,8 @@ from cluster.events.publisher import KvEventPublisher
 from cluster.node.estimates import PeerEstimates, RunCost, plan_by_deadline
 from cluster.node.local import WHERE_OF_TIER, LocalFabric
 from cluster.node.metrics import ClusterMetrics
-from cluster.node.pulls import LayerProgress, PullOutcome, pull_prefix
+from cluster.node.plan import LoadPlan, Placement, new_plan
+from cluster.node.pulls import PullOutcome, pull_prefix
 from cluster.node.reply_buffers import ReplyBuffers
 from cluster.planner import PullRun, agreeing_owners, plan_pulls
 from fabric.config import Config
@@ -50,15 +52,13 @@ from fabric.keys import BlockHash, Namespace
 from fabric.layout import LayoutKind
 from fabric.priority import lower_thread_priority
 from fabric.provenance import Provenance, version_producer
-from fabric.tiers.base import Tier
 from transports.core.base import Peer, TransportClient
 from transports.core.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger(__name__)
 
-# What `_load` hands a layer stream once its plan is made: blocks planned, their progress, the
-# reply array they fill, each block's source and how many blocks the engine is to recompute (audit).
-Started = asyncio.Future[tuple[int, LayerProgress, np.ndarray, list[str], int]]
+# What `load` hands a layer stream once its plan is made: the plan, whose progress it waits on.
+Started = asyncio.Future[LoadPlan]
 
 
 class Locator(Protocol):
@@ -128,17 +128,16 @@ class NodeLoader:
 
     # ---- planning ----------------------------------------------------------------------------------
 
-    async def _plan(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
-                    ) -> tuple[list[BlockHash], list[Tier], list[Sequence[str]], list[PullRun], dict[str, Peer],
-                               set[str]]:
-        """(hashes, leading local tiers, owners per block of the version most producers hold, pull runs,
-        peers, producers the owners named). Owners of an outvoted version are never asked, even when the
+    async def _place(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
+                     ) -> Placement:
+        """Where `hashes` are: the leading local run, then owners per block of the version most producers
+        hold and the pull runs over them. Owners of an outvoted version are never asked, even when the
         winners cannot serve: the block is then a miss, as a disputed one is."""
         loop = asyncio.get_running_loop()
         tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
                                                          peek=peek))
         if not pulls or len(tiers) == len(hashes):
-            return hashes, tiers, [], [], {}, set()
+            return Placement(hashes, tiers, [], [], {}, frozenset())
         located = self._without_quarantined(await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id]))
         producers = {version_producer(v) for per_hash in located.versions for v in per_hash if v}
         vote = agreeing_owners(located.owners, located.versions, located.firsts)
@@ -153,7 +152,8 @@ class NodeLoader:
         peers = {n: Peer(a.name or f"node-{n[:16]}", a.host, a.port) for n, a in located.addresses.items()
                  if a.transport == self.transport}
         owners = [[o for o in per_block if o in peers] for per_block in owners]
-        return hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers, producers
+        return Placement(hashes, tiers, owners, plan_pulls(owners, len(tiers), hashes=hashes), peers,
+                         frozenset(producers))
 
     def _without_quarantined(self, located: Located) -> Located:
         """`located` less the owners whose version of a block names a quarantined producer."""
@@ -174,10 +174,10 @@ class NodeLoader:
         start = time.perf_counter()
         # A lookup is a peek: routers ask every node, and asking must not reorder eviction on the nodes
         # that do not serve the request. The load that follows is the access.
-        _, tiers, _, runs, _, _ = await self._plan(ns, hashes, peek=True)
+        placed = await self._place(ns, hashes, peek=True)
         fill = await asyncio.get_running_loop().run_in_executor(None, self.local.cache_fill, ns)
-        locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in tiers]
-        for run in runs:
+        locs = [BlockLocation(WHERE_OF_TIER[t], self.node_id) for t in placed.tiers]
+        for run in placed.runs:
             locs += [BlockLocation(Where.PEER, run.node_id)] * (run.end - run.start)
         self.metrics.lookups.inc()
         self.metrics.lookup_seconds.observe(time.perf_counter() - start)
@@ -217,45 +217,16 @@ class NodeLoader:
         mirror what was pulled (an audit's own load does not); `records`: filled with the pulled
         blocks' provenance records (None for local ones)."""
         t0 = time.perf_counter()
-        hashes, tiers, owners, runs, peers, producers = await self._plan(ns, hashes, pulls=pulls)
-        deadline = None
-        if runs:   # pull only the runs expected to land before the engine could compute them
-            take, deadline = plan_by_deadline(
-                [RunCost(r.node_id, r.num_blocks, r.num_blocks * ns.layout.bytes_per_block(ns.block_size),
-                         r.num_blocks * ns.block_size) for r in runs],
-                self.peer_estimates, self.local.prefill.of(ns.root), time.monotonic(), deadline_s)
-            self.metrics.skipped_blocks.inc(sum(r.num_blocks for r in runs[take:]))
-            runs = runs[:take]
-        planned = len(tiers) + sum(r.end - r.start for r in runs)
-        out = self._replies.take(payload_shape(ns, planned))
-        sources = [""] * planned
-        num_local = await self._read_local(hashes[:len(tiers)], out, sources)
-        if num_local < len(tiers):
-            runs, planned = [], num_local   # a local block failed its check: stop there
-        # Sampled: nothing is pulled; the engine computes the planned blocks and `audit` pulls them to compare.
-        audit_blocks = planned if sample and runs and self.sampler is not None and \
-            self.sampler.sample(ns, producers, hashes[:planned]) else 0
-        if audit_blocks:
-            self.metrics.audit_samples.inc()
-            runs, planned = [], num_local
-        progress = LayerProgress(planned, ns.layout.num_layers)
-        for b in range(min(num_local, planned)):
-            for layer in range(ns.layout.num_layers):
-                progress.fill(b, layer)
-        for run in runs:   # the plan; an alternate owner may replace the node
-            sources[run.start:run.end] = [f"peer:{run.node_id}"] * (run.end - run.start)
+        plan = await self._plan_load(ns, hashes, pulls, deadline_s, layer_major=started is not None, sample=sample)
+        num_local, planned, out, sources = plan.num_local, plan.num_blocks, plan.out, plan.sources
+        progress, digests, provenance = plan.progress, plan.digests, plan.provenance
         if started is not None:
-            started.set_result((planned, progress, out, sources, audit_blocks))
-        digests = [[b""] * ns.layout.num_layers for _ in range(planned)]
-        provenance: list[Provenance | None] = [None] * planned
-        outcome = PullOutcome() if runs else None
+            started.set_result(plan)
+        outcome = PullOutcome() if plan.runs else None
         if outcome is not None:
-            pull = pull_prefix(self.client, peers, hashes, owners, num_local, out, digests, progress, sources,
-                               verifier=self.verifier, namespace=ns.root, provenance=provenance,
-                               tenants=self.tenants_of(ns), quarantined=self.quarantined,
-                               timeout_s=self.config.cluster.pull_timeout_s, layer_major=started is not None,
-                               outcome=outcome)
+            pull = pull_prefix(self.client, plan, timeout_s=self.config.cluster.pull_timeout_s, outcome=outcome)
             # A layer stream has promised its blocks: it is planned by the same rule but never cut.
+            deadline = plan.pull_deadline_s
             if deadline is None or started is not None:
                 await pull
             else:
@@ -288,7 +259,43 @@ class NodeLoader:
         if records is not None:
             records[:] = provenance[:complete]
         return LoadReply(ns.block_size, payloads, tuple(sources[:complete]), pulled_bytes=pulled,
-                         audit_blocks=audit_blocks)
+                         audit_blocks=plan.audit_blocks)
+
+    async def _plan_load(self, ns: Namespace, hashes: list[BlockHash], pulls: bool, deadline_s: float | None, *,
+                         layer_major: bool, sample: bool) -> LoadPlan:
+        """The load's plan: the runs expected to land before the engine could compute their blocks,
+        the leading local run read into the reply buffer (it stops at a block that fails its
+        check, and then nothing is pulled), and nothing pulled when the load is sampled for audit."""
+        placed = await self._place(ns, hashes, pulls=pulls)
+        runs, deadline = placed.runs, None
+        if runs:   # pull only the runs expected to land before the engine could compute them
+            take, deadline = plan_by_deadline(self._costs(ns, runs), self.peer_estimates,
+                                              self.local.prefill.of(ns.root), time.monotonic(), deadline_s)
+            self.metrics.skipped_blocks.inc(sum(r.num_blocks for r in runs[take:]))
+            runs = runs[:take]
+        planned = placed.num_local + sum(r.num_blocks for r in runs)
+        out = self._replies.take(payload_shape(ns, planned))
+        sources = [""] * planned
+        num_local = await self._read_local(hashes[:placed.num_local], out, sources)
+        if num_local < placed.num_local:
+            runs, planned = [], num_local   # a local block failed its check: stop there
+        # Sampled: nothing is pulled; the engine computes the planned blocks and `audit` pulls them to compare.
+        audit_blocks = planned if sample and runs and self.sampler is not None and \
+            self.sampler.sample(ns, placed.producers, hashes[:planned]) else 0
+        if audit_blocks:
+            self.metrics.audit_samples.inc()
+            runs, planned = [], num_local
+        for run in runs:   # the plan; an alternate owner may replace the node
+            sources[run.start:run.end] = [f"peer:{run.node_id}"] * run.num_blocks
+        return new_plan(hashes, placed.owners, runs, placed.peers, out, num_blocks=planned, num_local=num_local,
+                        sources=sources, verifier=self.verifier, namespace=ns.root, tenants=self.tenants_of(ns),
+                        quarantined=self.quarantined, layer_major=layer_major, audit_blocks=audit_blocks,
+                        pull_deadline_s=deadline)
+
+    @staticmethod
+    def _costs(ns: Namespace, runs: Sequence[PullRun]) -> list[RunCost]:
+        return [RunCost(r.node_id, r.num_blocks, r.num_blocks * ns.layout.bytes_per_block(ns.block_size),
+                        r.num_blocks * ns.block_size) for r in runs]
 
     async def load_layers(self, ns: Namespace, hashes: list[BlockHash], tokens: Tokens | None,
                           deadline_s: float | None = None, *, sample: bool = False) -> AsyncIterator[Any]:
@@ -297,8 +304,9 @@ class NodeLoader:
         started: Started = asyncio.get_running_loop().create_future()
         task = asyncio.get_running_loop().create_task(self.load(ns, hashes, True, started, tokens, deadline_s,
                                                                 sample=sample))
-        planned, progress, out, sources, audit_blocks = await started
-        yield planned, tuple(sources[:planned]), audit_blocks
+        plan = await started
+        planned, progress, out = plan.num_blocks, plan.progress, plan.out
+        yield planned, tuple(plan.sources[:planned]), plan.audit_blocks
         for layer in range(ns.layout.num_layers):
             ready = asyncio.ensure_future(progress.layer_ready[layer].wait())
             await asyncio.wait({ready, task}, return_when=asyncio.FIRST_COMPLETED)

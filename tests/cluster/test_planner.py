@@ -15,13 +15,14 @@ def test_longest_run_wins_and_the_plan_continues_where_it_ends() -> None:
     assert plan_pulls(owners, 3) == [PullRun("B", 3, 9, ()), PullRun("C", 9, 11, ())]
 
 
-def test_alternates_own_the_whole_run_and_are_ranked_by_load_then_rendezvous() -> None:
-    owners = [["A", "B", "C", "D"], ["A", "B", "C", "D"], ["B", "C", "D"], ["B", "C", "D"], ["D"]]
-    plan = plan_pulls(owners, 0, load={"B": 3.0, "C": 1.0, "D": 0.0})
-    assert plan == [PullRun("D", 0, 5, ())]
-    plan = plan_pulls(owners[:4], 0, load={"B": 3.0, "C": 1.0, "D": 2.0})
-    assert plan == [PullRun("C", 0, 4, ("D", "B"))]                        # A stops at block 2: no alternate
-    tied = plan_pulls([["B", "A"], ["A", "B"]], 0, hashes=[b"x" * 32, b"y" * 32])   # equal load: rendezvous
+def test_alternates_own_the_whole_run_and_are_ranked_by_rendezvous() -> None:
+    owners = [["A", "B", "C", "D"], ["A", "B", "C", "D"], ["B", "C", "D"], ["B", "C", "D"]]
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    plan = plan_pulls(owners, 0, hashes=hashes)
+    assert len(plan) == 1 and (plan[0].start, plan[0].end) == (0, 4)
+    ranked = [plan[0].node_id, *plan[0].alternates]                        # A stops at block 2: no alternate
+    assert ranked == sorted("BCD", key=lambda n: blake3.blake3(hashes[0] + n.encode()).digest())
+    tied = plan_pulls([["B", "A"], ["A", "B"]], 0, hashes=[b"x" * 32, b"y" * 32])   # equal runs: rendezvous
     assert tied == plan_pulls([["A", "B"], ["B", "A"]], 0, hashes=[b"x" * 32, b"y" * 32])
     assert len(tied) == 1 and {tied[0].node_id, *tied[0].alternates} == {"A", "B"}
 

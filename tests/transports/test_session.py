@@ -50,6 +50,16 @@ def addr(i: int, layer: int = 0) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(i.to_bytes(4, "little")).digest()), layer)
 
 
+def taken(client: ClientSession, touched: list[int]) -> list[tuple[int, list[PullResult], bool]]:
+    """(request id, results, done) of each request `touched`, its results taken from its outcome
+    (the one way results leave a client session)."""
+    out = []
+    for rid in touched:
+        outcome = client.outcome(rid)
+        out.append((rid, [outcome.take() for _ in range(len(outcome.results))], outcome.done))
+    return out
+
+
 def wire(frames: list[Frame]) -> bytes:
     return b"".join(encode(f) for f in frames)
 
@@ -84,9 +94,10 @@ class Pair:
             while (batch := self.server.next_batch()) is not None:
                 rid, rest = batch
                 back += self.server.answer(rid, rest, [self.store.get(a) for a in rest], self.now)
-            for rid, results, done in self.client.receive(wire(back), self.now):
-                self.results.setdefault(rid, []).extend(results)
-                if done:
+            for rid in self.client.receive(wire(back), self.now):
+                outcome = self.client.outcome(rid)   # left there: a test may take them itself
+                self.results[rid] = list(outcome.results)
+                if outcome.done:
                     self.done.add(rid)
 
 
@@ -168,8 +179,8 @@ def test_a_corrupt_part_is_a_digest_mismatch_for_its_address_only() -> None:
     parts = [os.urandom(1000) for _ in asked]
     digests = [blake3.blake3(p).digest() for p in parts]
     digests[1] = blake3.blake3(b"something else").digest()   # the server lies about one part
-    out = client.receive(wire([Hello("server-1"), Blocks(rid, 0, b"".join(digests), (1000,) * 3, b"".join(parts))]),
-                         0.0)
+    out = taken(client, client.receive(
+        wire([Hello("server-1"), Blocks(rid, 0, b"".join(digests), (1000,) * 3, b"".join(parts))]), 0.0))
     flat = [r for _, res, _ in out for r in res]
     assert [type(r).__name__ for r in flat] == ["Hit", "Miss", "Hit"]
     assert flat[1].reason is MissReason.DIGEST_MISMATCH and flat[1].address == asked[1]
@@ -183,7 +194,7 @@ def test_blocks_out_of_turn_or_past_the_request_is_a_protocol_error(first: int, 
     rid, _ = client.submit([addr(1), addr(2)], 0.0)
     part = b"p" * 10
     frame = Blocks(rid, first, blake3.blake3(part).digest() * count, (10,) * count, part * count)
-    out = client.receive(wire([Hello("server-1"), frame]), 0.0)
+    out = taken(client, client.receive(wire([Hello("server-1"), frame]), 0.0))
     assert client.closing and client.error is not None and "BLOCKS" in str(client.error), why
     assert [[r.reason for r in res] for _, res, _ in out] == [[MissReason.PEER_ERROR] * 2]
 
@@ -203,7 +214,7 @@ def test_blocks_are_received_straight_into_the_callers_slots() -> None:
     """A NodeActor pulls into its reply array: each hit's payload is its slot (no copy), written by
     that address's answer and verified there."""
     client, _rid, slots, parts, data = placed_run(4, 5000)
-    out = client.receive(data, 0.0)
+    out = taken(client, client.receive(data, 0.0))
     hits = [r for _, res, _ in out for r in res]
     assert all(isinstance(h, Hit) for h in hits) and bytes(slots) == b"".join(parts)
     assert all(h.payload.obj is slots for h in hits if isinstance(h, Hit))
@@ -211,16 +222,16 @@ def test_blocks_are_received_straight_into_the_callers_slots() -> None:
 
 def test_a_lying_part_in_a_slot_is_a_miss_and_answered_slots_are_never_rewritten() -> None:
     client, rid, slots, parts, data = placed_run(3, 1000)
-    client.receive(data, 0.0)
+    taken(client, client.receive(data, 0.0))
     before = bytes(slots)
     # A second BLOCKS for addresses already answered: refused before any byte lands in their slots.
     again = Blocks(rid, 0, blake3.blake3(b"x" * 1000).digest() * 2, (1000, 1000), b"x" * 2000)
-    client.receive(encode(again), 0.0)
+    taken(client, client.receive(encode(again), 0.0))
     assert bytes(slots) == before and client.closing and "BLOCKS" in str(client.error)
     client, rid, slots, parts, _ = placed_run(2, 1000)
     lie = Blocks(rid, 0, blake3.blake3(parts[0]).digest() + blake3.blake3(b"other").digest(), (1000, 1000),
                  b"".join(parts))
-    out = client.receive(wire([Hello("server-1"), lie]), 0.0)
+    out = taken(client, client.receive(wire([Hello("server-1"), lie]), 0.0))
     kinds = [type(r).__name__ for _, res, _ in out for r in res]
     assert kinds == ["Hit", "Miss"]
 
@@ -244,7 +255,7 @@ def test_block_frames_are_received_straight_into_the_callers_slots() -> None:
     # Arbitrary splits: a frame's payload is received across several reads.
     data, hits = wire(frames), []
     for at in range(0, len(data), 70_001):
-        hits += [r for _, res, _ in client.receive(data[at:at + 70_001], 0.0) for r in res]
+        hits += [r for _, res, _ in taken(client, client.receive(data[at:at + 70_001], 0.0)) for r in res]
     assert all(isinstance(h, Hit) for h in hits) and bytes(slots) == b"".join(parts)
     assert [h.payload.obj is slots and h.payload.nbytes == size for h in hits if isinstance(h, Hit)] == [True] * 3
 
@@ -255,7 +266,7 @@ def test_a_corrupt_block_frame_in_a_slot_is_a_miss() -> None:
     client, rid, slots, parts = placed_blocks(2, size)
     lie = Block(rid, addr(0), blake3.blake3(b"other").digest(), parts[0])
     good = Block(rid, addr(1), blake3.blake3(parts[1]).digest(), parts[1])
-    out = client.receive(wire([Hello("server-1"), lie, good]), 0.0)
+    out = taken(client, client.receive(wire([Hello("server-1"), lie, good]), 0.0))
     results = [r for _, res, _ in out for r in res]
     assert [type(r).__name__ for r in results] == ["Miss", "Hit"]
     assert isinstance(results[0], Miss) and results[0].reason is MissReason.DIGEST_MISMATCH
@@ -277,7 +288,7 @@ def test_a_block_for_a_repeated_address_never_lands_in_an_answered_slot() -> Non
     frames: list[Frame] = [Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND),
                            Miss(rid, addr(2), MissReason.NOT_FOUND),
                            Block(rid, addr(1), blake3.blake3(payload).digest(), payload)]
-    results = [r for _, res, _ in client.receive(wire(frames), 0.0) for r in res]
+    results = [r for _, res, _ in taken(client, client.receive(wire(frames), 0.0)) for r in res]
     assert [type(r).__name__ for r in results] == ["Miss", "Miss", "Hit"]
     hit = results[2]
     assert isinstance(hit, Hit) and bytes(hit.payload) == payload
@@ -289,10 +300,10 @@ def test_a_block_for_a_repeated_address_never_lands_in_an_answered_slot() -> Non
     rid, _ = client.submit([addr(1), addr(1)], 0.0, into=memoryview(slots))
     data = wire([Hello("server-1"), Miss(rid, addr(1), MissReason.NOT_FOUND),
                  Block(rid, addr(1), blake3.blake3(payload).digest(), payload)])
-    first = [r for _, res, _ in client.receive(data[:-1000], 0.0) for r in res]
+    first = [r for _, res, _ in taken(client, client.receive(data[:-1000], 0.0)) for r in res]
     assert [type(r).__name__ for r in first] == ["Miss"]
     slots[:size] = b"!" * size
-    last = [r for _, res, _ in client.receive(data[-1000:], 0.0) for r in res]
+    last = [r for _, res, _ in taken(client, client.receive(data[-1000:], 0.0)) for r in res]
     assert len(last) == 1 and isinstance(last[0], Hit) and bytes(last[0].payload) == payload
 
 
@@ -307,7 +318,7 @@ def test_a_malformed_blocks_header_for_a_placed_request_is_a_protocol_error(head
     client.submit([addr(1)], 0.0, into=memoryview(slots))
     raw = msgpack.packb(header, use_bin_type=True)
     data = PREAMBLE.pack(MAGIC, VERSION, FrameType.BLOCKS, 0, len(raw), 10) + raw + b"x" * 10
-    out = client.receive(wire([Hello("server-1")]) + data, 0.0)
+    out = taken(client, client.receive(wire([Hello("server-1")]) + data, 0.0))
     assert client.closing and isinstance(client.error, ProtocolError) and bytes(slots) == bytes(10)
     assert [[r.reason for r in res] for _, res, _ in out] == [[MissReason.PEER_ERROR]]
 
@@ -317,10 +328,10 @@ def test_a_request_cancelled_mid_frame_stops_writing_into_its_slots() -> None:
     payload that was being received into them goes to a buffer of its own."""
     client, rid, slots, _parts, data = placed_run(2, 30_000)
     cut = len(data) - 20_000
-    assert client.receive(data[:cut], 0.0) == []
+    assert taken(client, client.receive(data[:cut], 0.0)) == []
     client.cancel(rid)
     slots[:] = b"!" * len(slots)            # the caller writes its slots again
-    client.receive(data[cut:], 0.0)
+    taken(client, client.receive(data[cut:], 0.0))
     assert bytes(slots) == b"!" * len(slots) and not client.closing
 
 
@@ -388,8 +399,8 @@ def test_idle_connections_close_client_first() -> None:
     pair.pull([addr(1)])
     pair.run()
     assert pair.client.next_deadline() == pytest.approx(15.0)   # half the server's idle timeout
-    frames, results = pair.client.handle_timer(15.0)
-    assert frames == [Bye("idle")] and not results and pair.client.closing
+    frames, touched = pair.client.handle_timer(15.0)
+    assert frames == [Bye("idle")] and not touched and pair.client.closing
     assert pair.server.next_deadline() == pytest.approx(30.0)
     assert pair.server.handle_timer(30.0) == [Bye("idle")] and pair.server.closing
 
@@ -397,13 +408,13 @@ def test_idle_connections_close_client_first() -> None:
 def test_a_stalled_server_ends_pending_requests_in_timeout_misses() -> None:
     client = ClientSession("client-1", "server-1", 0.0, frame_timeout_s=TIMEOUT_S)
     rid, _ = client.submit([addr(1), addr(2)], 0.0)
-    client.receive(encode(Hello("server-1")), 1.0)
+    taken(client, client.receive(encode(Hello("server-1")), 1.0))
     assert client.next_deadline() == pytest.approx(1.0 + TIMEOUT_S)
     client.pause(2.0)   # the caller is slow to take results: no stall meanwhile
     assert client.next_deadline() is None
     client.resume(7.0)
     assert client.next_deadline() == pytest.approx(6.0 + TIMEOUT_S)
-    _, results = client.handle_timer(16.0)
+    results = taken(client, client.handle_timer(16.0)[1])
     assert [(r, [m.reason for m in res if isinstance(m, Miss)], d) for r, res, d in results] == \
         [(rid, [MissReason.TIMEOUT] * 2, True)]
 
@@ -412,12 +423,12 @@ def test_lying_server_payload_is_a_digest_mismatch_miss_and_strangers_are_protoc
     client = ClientSession("client-1", "server-1", 0.0)
     rid, _ = client.submit([addr(1)], 0.0)
     lie = Block(rid, addr(1), blake3.blake3(b"truth").digest(), b"lie!!")
-    out = client.receive(wire([Hello("server-1"), lie]), 0.0)
+    out = taken(client, client.receive(wire([Hello("server-1"), lie]), 0.0))
     assert [(r, [m.reason for m in res if isinstance(m, Miss)]) for r, res, _ in out] == \
         [(rid, [MissReason.DIGEST_MISMATCH])]
     rid2, _ = client.submit([addr(2)], 0.0)
     stranger = Block(rid2, addr(3), blake3.blake3(b"x").digest(), b"x")   # never asked for
-    out = client.receive(encode(stranger), 0.0)
+    out = taken(client, client.receive(encode(stranger), 0.0))
     assert client.closing and client.error is not None
     assert [(r, [m.reason for m in res if isinstance(m, Miss)]) for r, res, _ in out if res] == \
         [(rid2, [MissReason.PEER_ERROR])]
@@ -427,8 +438,8 @@ def test_server_error_or_lost_connection_fails_only_what_is_pending() -> None:
     client = ClientSession("client-1", "server-1", 0.0)
     rid, _ = client.submit([addr(1), addr(2)], 0.0)
     hit = Stored(b"payload")
-    out = client.receive(wire([Hello("server-1"), Block(rid, addr(1), hit.digest, hit.payload),
-                               Error(0, ErrorCode.INTERNAL, "going away")]), 0.0)
+    out = taken(client, client.receive(wire([Hello("server-1"), Block(rid, addr(1), hit.digest, hit.payload),
+                               Error(0, ErrorCode.INTERNAL, "going away")]), 0.0))
     flat = [r for _, res, _ in out for r in res]
     assert isinstance(flat[0], Hit)
     assert isinstance(flat[1], Miss) and flat[1].reason is MissReason.PEER_ERROR and len(flat) == 2
@@ -511,11 +522,17 @@ def test_the_client_session_keeps_each_requests_results_until_its_caller_takes_t
     assert isinstance(one.results[1], Miss) and one.results[1].reason is MissReason.NOT_FOUND
     assert [bytes(r.payload) for r in two.results if isinstance(r, Hit)] == [blocks[addr(1)].payload,
                                                                             blocks[addr(2)].payload]
-    one.results.popleft()   # the caller takes what it reads
-    assert len(pair.client.outcome(first).results) == 1
+    assert pair.client.buffered == one.num_bytes + two.num_bytes == 300   # hits' payload bytes not taken
+    tally = pair.client.take_tally()   # what an adapter counts in its metrics, once
+    assert (tally.num_hits, tally.num_bytes, tally.misses) == (3, 300, {MissReason.NOT_FOUND: 1})
+    assert pair.client.take_tally().num_hits == 0
+    assert isinstance(one.take(), Hit)   # the caller takes what it reads
+    assert len(pair.client.outcome(first).results) == 1 and pair.client.buffered == 200
     pair.client.cancel(first)
     with pytest.raises(KeyError):
         pair.client.outcome(first)
+    pair.client.cancel(second)   # a caller that gives up leaves no bytes counted
+    assert pair.client.buffered == 0
 
 
 def test_a_request_lost_with_its_connection_was_never_answered() -> None:
@@ -625,7 +642,7 @@ def test_a_block_for_a_request_never_sent_is_refused_before_its_record_is_decode
     record = sign_block(b"n" * 32, addr(1).hash, [blake3.blake3(part).digest()], "node-a", b"C" * 4000,
                         lambda m: b"s" * 64)
     stray = Block(rid + 7, addr(1), blake3.blake3(part).digest(), part, record)
-    out = client.receive(wire([Hello("server-1"), stray]), 0.0)
+    out = taken(client, client.receive(wire([Hello("server-1"), stray]), 0.0))
     assert client.closing and client.error is not None and "never sent" in str(client.error)
     assert client.decoder.held_record_bytes == 0   # its record was never decoded, nor kept
     assert [[r.reason for r in res] for _, res, _ in out] == [[MissReason.PEER_ERROR]]

@@ -779,7 +779,7 @@ def test_slow_consumer_bounds_client_memory(cert_dir: Path, memory_source: Memor
                 if len(results) == 1:
                     await asyncio.sleep(0.3)  # the caller is busy; the connection must stop reading
                     (conn,) = client._pool.values()
-                    assert conn.buffered <= (1 << 20) + READ_BUDGET + 256 * 1024
+                    assert conn.session.buffered <= (1 << 20) + READ_BUDGET + 256 * 1024
             assert_hits(results, source, source.addresses)
 
     run(main())

@@ -1,6 +1,12 @@
 """The client's side of a pull connection, sans-I/O: submit PULLs, check each arriving block against its
 digest and queue every request's results (an `Outcome`) until its caller takes them.
 
+Results leave the session one way: through their request's `Outcome`. The calls that feed the
+session (`receive`, `end_of_stream`, `connection_lost`, `handle_timer`) return only the ids of the
+requests whose outcomes they changed, for the adapter to wake their callers; the payload bytes
+waiting in outcomes (`buffered`) are what an adapter's flow control weighs, and a `Tally` of what
+was queued is what it counts in its metrics.
+
 The protocol both sides follow, the timers and the error rules are described in `transports.core.session`.
 """
 
@@ -35,18 +41,61 @@ from transports.core.codec import (
 from transports.core.session_base import SessionBase, State
 from transports.core.tracker import MAX_ADDRESSES_PER_PULL, PullTracker
 
-__all__ = ["ClientSession", "Outcome"]
+__all__ = ["ClientSession", "Outcome", "Tally"]
+
+
+@dataclass(slots=True)
+class Tally:
+    """What a session queued in its requests' outcomes since its adapter last took the tally (for
+    the adapter's metrics): hits, their payload bytes, misses by reason."""
+
+    num_hits: int = 0
+    num_bytes: int = 0
+    misses: dict[MissReason, int] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
 class Outcome:
     """What one client request has given and its caller has not taken yet: results in the order
-    asked (the caller pops them), whether it is done, and whether the server answered it at all
-    (anything but a PEER_GONE miss: a pooled connection that was already gone answers nothing)."""
+    asked (the caller `take`s them), whether it is done, whether the server answered it at all
+    (anything but a PEER_GONE miss: a pooled connection that was already gone answers nothing),
+    and the payload bytes of the hits waiting in `results`."""
 
     results: deque[PullResult] = field(default_factory=deque)
     done: bool = False
     answered: bool = False
+    num_bytes: int = 0
+
+    def put(self, results: list[PullResult], done: bool, tally: Tally) -> None:
+        """Queue what the session made of the server's answers to this request (counted in `tally`)."""
+        self.results.extend(results)
+        self.done = self.done or done
+        answered = self.answered
+        num_hits = num_bytes = 0
+        for r in results:
+            if isinstance(r, Hit):
+                num_hits += 1
+                num_bytes += len(r.payload)
+                answered = True
+            else:
+                tally.misses[r.reason] = tally.misses.get(r.reason, 0) + 1
+                answered = answered or r.reason is not MissReason.PEER_GONE
+        self.answered = answered
+        self.num_bytes += num_bytes
+        tally.num_hits += num_hits
+        tally.num_bytes += num_bytes
+
+    def clear(self) -> None:
+        """Forget the results not taken (their caller gave up)."""
+        self.results.clear()
+        self.num_bytes = 0
+
+    def take(self) -> PullResult:
+        """The next result, in the order asked (the caller checks `results` is not empty)."""
+        r = self.results.popleft()
+        if isinstance(r, Hit):
+            self.num_bytes -= len(r.payload)
+        return r
 
 
 def _refusal(frame: Error) -> MissReason:
@@ -72,6 +121,7 @@ class ClientSession(SessionBase):
         self.last_rx = now
         self.paused_since: float | None = None
         self.num_digest_mismatches = 0
+        self.tally = Tally()
         self._init_session(decoder or FrameDecoder(max_payload=max_payload), now)
         self.decoder.payload_target = self._payload_target
         self.decoder.request_known = self._issued
@@ -118,9 +168,19 @@ class ClientSession(SessionBase):
         return rid, [Pull(rid, tuple(addresses), namespace)]
 
     def outcome(self, request_id: int) -> Outcome:
-        """The results of a request submitted and not cancelled (see `Outcome`); every call that
-        returns results also queues them here, so an adapter keeps no copy of them."""
+        """The results of a request submitted and not cancelled (see `Outcome`): the only place
+        they are handed over, so an adapter keeps no copy of them."""
         return self.outcomes[request_id]
+
+    def take_tally(self) -> Tally:
+        """What was queued since the last call (see `Tally`)."""
+        tally, self.tally = self.tally, Tally()
+        return tally
+
+    @property
+    def buffered(self) -> int:
+        """Payload bytes of hits queued in outcomes and not taken yet (a cancelled request's are gone)."""
+        return sum(outcome.num_bytes for outcome in self.outcomes.values())
 
     def cancel(self, request_id: int) -> None:
         """The caller is done with a request (it took its results, or gave up): its late frames
@@ -132,38 +192,36 @@ class ClientSession(SessionBase):
             self.decoder.detach_payload()
 
     # -- input
-    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[tuple[int, list[PullResult], bool]]:
-        """Bytes from the server: (request id, results, request done) per request touched."""
+    def receive(self, data: bytes | bytearray | memoryview, now: float) -> list[int]:
+        """Bytes from the server: the ids of the requests whose outcomes changed."""
         return self._guarded(lambda: self.decoder.feed(data), now)
 
-    def receive_frames(self, frames: list[Frame], now: float) -> list[tuple[int, list[PullResult], bool]]:
+    def receive_frames(self, frames: list[Frame], now: float) -> list[int]:
         """Frames an adapter decoded with `self.decoder`, after every read (see ServerSession)."""
         return self._guarded(lambda: frames, now)
 
-    def end_of_stream(self, now: float) -> list[tuple[int, list[PullResult], bool]]:
-        out = self._guarded(self._close_decoder, now)
-        return out + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
+    def end_of_stream(self, now: float) -> list[int]:
+        touched = self._guarded(self._close_decoder, now)
+        return touched + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
 
-    def _record(self, out: list[tuple[int, list[PullResult], bool]]) -> list[tuple[int, list[PullResult], bool]]:
-        """Queue what `out` holds in the requests' outcomes; `out` itself goes back to the adapter
-        (for its metrics and wake-ups)."""
+    def _record(self, out: list[tuple[int, list[PullResult], bool]]) -> list[int]:
+        """Queue what `out` holds (request id, results, request done) in the requests' outcomes;
+        the ids of those touched go back to the adapter (for its wake-ups)."""
         outcomes = self.outcomes
+        touched: dict[int, None] = {}   # in order, once each
         for rid, results, done in out:
             outcome = outcomes.get(rid)
             if outcome is None:
                 continue
-            outcome.results.extend(results)
-            outcome.done = outcome.done or done
-            if not outcome.answered:
-                outcome.answered = any(isinstance(r, Hit) or r.reason is not MissReason.PEER_GONE for r in results)
-        return out
+            outcome.put(results, done, self.tally)
+            touched[rid] = None
+        return list(touched)
 
     def _close_decoder(self) -> list[Frame]:
         self.decoder.close()
         return []
 
-    def _guarded(self, decode: Callable[[], list[Frame]],
-                 now: float) -> list[tuple[int, list[PullResult], bool]]:
+    def _guarded(self, decode: Callable[[], list[Frame]], now: float) -> list[int]:
         if self.state is not State.OPEN:
             return []
         self.last_rx = now
@@ -231,8 +289,9 @@ class ClientSession(SessionBase):
             else:
                 raise ProtocolError(f"a server may not send {frame.TYPE.name} frames")
 
-    def connection_lost(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
-        """The connection is gone: every pending address becomes a miss for `reason`."""
+    def connection_lost(self, reason: MissReason) -> list[int]:
+        """The connection is gone: every pending address becomes a miss for `reason` (the ids of the
+        requests that got them)."""
         return self._record(self._lose(reason))
 
     def _lose(self, reason: MissReason) -> list[tuple[int, list[PullResult], bool]]:
@@ -264,9 +323,9 @@ class ClientSession(SessionBase):
                      if d is not None]
         return min(deadlines, default=None)
 
-    def handle_timer(self, now: float) -> tuple[list[Frame], list[tuple[int, list[PullResult], bool]]]:
-        """(frames to send, results): a stalled server ends its requests in TIMEOUT misses; an idle
-        connection says BYE."""
+    def handle_timer(self, now: float) -> tuple[list[Frame], list[int]]:
+        """(frames to send, ids of the requests whose outcomes changed): a stalled server ends its
+        requests in TIMEOUT misses; an idle connection says BYE."""
         if self.state is not State.OPEN or self.paused_since is not None:
             return [], []
         deadline = self._frame_deadline()

@@ -4,7 +4,7 @@ misses.
 
     pull(): HELLO + PULL + FIN ──► server  (at most MAX_ADDRESSES_PER_STREAM addresses per stream;
                                            HELLO carries this client's payload limit)
-            ◄── BLOCK | MISS … END + FIN   session.receive() → Hit / Miss per address, in order
+            ◄── BLOCK | MISS … END + FIN   session.receive() → its Outcome: Hit / Miss per address, in order
 
 Mutual TLS: aioquic checks the server's certificate against the cluster CA with the dialled node
 as server name; session tickets are kept per peer node and offered on reconnect. A pull with no
@@ -290,7 +290,7 @@ class QuicTransportClient:
                         stale = True
                         break
                     while outcome.results:
-                        yield outcome.results.popleft()
+                        yield outcome.take()
                     if outcome.done:
                         if pull.session.close_reason is MissReason.TIMEOUT and \
                                 conn._loop.time() - conn.last_received >= self.frame_timeout_s:

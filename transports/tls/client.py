@@ -75,7 +75,6 @@ class ClientConnection:
                                      frame_timeout_s=client.frame_timeout_s, idle_timeout_s=client.idle_timeout_s,
                                      decoder=decoder)
         self.requests: dict[int, _Request] = {}
-        self.buffered = 0
         self.paused = False   # reading paused: over RESULTS_HIGH bytes of results wait for callers
         self.timer = DeadlineTimer(self._expire)
 
@@ -95,16 +94,15 @@ class ClientConnection:
 
     def abandon(self, req: _Request) -> None:
         """The caller stopped iterating: drop further results (the frames are still read)."""
-        self.session.cancel(req.request_id)
+        self.session.cancel(req.request_id)   # its results no longer count in `session.buffered`
         self.requests.pop(req.request_id, None)
-        results = req.outcome.results
-        self.consumed(sum(len(r.payload) for r in results if isinstance(r, Hit)))
-        results.clear()
+        req.outcome.clear()
+        self.consumed()
 
-    def consumed(self, nbytes: int, *, starving: bool = False) -> None:
-        """`starving`: a caller waits with nothing to read: resume even over RESULTS_HIGH (else deadlock)."""
-        self.buffered -= nbytes
-        if self.paused and (starving or self.buffered <= RESULTS_HIGH // 2) and not self.link.closed:
+    def consumed(self, *, starving: bool = False) -> None:
+        """Results were taken: resume reading once `session.buffered` is down to half of RESULTS_HIGH.
+        `starving`: a caller waits with nothing to read: resume even over RESULTS_HIGH (else deadlock)."""
+        if self.paused and (starving or self.session.buffered <= RESULTS_HIGH // 2) and not self.link.closed:
             self.paused = False
             self.session.resume(self._loop.time())
             self.link.resume_reading()
@@ -113,32 +111,28 @@ class ClientConnection:
     def on_frames(self, frames: list[Frame]) -> None:
         self._deliver(self.session.receive_frames(frames, self._loop.time()))
 
-    def _deliver(self, out: list[tuple[int, list[PullResult], bool]]) -> None:
-        """Count what the session queued for its requests and wake their callers."""
-        hits = num_bytes = 0
+    def _deliver(self, touched: list[int]) -> None:
+        """Count what the session queued, wake the callers of the requests whose outcomes it changed,
+        and pause reading while over RESULTS_HIGH bytes of results wait and no caller starves."""
         metrics, transport = self.client.metrics, self.client.transport
-        for rid, results, done in out:
+        tally = self.session.take_tally()
+        for reason, count in tally.misses.items():
+            metrics.child(metrics.pulls, transport, reason.value).inc(count)
+        if tally.num_hits:
+            metrics.child(metrics.pulls, transport, "hit").inc(tally.num_hits)
+            metrics.child(metrics.pull_bytes, transport).inc(tally.num_bytes)
+        for rid in touched:
             req = self.requests.get(rid)
-            for r in results:
-                if isinstance(r, Hit):
-                    hits += 1
-                    num_bytes += len(r.payload)
-                else:
-                    metrics.child(metrics.pulls, transport, r.reason.value).inc()
             if req is None:
                 continue
-            if done:
+            if req.outcome.done:
                 del self.requests[rid]
             req.wakeup.set()
-        if hits:
-            metrics.child(metrics.pulls, transport, "hit").inc(hits)
-            metrics.child(metrics.pull_bytes, transport).inc(num_bytes)
-            self.buffered += num_bytes
-            if self.buffered > RESULTS_HIGH and not any(
-                    r.waiting and not r.outcome.results for r in self.requests.values()):
-                self.paused = True
-                self.session.pause(self._loop.time())
-                self.link.pause_reading()
+        if touched and not self.paused and self.session.buffered > RESULTS_HIGH and not any(
+                r.waiting and not r.outcome.results for r in self.requests.values()):
+            self.paused = True
+            self.session.pause(self._loop.time())
+            self.link.pause_reading()
         self.timer.at_most(self.session.next_deadline())
         if self.session.closing:
             self.client._forget(self)
@@ -159,12 +153,12 @@ class ClientConnection:
         deadline = self.session.next_deadline()
         if deadline is None or now < deadline:
             return deadline
-        frames, results = self.session.handle_timer(now)
+        frames, touched = self.session.handle_timer(now)
         if self.session.closing:
             self.client._forget(self)   # before BYE, so that no new pull picks this connection
         for frame in frames:
             self.link.send(frame)
-        self._deliver(results)
+        self._deliver(touched)
         if self.session.closing:
             self.link.close_after_flush(self.session.close_reason, "idle" if frames else "server stalled")
         return self.session.next_deadline()
@@ -233,20 +227,18 @@ class TlsTcpClient:
                     results = outcome.results
                     while True:
                         while results:
-                            r = results.popleft()
-                            if isinstance(r, Hit):
-                                conn.buffered -= len(r.payload)   # out of the window; `consumed` resumes below
-                            elif (i == 0 and attempt == 0 and reused and not outcome.answered
-                                  and r.reason is MissReason.PEER_GONE):
+                            r = outcome.take()   # out of the window; `consumed` resumes below
+                            if (not isinstance(r, Hit) and i == 0 and attempt == 0 and reused
+                                    and not outcome.answered and r.reason is MissReason.PEER_GONE):
                                 retry = True  # the pooled connection was gone before answering anything
                                 break
                             yield r
-                        conn.consumed(0)
+                        conn.consumed()
                         if retry or (outcome.done and not results):
                             break
                         req.wakeup.clear()
                         req.waiting = True
-                        conn.consumed(0, starving=True)
+                        conn.consumed(starving=True)
                         await req.wakeup.wait()
                         req.waiting = False
                     if retry:

@@ -1,9 +1,9 @@
 """The puller over real TLS-TCP and real stores: only payloads their producer signed are accepted.
 
 Nodes here are real Stores served by real TLS-TCP servers with certificates of one cluster CA;
-the puller is `pull_prefix` as the NodeActor runs it. A liar holds a valid node certificate and
-serves its own bytes with digests that match them, so every transport check passes: only
-provenance can tell its bytes from the producer's.
+the puller is `pull_prefix` as the NodeActor runs it, on a `LoadPlan` made as the NodeLoader makes
+it. A liar holds a valid node certificate and serves its own bytes with digests that match them,
+so every transport check passes: only provenance can tell its bytes from the producer's.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from cryptography import x509
 
 from cluster.api import payload_shape
 from cluster.node.local import LocalFabric
-from cluster.node.pulls import LayerProgress, PullOutcome, pull_prefix
+from cluster.node.plan import new_plan
+from cluster.node.pulls import PullOutcome, pull_prefix
 from cluster.planner import plan_pulls
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
@@ -114,19 +115,17 @@ async def _pull(cert_dir: Path, nodes: list[Node], owners: list[list[str]], trus
     tls = TlsTcpClient(_creds(cert_dir, "node-puller"))
     client: TlsTcpClient | _UnnamedPulls = tls if name_namespace else _UnnamedPulls(tls)
     out = np.zeros(payload_shape(NS, NUM_BLOCKS), dtype=np.uint8)
-    digests = [[b""] * LAYOUT.num_layers for _ in range(NUM_BLOCKS)]
-    provenance: list[Provenance | None] = [None] * NUM_BLOCKS
-    progress = LayerProgress(NUM_BLOCKS, LAYOUT.num_layers)
+    # the plan as the NodeLoader makes it: the directory's owners, and the runs plan_pulls makes of them
+    plan = new_plan(HASHES, owners, plan_pulls(owners, 0, hashes=HASHES), peers, out, num_blocks=NUM_BLOCKS,
+                    num_local=0, sources=[""] * NUM_BLOCKS, verifier=ProvenanceVerifier(trust), namespace=NS.root,
+                    tenants=tenants, layer_major=layer_major)
     try:
-        outcome = await pull_prefix(client, peers, HASHES, owners, 0, out, digests, progress, [""] * NUM_BLOCKS,
-                                    verifier=ProvenanceVerifier(trust), namespace=NS.root,
-                                    provenance=provenance, timeout_s=10.0, layer_major=layer_major,
-                                    tenants=tenants)
+        outcome = await pull_prefix(client, plan, timeout_s=10.0)
     finally:
         await client.close()
         for server in servers.values():
             await server.close()
-    return out, progress.complete_blocks(), provenance, outcome
+    return out, plan.progress.complete_blocks(), plan.provenance, outcome
 
 
 def _liar_first() -> str:
@@ -302,3 +301,15 @@ def test_a_producer_restricted_to_another_tenant_is_refused_for_this_namespace(c
     out, complete, _, outcome = asyncio.run(_pull(cert_dir, [producer], [["node-acme"]] * NUM_BLOCKS, trust,
                                                   tenants=frozenset({"acme"})))
     assert complete == NUM_BLOCKS and np.array_equal(out, truth) and not outcome.rejections
+
+
+def test_a_run_retried_once_on_its_alternate_counts_one_fallback(cert_dir: Path, open_node) -> None:
+    # the first owner holds nothing (it answers MISS); its alternate serves the whole run
+    honest, empty = open_node("node-honest"), open_node(_liar_first())
+    truth = _random_payloads(6)
+    honest.fabric.write_blocks(NS, HASHES, truth, signer=_signer(cert_dir, "node-honest"))
+    trust = TrustAnchor.from_files(cert_dir / "ca.pem")
+    out, complete, _, outcome = asyncio.run(
+        _pull(cert_dir, [empty, honest], [[empty.name, "node-honest"]] * NUM_BLOCKS, trust))
+    assert complete == NUM_BLOCKS and np.array_equal(out, truth)
+    assert outcome.said_yes_owner_no == 1 and outcome.num_fallbacks == 1

@@ -6,12 +6,17 @@ must load and store.
                 ──update_state_after_alloc────► a load is owed: blocks [local hit, hit) into its pages
     each step   ──build_connector_meta────────► LoadSpecs owed + SaveSpecs for prompt blocks that
                                                  become full this step (chunked prefill: as they do)
+    each output ──update_connector_output─────► loads the node sampled for audit (the workers loaded
+                                                 nothing of them; vLLM recomputes them): once recomputed,
+                                                 an AuditSpec has the workers hand their pages to the audit
     finish      ──request_finished────────────► blocks kept until the workers' stores are acknowledged
 
 Per request it keeps the prompt, its namespace (cache_salt / LoRA as an extra key), its vLLM pages
 and how many leading prompt blocks the fabric has (or is being sent). Loads are synchronous: the
 worker streams them layer by layer during the step's forward pass (layer 0 first). A lookup is a
-hint: whatever the workers cannot load is reported back to vLLM as failed blocks and recomputed.
+hint: whatever the workers cannot load is reported back to vLLM as failed blocks and recomputed;
+vLLM then rewinds the request to the first of them, and the blocks the failed step stored nothing
+of (worker.py) are stored again from the recompute.
 
 `kv_transfer_params={"kvfabric": {"load": false, "store": false}}` on a request's sampling params
 turns either direction off for that request (a recompute baseline on the same engine).
@@ -28,13 +33,14 @@ import ray
 
 from cluster.api import EventKeys
 from cluster.client import FabricClient, FabricTimeoutError
-from cluster.engines.vllm.metadata import KVFabricMetadata, LoadSpec, SaveSpec
+from cluster.engines.vllm.metadata import AuditSpec, KVFabricMetadata, KVFabricWorkerMetadata, LoadSpec, SaveSpec
 from cluster.engines.vllm.namespace import request_namespace
 from cluster.tenancy import TenantRefusedError
 from fabric.keys import Namespace
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = logging.getLogger(__name__)
@@ -53,6 +59,10 @@ class _Request:
     extra_keys: tuple[tuple[Any, ...] | None, ...] = ()   # vLLM's extra hash keys per full prompt block
     lora_name: str | None = None
     owed_load: tuple[int, int] | None = None   # (first block, tokens to load up to) for the next step
+    load_first: int = 0                # the last load sent to the workers: blocks load_first ..
+    loaded_blocks: int = 0             # .. loaded_blocks
+    audit: tuple[int, int] | None = None       # a sampled load: (its first block, blocks to audit)
+    recomputed: bool = False           # vLLM rewound to the sampled load's first block since
 
 
 def event_extra_keys(request: Request, block_size: int) -> tuple[tuple[Any, ...] | None, ...]:
@@ -147,12 +157,29 @@ class SchedulerSide:
             if state is None:
                 continue
             blocks = cached.new_block_ids[i]
-            if req_id in cached.resumed_req_ids:     # preempted and back: a fresh set of pages
+            resumed = req_id in cached.resumed_req_ids
+            if resumed:     # preempted and back: a fresh set of pages (a sampled load's are gone)
                 state.block_ids = list(blocks[0]) if blocks is not None else []
+                state.audit = None
             elif blocks is not None:
                 state.block_ids.extend(blocks[0])
-            self._step(req_id, state, cached.num_computed_tokens[i], out.num_scheduled_tokens[req_id], meta)
+            num_computed = cached.num_computed_tokens[i]
+            if not resumed and num_computed < state.num_saved_blocks * self.block_size:
+                # vLLM rewound the request to recompute blocks a load did not deliver (failed or sampled);
+                # the step that tried stored nothing of it (worker.py): store its new blocks again.
+                state.num_saved_blocks = max(num_computed // self.block_size, state.loaded_blocks)
+            self._step(req_id, state, num_computed, out.num_scheduled_tokens[req_id], meta)
         return meta
+
+    def update_output(self, output: KVConnectorOutput) -> None:
+        """The workers' report of a step: loads the node sampled for audit."""
+        worker = output.kv_connector_worker_meta
+        if not isinstance(worker, KVFabricWorkerMetadata):
+            return
+        for req_id, num_blocks in worker.sampled.items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                state.audit, state.recomputed = (state.load_first, num_blocks), False
 
     def _step(self, req_id: str, state: _Request, num_computed: int, num_scheduled: int,
               meta: KVFabricMetadata) -> None:
@@ -160,8 +187,11 @@ class SchedulerSide:
         if state.owed_load is not None:
             first, end = state.owed_load
             state.owed_load = None
+            state.load_first, state.loaded_blocks = first, end // bs
             meta.loads.append(LoadSpec(req_id, state.ns, state.prompt[:end], first,
                                        tuple(state.block_ids[first:end // bs])))
+        if state.audit is not None:
+            self._audit(req_id, state, num_computed, num_scheduled, meta)
         num_prompt = len(state.prompt)
         meta.prefill_tokens += max(0, min(num_computed + num_scheduled, num_prompt) - num_computed)
         full = min(num_computed + num_scheduled, num_prompt) // bs
@@ -173,6 +203,22 @@ class SchedulerSide:
                                        tuple(state.block_ids[first:full]), keys))
             state.has_saves = True
         state.num_saved_blocks = max(state.num_saved_blocks, full)
+
+    def _audit(self, req_id: str, state: _Request, num_computed: int, num_scheduled: int,
+               meta: KVFabricMetadata) -> None:
+        """Once vLLM has recomputed a sampled load's blocks (rewound to its first block, then computed
+        past the last), the workers hand those pages to the audit after this step's forward, before
+        the scheduler can free or reuse them. Blocks before the load's first are vLLM's prefix cache."""
+        assert state.audit is not None
+        first, num_blocks = state.audit
+        bs = self.block_size
+        if num_computed <= first * bs:
+            state.recomputed = True
+        if state.recomputed and num_computed + num_scheduled >= num_blocks * bs and \
+                len(state.block_ids) >= num_blocks:
+            meta.audits.append(AuditSpec(req_id, state.ns, state.prompt[:num_blocks * bs],
+                                         tuple(state.block_ids[:num_blocks])))
+            state.audit = None
 
     def stats(self) -> dict[str, Any]:
         return {"lookups": self.num_lookups, "hit_tokens": self.num_hit_tokens,

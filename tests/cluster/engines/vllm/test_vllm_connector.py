@@ -8,7 +8,8 @@ Ray actor pinned to it:
 B with the fabric turned off for a request (`load=False, store=False`) is the recompute every
 answer is compared with: greedy token ids, exactly. The model is a seeded random Llama saved by
 `save_checkpoint`; engines pull whatever a peer holds (`deadline_s: inf`), since recomputing this
-tiny model is faster than any pull and the node would otherwise rightly recompute.
+tiny model is faster than any pull and the node would otherwise rightly recompute. Loads are never
+sampled for audit (`[audit] rate` 0) except where a test raises B's rate.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ import contextlib
 import dataclasses
 import random
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 
+import numpy as np
 import pytest
 import ray
 import torch
+from prometheus_client.parser import text_string_to_metric_families
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.client import FabricClient
@@ -29,7 +33,7 @@ from cluster.engines.hf.engine import save_checkpoint
 from cluster.engines.vllm.engine_actor import Completion, spawn_vllm_engines
 from cluster.engines.vllm.namespace import engine_namespace, request_namespace, weights_fingerprint
 from cluster.launch import LocalCluster, start_local_cluster
-from fabric.config import ClusterConfig, Config, KVConfig
+from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 
@@ -74,7 +78,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                                          max_position_embeddings=2048))
     checkpoint = save_checkpoint(model, root / "checkpoint")
-    config = Config(kv=KVConfig(ram_gib=0.25, ssd_gib=1.0), cluster=ClusterConfig(heartbeat_s=0.5, lease_s=5.0))
+    config = Config(kv=KVConfig(ram_gib=0.25, ssd_gib=1.0), cluster=ClusterConfig(heartbeat_s=0.5, lease_s=5.0),
+                    audit=AuditConfig(rate=0.0))
     local = start_local_cluster(3, root / "fabric", config)
     try:
         head = ray.get_runtime_context().get_node_id()
@@ -153,6 +158,73 @@ def test_a_different_model_or_block_size_finds_nothing(setup: Setup) -> None:
     other_block = engine_namespace(MODEL_ID, setup.ns.weights_fingerprint, setup.ns.layout, 64, "cpu:default")
     for ns in (other_weights, other_model, other_block):
         assert setup.cached_blocks(setup.a, prompt, ns) == 0
+
+
+@contextlib.contextmanager
+def audit_rate(node: str, rate: float) -> Iterator[None]:
+    actor = FabricClient.connect(node_id=node).actor
+    ray.get(actor.set_audit_rate.remote(rate))
+    try:
+        yield
+    finally:
+        ray.get(actor.set_audit_rate.remote(0.0))
+
+
+def audits(node: str) -> dict[str, float]:
+    """Blocks the node's audits compared so far, by outcome (its /metrics)."""
+    port = FabricClient.connect(node_id=node).stats()["metrics_port"]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {sample.labels["outcome"]: sample.value for family in text_string_to_metric_families(text)
+            if family.name == "kvfabric_audits" for sample in family.samples if sample.name.endswith("_total")}
+
+
+def quarantined(node: str) -> list[str]:
+    return list(FabricClient.connect(node_id=node).stats()["quarantined"])
+
+
+def test_a_sampled_load_is_recomputed_and_an_honest_producer_passes_its_audit(setup: Setup) -> None:
+    rng = random.Random(6)
+    prompt = tokens(rng, 4 * BLOCK + 10)
+    setup.answer(setup.a, prompt)                  # A's vLLM computes the prompt and stores its 4 blocks
+    wait_until(lambda: setup.cached_blocks(setup.b, prompt) == 4, 30, "A's blocks in the directory")
+    expected = setup.recompute(prompt)
+    before = audits(setup.b)
+    with audit_rate(setup.b, 1.0):
+        got = setup.answer(setup.b, prompt)
+        wait_until(lambda: sum(audits(setup.b).values()) >= sum(before.values()) + 4, 60, "B's audit")
+    assert got.tokens == expected
+    after = audits(setup.b)
+    assert after.get("mismatch", 0) == before.get("mismatch", 0)
+    assert after.get("equal", 0) + after.get("within", 0) == before.get("equal", 0) + before.get("within", 0) + 4
+    assert quarantined(setup.a) == [] and quarantined(setup.b) == []
+
+
+def test_a_producer_that_signs_wrong_kv_is_caught_by_a_sampled_vllm_load_and_quarantined(setup: Setup) -> None:
+    """A's node stores (and signs, as their producer) KV that vLLM would never compute for the prompt;
+    B's vLLM loads it with every load sampled: it computes the blocks instead, the audit finds the
+    lie, and every node quarantines A. (A is released afterwards for the tests that follow.)"""
+    rng = random.Random(7)
+    prompt = tokens(rng, 4 * BLOCK + 10)
+    layout = setup.ns.layout
+    shape = (4, layout.num_layers, layout.bytes_per_block_layer(BLOCK) // 4)
+    lie = np.random.default_rng(7).normal(0.0, 1.0, shape).astype(np.float32).view(np.uint8)
+    liar = FabricClient.connect(node_id=setup.a)
+    liar_name = str(liar.stats()["node_name"])
+    assert liar.store(setup.ns, prompt, lie).num_stored == 4
+    wait_until(lambda: setup.cached_blocks(setup.b, prompt) == 4, 30, "the liar's blocks in the directory")
+    expected = setup.recompute(prompt)
+    try:
+        with audit_rate(setup.b, 1.0):
+            got = setup.answer(setup.b, prompt)
+            wait_until(lambda: quarantined(setup.b) == [liar_name], 60, "B's audit to quarantine the liar")
+        assert got.tokens == expected
+        assert audits(setup.b).get("mismatch", 0) >= 1
+        wait_until(lambda: quarantined(setup.a) == [liar_name], 30, "the quarantine to reach every node")
+        assert setup.cached_blocks(setup.b, prompt) == 0        # its blocks are gone, and refused
+        again = setup.answer(setup.b, prompt)
+        assert again.num_cached_tokens == 0 and again.tokens == expected
+    finally:
+        liar.release_producer(liar_name)
 
 
 def test_a_peer_killed_mid_pull_still_gives_the_recompute_answer(setup: Setup) -> None:

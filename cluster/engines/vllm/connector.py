@@ -88,6 +88,11 @@ class KVFabricConnector(KVConnectorBase_V1):
         return self._worker
 
     @property
+    def num_requests(self) -> int:
+        """Requests this side still tracks."""
+        return self._scheduler.num_requests if self._scheduler is not None else self.worker_side.num_requests
+
+    @property
     def requires_kv_delivery(self) -> bool:
         return False     # a store that never lands is a future miss, not a lost answer
 

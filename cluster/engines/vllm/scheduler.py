@@ -220,6 +220,11 @@ class SchedulerSide:
                                          tuple(state.block_ids[:num_blocks])))
             state.audit = None
 
+    @property
+    def num_requests(self) -> int:
+        """Requests tracked (vLLM has not finished them)."""
+        return len(self._requests)
+
     def stats(self) -> dict[str, Any]:
         return {"lookups": self.num_lookups, "hit_tokens": self.num_hit_tokens,
                 "lookup_errors": self.num_lookup_errors, "requests": len(self._requests)}

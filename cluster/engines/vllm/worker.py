@@ -256,6 +256,11 @@ class WorkerSide:
                     done.add(req_id)
         return done
 
+    @property
+    def num_requests(self) -> int:
+        """Requests with state here: stores in flight or finishing, sampled loads not yet audited."""
+        return len(self._pending.keys() | self._finishing | self._sampled.keys())
+
     def close(self) -> None:
         if self._auditor is not None:
             self._auditor.shutdown(wait=True)

@@ -2,7 +2,8 @@
 
 Nodes: the head (the fabric only) and two workers, each with a real vLLM engine (CPU build) in a
 Ray actor pinned to it:
-    A  vLLM's engine core in the actor's process, prefix caching on
+    A  vLLM's engine core in the actor's process, prefix caching on, a small KV cache (40 pages:
+       three requests of 13 pages each fill it, so their decoding preempts)
     B  vLLM's default multiprocess mode (engine core and worker are child processes that join the
        cluster themselves), prefix caching off
 B with the fabric turned off for a request (`load=False, store=False`) is the recompute every
@@ -30,7 +31,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.client import FabricClient
 from cluster.engines.hf.engine import save_checkpoint
-from cluster.engines.vllm.engine_actor import Completion, spawn_vllm_engines
+from cluster.engines.vllm.engine_actor import BatchRun, Completion, spawn_vllm_engines
 from cluster.engines.vllm.namespace import engine_namespace, request_namespace, weights_fingerprint
 from cluster.launch import LocalCluster, start_local_cluster
 from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig
@@ -41,6 +42,7 @@ pytestmark = pytest.mark.vllm
 BLOCK = 32
 VOCAB = 512
 MODEL_ID = "tiny-llama"
+PAGES_A = 40
 
 
 @dataclasses.dataclass
@@ -86,7 +88,8 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
         a, b = sorted(n for n in local.node_ids() if n != head)
         extra = {"model_id": MODEL_ID, "deadline_s": "inf"}
         common = {"block_size": BLOCK, "extra": extra, "max_model_len": 1024}
-        engines = {**spawn_vllm_engines([a], str(checkpoint), multiprocess=False, prefix_caching=True, **common),
+        engines = {**spawn_vllm_engines([a], str(checkpoint), multiprocess=False, prefix_caching=True,
+                                        num_blocks=PAGES_A, **common),
                    **spawn_vllm_engines([b], str(checkpoint), multiprocess=True, prefix_caching=False, **common)}
         ns = engine_namespace(MODEL_ID, weights_fingerprint(str(checkpoint)), KVLayout.mha(4, 2, 32, "f32"), BLOCK,
                               "cpu:default")
@@ -158,6 +161,40 @@ def test_a_different_model_or_block_size_finds_nothing(setup: Setup) -> None:
     other_block = engine_namespace(MODEL_ID, setup.ns.weights_fingerprint, setup.ns.layout, 64, "cpu:default")
     for ns in (other_weights, other_model, other_block):
         assert setup.cached_blocks(setup.a, prompt, ns) == 0
+
+
+def batch(setup: Setup, prompts: list[list[int]], **kwargs: object) -> BatchRun:
+    run: BatchRun = ray.get(setup.engines[setup.a].generate_batch.remote(prompts, 16, **kwargs))
+    return run
+
+
+def test_requests_preempted_for_kv_pages_answer_as_a_recompute_and_release_everything(setup: Setup) -> None:
+    """Three prompts whose first 12 blocks B computed: A pulls them, and their 13 pages each fill A's
+    cache; decoding needs more pages, so vLLM preempts and later resumes (loading again)."""
+    rng = random.Random(8)
+    prompts = [tokens(rng, 13 * BLOCK - 4) for _ in range(3)]
+    for prompt in prompts:
+        setup.answer(setup.b, prompt)
+    wait_until(lambda: all(setup.cached_blocks(setup.a, p) == 12 for p in prompts), 30, "B's blocks in the directory")
+    expected = [setup.recompute(p) for p in prompts]
+    run = batch(setup, prompts)
+    assert run.max_preemptions >= 1
+    assert [run.completions[i].tokens for i in range(3)] == expected
+    assert (run.held_requests, run.connector_requests, run.free_blocks) == (0, 0, run.total_blocks)
+
+
+def test_an_aborted_request_releases_its_pages_and_the_others_answer_as_a_recompute(setup: Setup) -> None:
+    """A request aborted after its first step (its fabric load done, its stores in flight) leaves no
+    page held and nothing tracked; the request batched with it is unaffected."""
+    rng = random.Random(9)
+    system = tokens(rng, 6 * BLOCK)
+    setup.answer(setup.b, system + tokens(rng, 10))
+    aborted, kept = system + tokens(rng, 3 * BLOCK), system + tokens(rng, 40)
+    wait_until(lambda: setup.cached_blocks(setup.a, aborted) == 6, 30, "B's blocks in the directory")
+    expected = setup.recompute(kept)
+    run = batch(setup, [aborted, kept], abort=[0], abort_after_steps=1)
+    assert list(run.completions) == [1] and run.completions[1].tokens == expected
+    assert (run.held_requests, run.connector_requests, run.free_blocks) == (0, 0, run.total_blocks)
 
 
 @contextlib.contextmanager

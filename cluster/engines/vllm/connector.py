@@ -9,7 +9,9 @@ to its role's half, `SchedulerSide` (scheduler.py) or `WorkerSide` (worker.py).
 under; default vLLM's model), `weights_fingerprint` (default: BLAKE3 of the local checkpoint's weight
 files), `deadline_s` (how long a load may wait for pulls; default the node's own break-even), `pulls`
 (false: only this node's own tiers count as hits), `audit` (false: loads are never sampled for
-recompute; default true, at the rate the node's `[audit]` config sets).
+recompute; default true, at the rate the node's `[audit]` config sets), `background_pulls`
+(default true: a hit that needs pulls from peers loads while the request waits outside the batch,
+vLLM's asynchronous load; false: every load runs in the step's forward).
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class KVFabricConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             ns = base_namespace(vllm_config, kv_cache_config, extra)
-            self._scheduler = SchedulerSide(client, ns, pulls=bool(extra.get("pulls", True)))
+            self._scheduler = SchedulerSide(client, ns, pulls=bool(extra.get("pulls", True)),
+                                            background=_flag(extra.get("background_pulls", True)))
             logger.info("kvfabric connector: scheduler side on Ray node %s, namespace %s (%s)",
                         client.node_id, ns.model_id, ns.layout.describe())
         else:
@@ -123,7 +126,8 @@ class KVFabricConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done = self.worker_side.finished(finished_req_ids)
-        return (done or None), None
+        received = self.worker_side.received()
+        return (done or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed()
@@ -141,7 +145,7 @@ class KVFabricConnector(KVConnectorBase_V1):
         return self.scheduler_side.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.scheduler_side.after_alloc(request, num_external_tokens)
+        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build(scheduler_output)

@@ -49,6 +49,7 @@ class BatchRun:
     """`VLLMEngineActor.generate_batch`'s answers and what the engine still held once drained."""
 
     completions: dict[int, Completion]   # by prompt index: the requests that were not aborted
+    finished_at: dict[int, int]          # by prompt index: the engine step that finished it
     max_preemptions: int                 # the most times vLLM preempted any one request
     held_requests: int                   # requests vLLM's scheduler still holds (0: all released)
     free_blocks: int                     # vLLM's free KV pages ...
@@ -141,6 +142,7 @@ class VLLMEngineActor:
             for request_id, i in ids.items():
                 engine.add_request(request_id, {"prompt_token_ids": list(prompts[i])}, params)
             done: dict[int, Completion] = {}
+            finished_at: dict[int, int] = {}
             steps = preemptions = 0
             while engine.has_unfinished_requests():
                 if abort and steps == abort_after_steps:
@@ -150,6 +152,7 @@ class VLLMEngineActor:
                     if isinstance(result, RequestOutput) and result.finished and i >= 0 and i not in abort:
                         done[i] = Completion(list(result.outputs[0].token_ids), int(result.num_cached_tokens or 0),
                                              0.0)
+                        finished_at[i] = steps
                 steps += 1
                 preemptions = max([preemptions, *(r.num_preemptions for r in scheduler.requests.values())])
             deadline = time.monotonic() + drain_s
@@ -161,7 +164,7 @@ class VLLMEngineActor:
         for connector in connectors:
             if isinstance(connector, KVFabricConnector):
                 tracked += connector.num_requests
-        return BatchRun(done, preemptions, len(scheduler.requests), pool.get_num_free_blocks(),
+        return BatchRun(done, finished_at, preemptions, len(scheduler.requests), pool.get_num_free_blocks(),
                         pool.num_gpu_blocks - 1, tracked)    # vLLM's null block is never free
 
     def reset_prefix_cache(self) -> bool:

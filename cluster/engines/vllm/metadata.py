@@ -2,7 +2,8 @@
 
     KVFabricMetadata
       loads: LoadSpec per request with a fabric hit this step: read blocks
-             first_block .. first_block + len(block_ids) of `tokens` into vLLM pages `block_ids`
+             first_block .. first_block + len(block_ids) of `tokens` into vLLM pages `block_ids`,
+             during the step's forward, or in the background (the request waits for it)
       saves: SaveSpec per request whose prompt completed new full blocks this step: store
              blocks first_block .. first_block + len(block_ids) from pages `block_ids`
       audits: AuditSpec per request whose sampled load (see below) vLLM has now recomputed:
@@ -36,6 +37,7 @@ class LoadSpec:
     tokens: np.ndarray           # int64, the prompt up to the end of the last block to load
     first_block: int             # blocks before it are already in vLLM's pages (its own prefix cache)
     block_ids: tuple[int, ...]   # vLLM pages of blocks first_block, first_block + 1, ...
+    background: bool = False     # vLLM's asynchronous load: the request waits outside the batch
 
     @property
     def num_blocks(self) -> int:

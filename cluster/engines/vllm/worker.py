@@ -10,6 +10,11 @@
                          not waited for); the request's pages are released once it is acknowledged
     get_finished         requests whose stores were all acknowledged (or failed: a future miss)
 
+Background loads (vLLM's asynchronous loads; the scheduler side asks for them where a hit needs
+pulls from peers): the request waits outside the batch while a thread here takes its whole stream
+and scatters every layer into its pages; `get_finished` then reports it received (failed blocks
+first, through `failed_block_ids`), and vLLM schedules it. The batch runs on meanwhile.
+
 Sampled recompute: a load the node samples for audit (its plan names `audit_blocks`) loads nothing;
 its blocks are reported as failed, so vLLM recomputes them, and the scheduler side learns of it
 (`build_connector_worker_meta`). Once vLLM has recomputed them it sends an AuditSpec: after that
@@ -27,6 +32,7 @@ the scheduler side sends them again from the recompute.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -47,6 +53,7 @@ from fabric.keys import Namespace
 logger = logging.getLogger(__name__)
 
 LOAD_ERRORS = (IncompleteLoadError, FabricTimeoutError, TenantRefusedError, ray.exceptions.RayError, ValueError)
+BACKGROUND_THREADS = 4  # background loads taken at once (each mostly waits on its pull)
 MIN_RATE_TOKENS = 128    # a shorter step says little about the prefill rate (cluster/node/estimates.py)
 
 
@@ -81,6 +88,9 @@ class WorkerSide:
         self._new_samples: dict[str, int] = {}       # of those, sampled this step (for the scheduler)
         self._audits: list[AuditSpec] = []
         self._auditor: ThreadPoolExecutor | None = None
+        self._loader: ThreadPoolExecutor | None = None
+        self._background: dict[str, Future[None]] = {}   # request -> its background load
+        self._lock = threading.Lock()                     # failures and samples, also set by loader threads
         self.audit_reports: list[Future[AuditReport]] = []
         self._step_start = 0.0
         self._rate_ns: Namespace | None = None
@@ -99,9 +109,14 @@ class WorkerSide:
         self._step_start = time.perf_counter()
         self._prefill_tokens = meta.prefill_tokens if not meta.loads else 0
         self._rate_ns = meta.saves[0].ns if meta.saves else None
-        self._owed = list(meta.loads)
+        self._owed = [spec for spec in meta.loads if not spec.background]
         self._audits = list(meta.audits)
         self._failed_reqs = set()
+        for spec in meta.loads:
+            if spec.background:
+                if self._loader is None:
+                    self._loader = ThreadPoolExecutor(BACKGROUND_THREADS, thread_name_prefix="kvfabric-load")
+                self._background[spec.req_id] = self._loader.submit(self._load_whole, spec)
         self._saves = [(spec, np.empty((spec.num_blocks, len(self.layers), self.layers[0].page_bytes), np.uint8))
                        for spec in meta.saves]
         for save in meta.saves:    # from now on the scheduler holds the request's pages for this worker
@@ -124,8 +139,9 @@ class WorkerSide:
         if stream.audit_blocks:
             # Sampled: vLLM computes these blocks, and the audit compares them with what was signed.
             self._fail(spec.req_id, spec.block_ids)
-            self._sampled[spec.req_id] = self._new_samples[spec.req_id] = stream.audit_blocks
-            self.num_sampled_loads += 1
+            with self._lock:
+                self._sampled[spec.req_id] = self._new_samples[spec.req_id] = stream.audit_blocks
+                self.num_sampled_loads += 1
             return _Load(spec, None, 0, failed=True)
         usable = max(0, min(stream.num_blocks - spec.first_block, spec.num_blocks))
         self._fail(spec.req_id, spec.block_ids[usable:])
@@ -158,14 +174,30 @@ class WorkerSide:
             self.layers[got].scatter(spec.block_ids[:load.num_usable], rows)
             load.next_layer += 1
 
+    def _load_whole(self, spec: LoadSpec) -> None:
+        """A background load (a loader thread): every layer into the request's pages, or its blocks failed."""
+        load = self._open(spec)
+        self._advance(load, len(self.layers) - 1)
+        if load.failed:
+            return
+        if load.next_layer < len(self.layers):
+            logger.warning("fabric load of request %s sent %d of %d layers; vLLM recomputes its %d blocks",
+                           spec.req_id, load.next_layer, len(self.layers), load.num_usable)
+            self._fail(spec.req_id, spec.block_ids[:load.num_usable])
+        else:
+            with self._lock:
+                self.num_loaded_blocks += load.num_usable
+
     def _fail(self, req_id: str, block_ids: tuple[int, ...]) -> None:
         if block_ids:
-            self._failed.update(block_ids)
-            self._failed_reqs.add(req_id)
-            self.num_failed_blocks += len(block_ids)
+            with self._lock:
+                self._failed.update(block_ids)
+                self._failed_reqs.add(req_id)
+                self.num_failed_blocks += len(block_ids)
 
     def take_failed(self) -> set[int]:
-        failed, self._failed = self._failed, set()
+        with self._lock:
+            failed, self._failed = self._failed, set()
         return failed
 
     # ---- saves ---------------------------------------------------------------------------------
@@ -211,7 +243,8 @@ class WorkerSide:
 
     def _hand_in(self, spec: AuditSpec) -> None:
         """Gather a sampled load's recomputed pages (this step's forward is done) and audit them."""
-        num_blocks = min(self._sampled.pop(spec.req_id, 0), spec.num_blocks)
+        with self._lock:
+            num_blocks = min(self._sampled.pop(spec.req_id, 0), spec.num_blocks)
         if not num_blocks:     # this rank's own load was not sampled (each TP rank's is drawn apart)
             return
         buffer = np.empty((num_blocks, len(self.layers), self.layers[0].page_bytes), np.uint8)
@@ -237,15 +270,26 @@ class WorkerSide:
 
     def worker_meta(self) -> KVFabricWorkerMetadata | None:
         """This step's report to the scheduler side: loads sampled for audit."""
-        if not self._new_samples:
-            return None
-        sampled, self._new_samples = self._new_samples, {}
+        with self._lock:
+            if not self._new_samples:
+                return None
+            sampled, self._new_samples = self._new_samples, {}
         return KVFabricWorkerMetadata(sampled)
+
+    def received(self) -> set[str]:
+        """Requests whose background loads are over (loaded, or their blocks reported failed)."""
+        done = {req_id for req_id, future in self._background.items() if future.done()}
+        for req_id in done:
+            error = self._background.pop(req_id).exception()
+            if error is not None:     # not a fabric error (those fail the blocks): the load's own bug
+                raise error
+        return done
 
     def finished(self, finished_req_ids: set[str]) -> set[str]:
         """Requests the scheduler holds for their stores whose stores are all settled."""
-        for req_id in finished_req_ids:   # finished before a sampled load's blocks were recomputed
-            self._sampled.pop(req_id, None)
+        with self._lock:
+            for req_id in finished_req_ids:   # finished before a sampled load's blocks were recomputed
+                self._sampled.pop(req_id, None)
         self._finishing |= finished_req_ids
         done: set[str] = set()
         for req_id in list(self._finishing):
@@ -259,9 +303,11 @@ class WorkerSide:
     @property
     def num_requests(self) -> int:
         """Requests with state here: stores in flight or finishing, sampled loads not yet audited."""
-        return len(self._pending.keys() | self._finishing | self._sampled.keys())
+        return len(self._pending.keys() | self._finishing | self._sampled.keys() | self._background.keys())
 
     def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
         if self._auditor is not None:
             self._auditor.shutdown(wait=True)
         for pending in self._pending.values():

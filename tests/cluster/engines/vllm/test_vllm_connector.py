@@ -183,6 +183,27 @@ def test_requests_preempted_for_kv_pages_answer_as_a_recompute_and_release_every
     assert (run.held_requests, run.connector_requests, run.free_blocks) == (0, 0, run.total_blocks)
 
 
+def test_a_request_whose_prefix_is_pulled_loads_outside_the_batch(setup: Setup) -> None:
+    """B's node sends slowly: A's request for B's prefix waits for its pull in the background while
+    the request batched with it, which has nothing to load, is answered meanwhile."""
+    rng = random.Random(10)
+    prefix = tokens(rng, 8 * BLOCK)
+    setup.answer(setup.b, prefix + tokens(rng, 10))
+    slow, quick = prefix + tokens(rng, 20), tokens(rng, 40)
+    wait_until(lambda: setup.cached_blocks(setup.a, slow) == 8, 30, "B's blocks in the directory")
+    expected = [setup.recompute(slow), setup.recompute(quick)]
+    owner = FabricClient.connect(node_id=setup.b).actor
+    ray.get(owner.set_send_rate.remote(0.2))       # 200 kB/s: the 0.5 MB prefix takes ~3 s
+    try:
+        run = batch(setup, [slow, quick])
+    finally:
+        ray.get(owner.set_send_rate.remote(0.0))
+    assert run.finished_at[1] < run.finished_at[0]
+    assert [run.completions[0].tokens, run.completions[1].tokens] == expected
+    assert run.completions[0].num_cached_tokens == 8 * BLOCK
+    assert (run.held_requests, run.connector_requests, run.free_blocks) == (0, 0, run.total_blocks)
+
+
 def test_an_aborted_request_releases_its_pages_and_the_others_answer_as_a_recompute(setup: Setup) -> None:
     """A request aborted after its first step (its fabric load done, its stores in flight) leaves no
     page held and nothing tracked; the request batched with it is unaffected."""

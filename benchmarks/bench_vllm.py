@@ -86,7 +86,8 @@ def run(quick: bool, reps: int, root: Path) -> dict[str, Any]:
         head = ray.get_runtime_context().get_node_id()
         a, b = head, next(n for n in local.node_ids() if n != head)
         common: dict[str, Any] = {"block_size": block, "max_model_len": 8192}
-        extra = {"model_id": model_id, "weights_fingerprint": fingerprint}
+        # Never sampled for recompute: each case times the hit it names (sampling's cost is bench_ttft's).
+        extra = {"model_id": model_id, "weights_fingerprint": fingerprint, "audit": False}
         offload = "OffloadingConnector" if torch.cuda.is_available() else "SimpleCPUOffloadConnector"
         engines = {
             "fabric_a": spawn_vllm_engines([a], checkpoint, prefix_caching=False, extra=extra, **common)[a],

@@ -8,7 +8,10 @@ to its role's half, `SchedulerSide` (scheduler.py) or `WorkerSide` (worker.py).
 `kv_connector_extra_config` keys (besides link.py's): `model_id` (the name blocks are shared
 under; default vLLM's model), `weights_fingerprint` (default: BLAKE3 of the local checkpoint's weight
 files), `deadline_s` (how long a load may wait for pulls; default the node's own break-even), `pulls`
-(false: only this node's own tiers count as hits).
+(false: only this node's own tiers count as hits), `audit` (false: loads are never sampled for
+recompute; default true, at the rate the node's `[audit]` config sets), `background_pulls`
+(default true: a hit that needs pulls from peers loads while the request waits outside the batch,
+vLLM's asynchronous load; false: every load runs in the step's forward).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorWorkerMetadata,
 )
 from vllm.logger import init_logger
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
@@ -37,6 +41,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 logger = init_logger(__name__)
@@ -60,7 +65,8 @@ class KVFabricConnector(KVConnectorBase_V1):
         self._worker: WorkerSide | None = None
         if role == KVConnectorRole.SCHEDULER:
             ns = base_namespace(vllm_config, kv_cache_config, extra)
-            self._scheduler = SchedulerSide(client, ns, pulls=bool(extra.get("pulls", True)))
+            self._scheduler = SchedulerSide(client, ns, pulls=bool(extra.get("pulls", True)),
+                                            background=_flag(extra.get("background_pulls", True)))
             logger.info("kvfabric connector: scheduler side on Ray node %s, namespace %s (%s)",
                         client.node_id, ns.model_id, ns.layout.describe())
         else:
@@ -69,7 +75,8 @@ class KVFabricConnector(KVConnectorBase_V1):
             deadline = extra.get("deadline_s")
             self._worker = WorkerSide(client, num_blocks=int(kv_cache_config.num_blocks),
                                       rank=get_tensor_model_parallel_rank(),
-                                      deadline_s=None if deadline is None else float(deadline))   # "inf" parses
+                                      deadline_s=None if deadline is None else float(deadline),   # "inf" parses
+                                      audit=_flag(extra.get("audit", True)))
 
     @property
     def scheduler_side(self) -> SchedulerSide:
@@ -82,6 +89,11 @@ class KVFabricConnector(KVConnectorBase_V1):
         if self._worker is None:
             raise RuntimeError("a worker-side call reached the scheduler-side connector")
         return self._worker
+
+    @property
+    def num_requests(self) -> int:
+        """Requests this side still tracks."""
+        return self._scheduler.num_requests if self._scheduler is not None else self.worker_side.num_requests
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -114,10 +126,14 @@ class KVFabricConnector(KVConnectorBase_V1):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         done = self.worker_side.finished(finished_req_ids)
-        return (done or None), None
+        received = self.worker_side.received()
+        return (done or None), (received or None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.take_failed()
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        return self.worker_side.worker_meta()
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -129,10 +145,22 @@ class KVFabricConnector(KVConnectorBase_V1):
         return self.scheduler_side.matched_tokens(request, num_computed_tokens)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self.scheduler_side.after_alloc(request, num_external_tokens)
+        self.scheduler_side.after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         return self.scheduler_side.build(scheduler_output)
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_output(connector_output)
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.scheduler_side.finished(request), None
+
+
+def _flag(value: Any) -> bool:
+    """A boolean `kv_connector_extra_config` value (JSON true/false, or a string from a CLI)."""
+    if isinstance(value, str):
+        if value.lower() not in ("true", "false", "1", "0"):
+            raise ValueError(f"expected true or false, got {value!r}")
+        return value.lower() in ("true", "1")
+    return bool(value)

@@ -87,9 +87,10 @@ def test_a_tampered_record_is_refused_and_nothing_of_it_is_delivered() -> None:
         _, reader = _layers(secrets=secrets)
         tampered = bytearray(wire)
         tampered[where] ^= 0x01
-        dst = memoryview(bytearray(4 * MAX_CONTENT))
+        dst = memoryview(bytearray(b"\xaa" * (4 * MAX_CONTENT)))
         pos, n = reader.open_into(memoryview(tampered), 0, len(tampered), dst)
         assert (pos, bytes(dst[:n])) == (second_record, first)   # the good record only
+        assert bytes(dst[n:n + MAX_CONTENT + 1]) == bytes(MAX_CONTENT + 1)   # none of the bad one's plaintext
         assert isinstance(reader.failure, RecordError) and reader.failure.alert == 20   # bad_record_mac
         assert "BAD_RECORD_MAC" in str(reader.failure)
         assert reader.open_into(memoryview(tampered), pos, len(tampered), dst) == (pos, 0)   # and it stays refused

@@ -262,6 +262,7 @@ class TlsChannel:
             self.notify_close()
             self._send_nowait()
         self.records = None
+        self._secrets = None
         self.sock.close()
 
     def _send_nowait(self) -> None:

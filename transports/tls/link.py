@@ -288,17 +288,17 @@ class TlsLink(LinkBase):
                 buf = decoder.get_buffer()
                 pos, n = open_into(src, start, self._rend, buf)
                 self._rpos = pos
+                budget -= pos - start   # ciphertext: records without data (tickets, empty ones) count too
                 if n:
                     got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
-                    budget -= n
                 elif pos == start and records.failure is None and not records.peer_closed:
                     stop = records.record_end(src, pos, self._rend)
                     if 0 <= stop <= self._rend:   # a whole record, larger than what is left of `buf`
                         self._rpos, plain = records.open_one(src, pos, self._rend)
                         got_any = self._got_bytes = True
                         frames += self._take_plain(plain)
-                        budget -= plain.nbytes
+                        budget -= stop - pos
                     elif not self._recv_records():
                         break
                 if frames and not self.batch_frames:

@@ -177,7 +177,8 @@ class RecordLayer:
             out = dst[filled:filled + inner]
             try:
                 decrypt((iv ^ seq).to_bytes(12, "big"), src[pos + HEADER:stop], src[pos:pos + HEADER], out)
-            except InvalidTag:
+            except InvalidTag:   # nothing unauthenticated stays in the caller's memory
+                out[:] = bytes(inner)
                 self.failure = _local_error("a record failed authentication (tampered, or not from the peer)",
                                             BAD_RECORD_MAC)
                 break

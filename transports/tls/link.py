@@ -28,10 +28,13 @@ Where the channel hands over its records (`TlsChannel.take_records`), OpenSSL is
 path and records are opened and sealed in this process (records.py):
 
     socket ──recv_into──► read buffer ──RecordLayer.open_into──► FrameDecoder.get_buffer()
-    send(frame) ─► plaintext queue ──RecordLayer.seal_pieces, a record at a time──► send buffer ─sendmsg─► socket
+    send(frame) ─► plaintext queue ──RecordLayer.seal_run (a payload's records in one call)──► send buffer
+           ─sendmsg─► socket      (send buffers are reused once the socket took them)
 
-A payload's records are decrypted straight into its buffer, each record's plaintext exactly once;
-a record that fails authentication closes the connection before any of its bytes count.
+A payload's records are decrypted straight into its buffer, each record's plaintext exactly once
+(the last record of a payload ending on a record boundary goes through a scratch record: its
+content type byte would not fit); a record that fails authentication closes the connection
+(with a bad_record_mac alert to the peer) before any of its bytes count.
 
 The mutual TLS handshake that makes the channel is `transports.tls.handshake`.
 """

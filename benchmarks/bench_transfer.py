@@ -7,6 +7,9 @@ distinct blocks, cycled), every server in its own process (one for all the kvfab
 each pair below differs only in what it names):
 
     tls_tcp       kvfabric TLS-TCP: PULLs of 16 MiB of blocks, 2 in flight, every payload's BLAKE3 verified
+    tls_tcp_openssl  the same with OpenSSL sealing and opening the records through memory BIOs (a server
+                  of its own, each end's TLS-TCP link told not to take the records over): interleaved
+                  with tls_tcp, so the pair is what sealing and opening records in process saves
     tls_tcp_provenance  the same with every payload's producer record checked too (benchmarks/
                   transfer_provenance.py): the same bytes from the same server, carrying their records;
                   interleaved with tls_tcp, so the pair is a before/after
@@ -56,7 +59,9 @@ records and BLAKE3 of each block, timed in this process (floor_cpu_ms_per_mib*, 
 floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*), and each method's CPU over it (*_cpu_over_floor*).
 Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
 TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The headline keys:
-syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket.
+syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket,
+and the record layer's pair: tls_tcp_cpu_over_openssl / _64k (client + server CPU per MiB, tls_tcp ÷
+tls_tcp_openssl) and tls_tcp_over_openssl_median / _64k (MB/s, median of the rounds' pairs).
 """
 
 from __future__ import annotations
@@ -108,6 +113,7 @@ from transports.core.base import Hit, Peer
 from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.provenance_check import ProvenanceVerifier
+from transports.tls import channel as tls_channel
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
 
@@ -212,14 +218,17 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
     return run
 
 
-def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | None = None) -> Run:
+def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | None = None,
+                 own_records: bool = True) -> Run:
     """TLS-TCP pulls; `signed`: of a server whose payloads carry records, each record checked;
-    `dest`: "into" pulls into a destination array (`into=`), "copy" copies every hit into one."""
+    `dest`: "into" pulls into a destination array (`into=`), "copy" copies every hit into one;
+    `own_records`: False leaves the client's records to OpenSSL (its connections are made fresh)."""
     peer = Peer(SERVER_NODE, "127.0.0.1", port)
     name = signed_address if signed else address
     trust = TrustAnchor.from_files(cert_dir / CA_CERT)
 
     async def pulls(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
+        tls_channel.OWN_RECORDS = own_records   # read by each connection the client dials
         client = TlsTcpClient(creds(cert_dir, CLIENT_NODE), tune_malloc=True)  # the process is ours: opt in
         counts = {"moved": 0, "misses": 0, "next": 0}
 
@@ -267,6 +276,7 @@ def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | No
             window.end()
         finally:
             await client.close()
+            tls_channel.OWN_RECORDS = True
         if counts["misses"]:
             raise RuntimeError(f"{counts['misses']} kvfabric pulls missed; the benchmark counts only hits")
         return counts["moved"]
@@ -316,7 +326,7 @@ def main() -> None:
     parser.add_argument("--only", default=None, metavar="M1,M2,...",
                         help=f"run only these methods (of {', '.join(METHODS)})")
     parser.add_argument("--dir", default=None, help="where to put certificates, Redis and Ray files (removed after)")
-    parser.add_argument("--serve", choices=["kvfabric", "tcp", "tls"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["kvfabric", "kvfabric-openssl", "tcp", "tls"], help=argparse.SUPPRESS)
     parser.add_argument("--cert-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     only = tuple(args.only.split(",")) if args.only else METHODS
@@ -326,7 +336,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.serve:
         cert_dir = Path(args.cert_dir)
-        if args.serve == "kvfabric":
+        if args.serve.startswith("kvfabric"):
+            tls_channel.OWN_RECORDS = args.serve == "kvfabric"
             asyncio.run(_serve_kvfabric(cert_dir))
         else:
             _serve_socket(cert_dir, use_tls=args.serve == "tls")
@@ -342,11 +353,12 @@ def main() -> None:
     report(result, args.quick, rounds, per_run, only)
 
 
-METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "tls_tcp_copy",
-           "tls_tcp_into", "redis_get", "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3", "quic_qh3_1452")
+METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_openssl", "tls_tcp_provenance",
+           "tls_tcp_copy", "tls_tcp_into", "redis_get", "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3",
+           "quic_qh3_1452")
 # Methods whose both ends are measurable (the server by PID):
-CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance", "tls_tcp_copy",
-               "tls_tcp_into", "redis_get")
+CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_openssl", "tls_tcp_provenance",
+               "tls_tcp_copy", "tls_tcp_into", "redis_get")
 
 
 class Totals:
@@ -423,9 +435,15 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         try:
             kvfabric_server: Server | None = None   # one for every kvfabric method (SignedSource)
             for name, kind in (("tcp_socket", "tcp"), ("tls_socket", "tls"), ("tls_socket_blake3", "tls"),
-                               ("tls_tcp", "kvfabric"), ("tls_tcp_provenance", "kvfabric"),
+                               ("tls_tcp", "kvfabric"), ("tls_tcp_openssl", "kvfabric-openssl"),
+                               ("tls_tcp_provenance", "kvfabric"),
                                ("tls_tcp_copy", "kvfabric"), ("tls_tcp_into", "kvfabric")):
                 if name not in only:
+                    continue
+                if kind == "kvfabric-openssl":   # its own server: OpenSSL keeps the records at both ends
+                    server = Server(kind, cert_dir)
+                    stoppers.append(server.stop)
+                    runs[name] = (kvfabric_run(server.port, cert_dir, own_records=False), server.proc.pid)
                     continue
                 if kind != "kvfabric":   # one each: a socket server serves one connection at a time
                     server = Server(kind, cert_dir)
@@ -500,7 +518,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     out["get_1m_p50_ms"], out["tls_socket_get_1m_p50_ms"] = latency if latency is not None else (None, None)
     for suffix in BLOCK_SIZES:  # each round's run against its pair's run just before it
         for key, (after, before) in (("tls_tcp_provenance_over_plain_median", ("tls_tcp_provenance", "tls_tcp")),
-                                     ("tls_tcp_into_over_copy_median", ("tls_tcp_into", "tls_tcp_copy"))):
+                                     ("tls_tcp_into_over_copy_median", ("tls_tcp_into", "tls_tcp_copy")),
+                                     ("tls_tcp_over_openssl_median", ("tls_tcp", "tls_tcp_openssl"))):
             pairs = [a / b for a, b in zip(per_round.get(after + suffix, []),
                                            per_round.get(before + suffix, []), strict=False) if b]
             out[key + suffix] = round(statistics.median(pairs), 3) if pairs else None
@@ -583,6 +602,7 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
     labels = {"tcp_socket": "plain TCP sockets (ceiling)", "tls_socket": "plain TLS 1.3 sockets",
               "tls_socket_blake3": "plain TLS 1.3 sockets + BLAKE3 per block",
               "tls_tcp": "kvfabric TLS-TCP (verified)",
+              "tls_tcp_openssl": "kvfabric TLS-TCP, records sealed by OpenSSL (memory BIOs)",
               "tls_tcp_provenance": "kvfabric TLS-TCP (verified + provenance)",
               "tls_tcp_copy": "kvfabric TLS-TCP, each hit copied to the caller's array",
               "tls_tcp_into": "kvfabric TLS-TCP, pulled into the caller's array",
@@ -633,6 +653,10 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
     out["cpu_over_floor_1m"] = out["tls_tcp_cpu_over_floor"]
     out["cpu_over_floor_64k"] = out["tls_tcp_cpu_over_floor_64k"]
     out["get_1m_p50_over_tls_socket"] = _ratio(result["get_1m_p50_ms"], result["tls_socket_get_1m_p50_ms"])
+    for suffix in ("", "_64k"):
+        ours, theirs = (_sum(result[f"{n}_client_cpu_ms_per_mib{suffix}"], result[f"{n}_server_cpu_ms_per_mib{suffix}"])
+                        for n in ("tls_tcp", "tls_tcp_openssl"))
+        out[f"tls_tcp_cpu_over_openssl{suffix}"] = _ratio(ours, theirs)
     print_costs(out, labels)
     out["quick"] = quick
     out["only"] = list(only)

@@ -14,6 +14,12 @@ and writes the same socket and BIOs. Same `SSLContext` as any other TLS user of 
 credentials, so the same checks hold: client certificate required, the cluster CA only, the
 revocation list, the dialled node's name in the server's SAN.
 
+After the handshake, `take_records()` hands the connection's record layer to its one user (the
+frame link): records are then sealed and opened in this process (records.py) with the traffic
+secrets OpenSSL logged (keylog.py), and the memory BIOs carry nothing more. Where that cannot be
+(no key log here, a suite records.py does not know, application data already through OpenSSL) it
+returns None and OpenSSL keeps the records.
+
 Invariants: every byte OpenSSL puts in `outgoing` is sent in order (protocol messages made by a
 read, such as a key update reply or an alert, go out before later application data); `close()`
 releases the socket once and may be called any number of times.
@@ -28,9 +34,14 @@ import ssl
 from collections.abc import Callable
 from typing import cast
 
-__all__ = ["HANDSHAKE_READ", "TlsChannel"]
+from transports.tls import keylog
+from transports.tls.records import APPLICATION_DATA, HEADER, SUITES, RecordLayer
+
+__all__ = ["HANDSHAKE_READ", "OWN_RECORDS", "TlsChannel"]
 
 HANDSHAKE_READ = 64 * 1024   # a socket read during the handshake or of a control message
+OWN_RECORDS = True           # seal and open application records in this process when possible
+_RANDOM_END = HEADER + 4 + 2 + 32   # a ClientHello record: header, message header, version, random
 
 
 def _raw_calls(obj: ssl.SSLObject) -> tuple[Callable[[int, memoryview], int], Callable[[memoryview], int]]:
@@ -59,6 +70,15 @@ class TlsChannel:
         self.read, self.write = _raw_calls(self.obj)
         self.closed = False
         self._rbuf = bytearray(HANDSHAKE_READ)
+        self.server_side = server_side
+        self.records: RecordLayer | None = None   # set by take_records()
+        self._context = context
+        self._own = OWN_RECORDS and keylog.watch(context)
+        self._hello = bytearray()   # the first bytes of the ClientHello: its random names the secrets
+        self._in_handshake = False
+        self._app_used = False      # application data went through OpenSSL: its records stay OpenSSL's
+        self._secrets: tuple[bytes, bytes] | None = None
+        self._tickets_sealed = 0    # records OpenSSL sealed under the traffic secret (a server's tickets)
 
     def fileno(self) -> int:
         return self.sock.fileno()
@@ -84,6 +104,8 @@ class TlsChannel:
         except (BlockingIOError, InterruptedError):
             return False
         if n:
+            if self._in_handshake and self.server_side and len(self._hello) < _RANDOM_END:
+                self._hello += self._rbuf[:_RANDOM_END - len(self._hello)]
             self.incoming.write(memoryview(self._rbuf)[:n])
         else:
             self.incoming.write_eof()
@@ -104,12 +126,18 @@ class TlsChannel:
         finally:
             (loop.remove_writer if writable else loop.remove_reader)(fd)
 
-    async def flush(self) -> None:
-        """Send everything OpenSSL has put in the outgoing BIO."""
-        data = memoryview(self.take_outgoing())
-        while data:
+    async def flush(self, data: bytes | None = None) -> None:
+        """Send everything OpenSSL has put in the outgoing BIO (`data`: that, taken already)."""
+        if self.records is not None:
+            raise RuntimeError("this connection's records are sealed by its record layer")
+        if data is None:
+            data = self.take_outgoing()
+        if self._in_handshake and not self.server_side and len(self._hello) < _RANDOM_END:
+            self._hello += data[:_RANDOM_END - len(self._hello)]
+        view = memoryview(data)
+        while view:
             try:
-                data = data[self.sock.send(data):]
+                view = view[self.sock.send(view):]
             except (BlockingIOError, InterruptedError):
                 await self._wait(writable=True)
 
@@ -123,21 +151,56 @@ class TlsChannel:
         """Run the TLS handshake to completion. Raises `ssl.SSLError` (a refused certificate, a
         protocol error, `ssl.SSLEOFError` when the peer hung up) or OSError; any alert OpenSSL
         made for the peer is sent first, so the peer learns why."""
-        while True:
-            try:
-                self.obj.do_handshake()
-            except ssl.SSLWantReadError:
-                await self.flush()
-                await self._fill()
-                continue
-            except ssl.SSLError:
-                self._send_nowait()   # the alert that says why, if the socket takes it at once
-                raise
-            await self.flush()   # the client's last flight, the server's session tickets
-            return
+        self._in_handshake = True
+        try:
+            while True:
+                try:
+                    self.obj.do_handshake()
+                except ssl.SSLWantReadError:
+                    await self.flush()
+                    await self._fill()
+                    continue
+                except ssl.SSLError:
+                    self._send_nowait()   # the alert that says why, if the socket takes it at once
+                    raise
+                break
+            last = self.take_outgoing()   # the client's last flight, the server's session tickets
+            if self.server_side:   # the last step wrote only records under the server's traffic secret
+                self._tickets_sealed = _count_records(last)
+            if self._own:
+                self._secrets = self._traffic_secrets()
+            await self.flush(last)
+        finally:
+            self._in_handshake = False
+            self._hello.clear()
+
+    def _traffic_secrets(self) -> tuple[bytes, bytes] | None:
+        hello = self._hello
+        if len(hello) < _RANDOM_END or hello[0] != 22 or hello[HEADER] != 1:   # handshake record, ClientHello
+            return None
+        return keylog.traffic_secrets(self._context, bytes(hello[_RANDOM_END - 32:_RANDOM_END]))
+
+    def take_records(self) -> tuple[RecordLayer, bytes] | None:
+        """Move this connection's records out of OpenSSL, once, right after the handshake: (the
+        record layer, ciphertext already read from the socket that it must open first), or None
+        when OpenSSL keeps them (see the module docstring). After it, `send_all`, `recv` and
+        `flush` refuse; `close` sends its close_notify through the record layer."""
+        secrets, self._secrets = self._secrets, None
+        cipher = self.obj.cipher()
+        if (secrets is None or self._app_used or self.records is not None or self.closed or cipher is None
+                or cipher[0] not in SUITES or self.obj.version() != "TLSv1.3" or self.obj.pending()
+                or self.outgoing.pending):
+            return None
+        client, server = secrets
+        rx, tx = (client, server) if self.server_side else (server, client)
+        self.records = RecordLayer(cipher[0], rx, tx, server_side=self.server_side, tx_seq=self._tickets_sealed)
+        return self.records, self.incoming.read()
 
     async def send_all(self, data: bytes | memoryview) -> None:
         """Encrypt and send all of `data` (a small control message, not bulk frames)."""
+        if self.records is not None:
+            raise RuntimeError("this connection's records are sealed by its record layer")
+        self._app_used = True
         view = memoryview(data)
         while view:
             view = view[self.write(view):]
@@ -147,6 +210,9 @@ class TlsChannel:
         """Some decrypted bytes, without waiting: b"" at the end of the stream (a close_notify, or
         TCP closed without one); raises `ssl.SSLWantReadError` when none can be had yet, as a
         non-blocking `SSLSocket` does."""
+        if self.records is not None:
+            raise RuntimeError("this connection's records are opened by its record layer")
+        self._app_used = True
         while True:
             try:
                 data = self.obj.read(max_bytes)
@@ -189,9 +255,14 @@ class TlsChannel:
         if self.closed:
             return
         self.closed = True
-        if notify and self.obj.version() is not None:
+        if notify and self.records is not None:
+            with contextlib.suppress(OSError):
+                self.sock.send(self.records.close_notify())
+        elif notify and self.obj.version() is not None:
             self.notify_close()
             self._send_nowait()
+        self.records = None
+        self._secrets = None
         self.sock.close()
 
     def _send_nowait(self) -> None:
@@ -201,3 +272,12 @@ class TlsChannel:
         if out:
             with contextlib.suppress(OSError):
                 self.sock.send(out)
+
+
+def _count_records(data: bytes) -> int:
+    """Encrypted records (outer type application_data) in `data`, a whole number of TLS records."""
+    count = pos = 0
+    while pos + HEADER <= len(data):
+        count += data[pos] == APPLICATION_DATA
+        pos += HEADER + int.from_bytes(data[pos + 3:pos + HEADER], "big")
+    return count

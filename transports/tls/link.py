@@ -24,17 +24,31 @@ Invariants:
 Reading costs O(1) Python calls per TLS record and per socket read; writing O(1) per queued piece
 and per batch.
 
+Where the channel hands over its records (`TlsChannel.take_records`), OpenSSL is out of the data
+path and records are opened and sealed in this process (records.py):
+
+    socket ──recv_into──► read buffer ──RecordLayer.open_into──► FrameDecoder.get_buffer()
+    send(frame) ─► plaintext queue ──RecordLayer.seal_run (a payload's records in one call)──► send buffer
+           ─sendmsg─► socket      (send buffers are reused once the socket took them)
+
+A payload's records are decrypted straight into its buffer, each record's plaintext exactly once
+(the last record of a payload ending on a record boundary goes through a scratch record: its
+content type byte would not fit); a record that fails authentication closes the connection
+(with a bad_record_mac alert to the peer) before any of its bytes count.
+
 The mutual TLS handshake that makes the channel is `transports.tls.handshake`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import ssl
 from collections import deque
 from collections.abc import Callable
 
+from transports.core.buffers import uninitialised_bytearray
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Frame,
@@ -49,6 +63,7 @@ from transports.core.metrics import TransportMetrics
 from transports.core.provenance_tables import SentRecords
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason
+from transports.tls.records import MAX_CONTENT, MAX_RECORD, RecordError, RecordLayer
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +75,8 @@ FEED_SIZE = 256 * 1024          # ciphertext moved into the BIO, or encrypted ou
 WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once the link is busy
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
 SMALL = 4 * 1024                # queued pieces under this are joined into one record
+SEND_BUFFER = FEED_SIZE + 2 * MAX_RECORD   # one batch of sealed records (own record layer)
+SPARE_SEND_BUFFERS = 8          # send buffers kept for reuse once the socket took them
 
 
 class TlsLink(LinkBase):
@@ -84,8 +101,20 @@ class TlsLink(LinkBase):
         self._on_closed = on_closed
         self.max_payload = max_payload
         self.frame_timeout_s = frame_timeout_s
-        self._rbuf = memoryview(bytearray(read_size))
+        taken = channel.take_records()
+        self._records: RecordLayer | None = None if taken is None else taken[0]
+        if taken is None:
+            self._rbuf = memoryview(bytearray(read_size))
+        else:   # room for a partial record kept from the last read, then a whole read
+            leftover = taken[1]
+            self._rbuf = memoryview(bytearray(max(read_size, len(leftover)) + MAX_RECORD))
+            self._rbuf[:len(leftover)] = leftover
+        self._read_size = read_size
         self._filled = self._fed = 0   # bytes of the last socket read, and how many went to the BIO
+        self._rpos, self._rend = 0, 0 if taken is None else len(taken[1])   # unopened ciphertext (own records)
+        self._spare: list[bytearray] = []   # send buffers the socket has taken (own records)
+        self._out = memoryview(b"")   # the send buffer being sealed into, and where (own records)
+        self._at = 0
         self._socket_dry = False
         self._at_eof = False
         self._plain: deque[memoryview] = deque()    # queued, not yet encrypted
@@ -144,6 +173,9 @@ class TlsLink(LinkBase):
         return True
 
     def _on_readable(self) -> None:
+        if self._records is not None:
+            self._on_readable_records(self._records)
+            return
         budget = READ_BUDGET
         frames: list[Frame] = []
         self._got_bytes = got_any = False
@@ -221,7 +253,108 @@ class TlsLink(LinkBase):
         except ProtocolError as e:
             self.protocol_error(e)
 
+    # -- reading through this process's record layer
+    def _recv_records(self) -> bool:
+        """Read the socket after the unopened ciphertext (moved to the front first); False when the
+        socket has nothing now. Raises SSLEOFError at the end of the stream (no close_notify)."""
+        if self._socket_dry:
+            return False
+        src, pos, end = self._rbuf, self._rpos, self._rend
+        if pos:
+            src[:end - pos] = src[pos:end]   # at most a partial record: only then is more needed
+            pos, end = 0, end - pos
+            self._rpos, self._rend = pos, end
+        room = min(src.nbytes - end, self._read_size)
+        try:
+            n = self._sock.recv_into(src[end:], room)
+        except (BlockingIOError, InterruptedError):
+            return False
+        if not n:
+            raise ssl.SSLEOFError("the peer closed TCP inside a TLS record" if end else
+                                  "the peer closed TCP without a close_notify")
+        self._socket_dry = n < room   # a short read emptied the socket
+        self._rend = end + n
+        return True
+
+    def _on_readable_records(self, records: RecordLayer) -> None:
+        budget = READ_BUDGET
+        frames: list[Frame] = []
+        self._got_bytes = got_any = False
+        self._socket_dry = False
+        decoder, src, open_into = self._decoder, self._rbuf, records.open_into
+        try:
+            while self._reading and not self.closed:
+                if budget <= 0:   # the buffer may hold records that the fd will not signal
+                    self._loop.call_soon(self._on_readable)
+                    break
+                start = self._rpos
+                buf = decoder.get_buffer()
+                pos, n = open_into(src, start, self._rend, buf)
+                self._rpos = pos
+                budget -= pos - start   # ciphertext: records without data (tickets, empty ones) count too
+                if n:
+                    got_any = self._got_bytes = True
+                    frames += decoder.buffer_updated(n)
+                elif pos == start and records.failure is None and not records.peer_closed:
+                    stop = records.record_end(src, pos, self._rend)
+                    if 0 <= stop <= self._rend:   # a whole record, larger than what is left of `buf`
+                        self._rpos, plain = records.open_one(src, pos, self._rend)
+                        got_any = self._got_bytes = True
+                        frames += self._take_plain(plain)
+                        budget -= stop - pos
+                    elif not self._recv_records():
+                        break
+                if frames and not self.batch_frames:
+                    self._deliver(frames)
+                    frames = []
+                if records.failure is not None:
+                    raise records.failure
+                if records.peer_closed:
+                    raise ssl.SSLEOFError("peer sent close_notify")
+        except ssl.SSLEOFError:   # close_notify, or TCP closed without one: end of stream
+            self._deliver(frames)
+            try:
+                decoder.close()
+            except ProtocolError as e:
+                self.protocol_error(e)
+                return
+            self.close(MissReason.PEER_GONE, "peer closed the connection")
+            return
+        except ssl.SSLError as e:
+            self._deliver(frames)
+            self._tls_failed(e)
+            return
+        except OSError as e:
+            self._deliver(frames)
+            self.close(MissReason.PEER_GONE, f"read failed: {e}")
+            return
+        except ProtocolError as e:
+            self._deliver(frames)
+            self.protocol_error(e)
+            return
+        if got_any:
+            self.last_rx = self._loop.time()
+        self._deliver(frames)
+        if records.outbox and not self.closed:   # a KeyUpdate answering the peer's
+            self._flush()
+
+    def _take_plain(self, plain: memoryview) -> list[Frame]:
+        """Hand `plain` (opened elsewhere than the decoder's buffer) to the decoder."""
+        frames: list[Frame] = []
+        decoder = self._decoder
+        while plain:
+            buf = decoder.get_buffer()
+            k = min(buf.nbytes, plain.nbytes)
+            buf[:k] = plain[:k]
+            frames += decoder.buffer_updated(k)
+            plain = plain[k:]
+        return frames
+
     def _tls_failed(self, err: ssl.SSLError) -> None:
+        records = self._records
+        if isinstance(err, RecordError) and err.alert is not None and records is not None and not self._cipher:
+            with contextlib.suppress(OSError, RecordError):   # tell the peer why, if the socket takes it now
+                self._sock.send(records.alert(err.alert))
         self._tls_broken = True
         reason = auth_failure_reason(err)
         if reason != "handshake":  # the peer refused our certificate with an alert
@@ -265,6 +398,9 @@ class TlsLink(LinkBase):
     def _encrypt(self) -> None:
         """Encrypt about FEED_SIZE bytes of queued pieces and queue their ciphertext (with anything
         else OpenSSL wrote) for the socket."""
+        if self._records is not None:
+            self._seal(self._records)
+            return
         plain, write = self._plain, self._write
         done = 0
         small = bytearray()
@@ -295,7 +431,81 @@ class TlsLink(LinkBase):
             write(memoryview(small))
         self._take_outgoing()
 
+    def _seal(self, records: RecordLayer) -> None:
+        """Seal about FEED_SIZE bytes of queued pieces into send buffers, in records as `_encrypt`
+        makes them: small pieces in a row joined, a large one in full records from its first
+        byte (so that the peer opens a payload straight into its buffer), a run of them per call."""
+        plain = self._plain
+        self._out, self._at = self._send_buffer(), 0
+        done = 0
+        small: list[memoryview] = []
+        small_bytes = 0
+        while plain and done < FEED_SIZE:
+            piece = plain[0]
+            size = piece.nbytes
+            if size < SMALL and small_bytes + size <= MAX_CONTENT:
+                plain.popleft()
+                small.append(piece)
+                small_bytes += size
+                done += size
+                continue
+            if small:
+                self._seal_small(records, small, small_bytes)
+                small, small_bytes = [], 0
+                continue
+            if not records.records_before_update():
+                self._place(records.update_keys())
+            # whole records up to FEED_SIZE (at least one), within the records left before a KeyUpdate
+            step = min(max((FEED_SIZE - done) // MAX_CONTENT, 1), records.records_before_update()) * MAX_CONTENT
+            if size > step:
+                plain[0] = piece[step:]
+                piece, size = piece[:step], step
+            else:
+                plain.popleft()
+            self._make_room(records.run_size(size))
+            self._at = records.seal_run(piece, self._out, self._at)
+            done += size
+        if small:
+            self._seal_small(records, small, small_bytes)
+        self._plain_bytes -= done
+        out, at = self._out, self._at
+        if at:
+            self._queue_cipher(out[:at])
+        else:
+            self._spare.append(out.obj)   # type: ignore[arg-type]  # a send buffer: a bytearray
+
+    def _seal_small(self, records: RecordLayer, pieces: list[memoryview], size: int) -> None:
+        if not records.records_before_update():
+            self._place(records.update_keys())
+        self._make_room(records.sealed_size(size))
+        self._at = records.seal_pieces(pieces, self._out, self._at)
+
+    def _make_room(self, need: int) -> None:
+        """Queue the current send buffer and start another when `need` more bytes would not fit."""
+        if self._at + need > self._out.nbytes:
+            self._queue_cipher(self._out[:self._at])
+            self._out, self._at = self._send_buffer(), 0
+
+    def _place(self, record: bytes) -> None:
+        self._make_room(len(record))
+        self._out[self._at:self._at + len(record)] = record
+        self._at += len(record)
+
+    def _send_buffer(self) -> memoryview:
+        return memoryview(self._spare.pop() if self._spare else uninitialised_bytearray(SEND_BUFFER))
+
+    def _queue_cipher(self, data: memoryview) -> None:
+        if data.nbytes:
+            self._cipher.append(data)
+            self._cipher_bytes += data.nbytes
+
     def _take_outgoing(self) -> None:
+        records = self._records
+        if records is not None:
+            for record in records.outbox:
+                self._queue_cipher(memoryview(record))
+            records.outbox.clear()
+            return
         out = self._channel.outgoing
         if out.pending:
             data = memoryview(out.read())
@@ -331,6 +541,10 @@ class TlsLink(LinkBase):
                 if n >= head.nbytes:
                     n -= head.nbytes
                     cipher.popleft()
+                    obj = head.obj
+                    if (type(obj) is bytearray and len(obj) == SEND_BUFFER and len(self._spare) < SPARE_SEND_BUFFERS
+                            and self._records is not None):
+                        self._spare.append(obj)
                 else:
                     cipher[0] = head[n:]
                     n = 0
@@ -369,6 +583,7 @@ class TlsLink(LinkBase):
         self._plain.clear()
         self._cipher.clear()
         self._plain_bytes = self._cipher_bytes = 0
+        self._spare.clear()
         self._drained.set()
         self._empty.set()
         self._channel.close(notify=notify)

@@ -277,3 +277,33 @@ def test_a_tampered_record_from_an_openssl_peer_closes_the_link_and_tells_the_pe
     asyncio.run(main())
     assert _same(received, sent[:-2])   # Hello and the first Block; not the tampered one
     assert closed == [MissReason.PEER_ERROR]
+
+
+def test_a_client_random_logged_twice_gets_no_secrets_for_either_handshake() -> None:
+    """A client chooses its hello random: a replayed one must not hand one connection's keys to another
+    (both would seal under one key and nonce sequence). Lines are appended to the real in-memory key log
+    as OpenSSL writes them."""
+    from transports.tls import keylog
+
+    if not keylog.available():
+        pytest.skip("no memfd_create on this platform (Linux feature)")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    assert keylog.watch(context)
+    path = context.keylog_filename
+
+    def log(random: bytes, client: bytes, server: bytes) -> None:
+        with open(path, "ab") as f:
+            f.write(b"CLIENT_TRAFFIC_SECRET_0 %s %s\n" % (random.hex().encode(), client.hex().encode()))
+            f.write(b"SERVER_TRAFFIC_SECRET_0 %s %s\n" % (random.hex().encode(), server.hex().encode()))
+
+    fresh, replayed, late = b"\x01" * 32, b"\x02" * 32, b"\x03" * 32
+    log(fresh, b"c" * 32, b"s" * 32)
+    assert keylog.traffic_secrets(context, fresh) == (b"c" * 32, b"s" * 32)
+    log(replayed, b"a" * 32, b"b" * 32)
+    log(replayed, b"x" * 32, b"y" * 32)           # a second hello with the same random, before either took
+    assert keylog.traffic_secrets(context, replayed) is None
+    assert keylog.traffic_secrets(context, replayed) is None
+    log(late, b"d" * 32, b"e" * 32)
+    assert keylog.traffic_secrets(context, late) == (b"d" * 32, b"e" * 32)
+    log(late, b"f" * 32, b"g" * 32)               # the same random after its secrets were handed out
+    assert keylog.traffic_secrets(context, late) is None

@@ -9,6 +9,12 @@ secrets of that connection (found by its ClientHello's random) are taken out, an
 kept only until their own handshakes finish (at most MAX_PENDING). The file is replaced once it
 has grown past ROTATE_BYTES.
 
+A client picks its ClientHello random, so two handshakes on one context may log the same one (a
+peer replaying another's hello). Their secrets could then be handed to the wrong connection, and
+two connections would seal under one key and one nonce sequence. A random seen twice, logged
+twice or logged after it was taken, is therefore poisoned: no connection gets secrets for it, and
+its records stay with OpenSSL.
+
 Returns None when the secrets cannot be had (no memfd on this platform, a line lost to a
 rotation): the caller then leaves the records to OpenSSL.
 """
@@ -26,6 +32,7 @@ __all__ = ["available", "traffic_secrets", "watch"]
 
 ROTATE_BYTES = 1 << 20
 MAX_PENDING = 4096          # handshakes whose secrets were logged but not taken yet
+MAX_TAKEN = 1 << 16         # randoms already handed out, remembered to poison a replay of one
 _LABELS = {b"CLIENT_TRAFFIC_SECRET_0": 0, b"SERVER_TRAFFIC_SECRET_0": 1}
 
 
@@ -40,6 +47,8 @@ class _KeyLog:
         self._context = weakref.ref(context)
         self._lock = threading.Lock()
         self._pending: OrderedDict[bytes, list[bytes | None]] = OrderedDict()
+        self._taken: OrderedDict[bytes, None] = OrderedDict()
+        self._poisoned: OrderedDict[bytes, None] = OrderedDict()
         self._fd = -1
         self._offset = 0
         self._partial = b""
@@ -66,6 +75,9 @@ class _KeyLog:
         with self._lock:
             self._read()
             got = self._pending.pop(client_random, None)
+            if client_random in self._poisoned:
+                got = None
+            self._remember(self._taken, client_random)
             context = self._context()
             if self._offset >= ROTATE_BYTES and context is not None:
                 self._read()
@@ -89,9 +101,19 @@ class _KeyLog:
                 with contextlib.suppress(ValueError):
                     random, secret = bytes.fromhex(fields[1].decode()), bytes.fromhex(fields[2].decode())
                     slot = self._pending.setdefault(random, [None, None])
-                    slot[_LABELS[fields[0]]] = secret
+                    label = _LABELS[fields[0]]
+                    if slot[label] is not None or random in self._taken:
+                        self._remember(self._poisoned, random)
+                    slot[label] = secret
                     while len(self._pending) > MAX_PENDING:
                         self._pending.popitem(last=False)
+
+    @staticmethod
+    def _remember(seen: OrderedDict[bytes, None], random: bytes) -> None:
+        seen[random] = None
+        seen.move_to_end(random)
+        while len(seen) > MAX_TAKEN:
+            seen.popitem(last=False)
 
 
 _logs: weakref.WeakKeyDictionary[ssl.SSLContext, _KeyLog] = weakref.WeakKeyDictionary()

@@ -47,7 +47,7 @@ from cluster.tenancy import TenantRefusedError
 from fabric.block_ids import BlockId
 from fabric.config import ClusterConfig, TenancyConfig
 from fabric.keys import Namespace
-from transports.core.tenant_tokens import TenantMinter
+from transports.trust.tenant_tokens import TenantMinter
 
 DEFAULT_NAMESPACE = "kvfabric"
 DEFAULT_CALL_TIMEOUT_S = ClusterConfig().client_timeout_s

@@ -32,8 +32,8 @@ from prometheus_client import CollectorRegistry, Counter
 from fabric.config import TenancyConfig
 from fabric.keys import Namespace
 from fabric.tenancy import TenancyPolicy
-from transports.core.identity import TrustAnchor
-from transports.core.tenant_tokens import Principal, TenantError, TenantVerifier, tenants_of_node
+from transports.trust.identity import TrustAnchor
+from transports.trust.tenant_tokens import Principal, TenantError, TenantVerifier, tenants_of_node
 
 logger = logging.getLogger(__name__)
 

@@ -39,7 +39,7 @@ Record encoding (what frames carry and the index stores, beside the producer's c
 
 The certificate (DER) travels beside the record, never inside the signed bytes: the CA's signature
 on it binds the signing key to the producer's name, and verifying that is the verifier's job
-(transports/core/provenance_check.py).
+(transports/trust/provenance_check.py).
 """
 
 from __future__ import annotations
@@ -253,7 +253,7 @@ class Provenance:
 
 class BlockSigner(Protocol):
     """A producer's signing key and the certificate that binds it to its node name
-    (transports.core.identity.NodeSigner)."""
+    (transports.trust.identity.NodeSigner)."""
 
     @property
     def node(self) -> str: ...

@@ -2,7 +2,7 @@
 
 A namespace's root hash covers its `tenant_salt`, so two tenants with different salts never share a
 block address. The salt is derived here from the tenant's name, which only a verified credential
-supplies (transports/core/tenant_tokens.py); the salt a caller passes is ignored. So knowing another
+supplies (transports/trust/tenant_tokens.py); the salt a caller passes is ignored. So knowing another
 tenant's salt, or its addresses, gets a caller nothing: its own calls are rebound to its own salt.
 
     salt(tenant) = BLAKE3-derive-key(SALT_CONTEXT, "tenant\\0" || NAME)                 (32 bytes)

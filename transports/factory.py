@@ -17,8 +17,8 @@ from typing import get_args
 
 from fabric.config import TransportConfig, TransportKind
 from transports.core.base import BlockSource, TransportClient, TransportServer
-from transports.core.certs import CredentialFiles, NodeCredentials
 from transports.core.metrics import TransportMetrics
+from transports.trust.certs import CredentialFiles, NodeCredentials
 
 KINDS: tuple[str, ...] = get_args(TransportKind)
 

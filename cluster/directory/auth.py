@@ -43,7 +43,7 @@ import msgpack
 
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, derived_node_name, is_derived_node_name
-from transports.core.identity import IdentityError, NodeIdentity
+from transports.trust.identity import IdentityError, NodeIdentity
 
 logger = logging.getLogger(__name__)
 

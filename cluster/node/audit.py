@@ -37,7 +37,7 @@ from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash, Namespace
 from fabric.provenance import VERSION_TAG_SIZE, Provenance, version_producer
 from fabric.store import Store
-from transports.core.identity import NodeSigner, TrustAnchor
+from transports.trust.identity import NodeSigner, TrustAnchor
 
 logger = logging.getLogger(__name__)
 

@@ -36,12 +36,12 @@ from fabric.events import EventKind
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
 from transports.core.buffers import tune_allocator
-from transports.core.certs import CA_CERT, CRL, CertificateError, crl_next_update
-from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.metrics import TransportMetrics
-from transports.core.provenance_check import ProvenanceVerifier
 from transports.core.serving import EgressPacer
 from transports.factory import create_client, create_server
+from transports.trust.certs import CA_CERT, CRL, CertificateError, crl_next_update
+from transports.trust.identity import NodeSigner, TrustAnchor
+from transports.trust.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger(__name__)
 

@@ -40,7 +40,6 @@ from support import (
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import BlockSource, Hit, Peer, PullResult
-from transports.core.certs import issue_node
 from transports.core.codec import (
     VERSION,
     Block,
@@ -58,6 +57,7 @@ from transports.core.codec import (
 from transports.core.encoder import MAGIC, PREAMBLE
 from transports.core.metrics import TransportMetrics
 from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer, QuicTuning
+from transports.trust.certs import issue_node
 
 
 def serving(cert_dir: Path, source: BlockSource, node: str = "node-a",

@@ -33,7 +33,6 @@ from support import (
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import uninitialised_bytearray
-from transports.core.certs import init_ca, issue_node, revoke
 from transports.core.codec import (
     VERSION,
     Block,
@@ -57,6 +56,7 @@ from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
 from transports.tls.handshake import open_tls
 from transports.tls.link import READ_BUDGET, TRANSPORT
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import init_ca, issue_node, revoke
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 # Fixtures of tests/transports/conftest.py (not importable as a module: tests/ is no package).

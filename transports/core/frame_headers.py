@@ -27,7 +27,7 @@ from transports.core.frames import (
     MissReason,
     Pull,
 )
-from transports.core.provenance_tables import StreamRecords, part_records
+from transports.trust.provenance_tables import StreamRecords, part_records
 
 __all__ = ["PAYLOAD_TYPES", "LocalProtocolError", "ProtocolError", "RemoteProtocolError", "build_frame",
            "unpack_map"]

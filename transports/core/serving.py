@@ -16,7 +16,7 @@ from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, Verdict
 from transports.core.metrics import TransportMetrics
 from transports.core.session import Fetched, ServerSession
-from transports.core.tenant_tokens import pull_authoriser
+from transports.trust.tenant_tokens import pull_authoriser
 
 logger = logging.getLogger(__name__)
 

@@ -34,7 +34,6 @@ from aioquic.quic.packet import QuicErrorCode
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import Peer, PullResult
-from transports.core.certs import CertificateError, NodeCredentials
 from transports.core.client_session import ClientSession, Outcome
 from transports.core.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
 from transports.core.metrics import TransportMetrics
@@ -50,6 +49,7 @@ from transports.quic.base import (
 )
 from transports.quic.tls import QuicTlsMaterial
 from transports.quic.udp import udp_socket
+from transports.trust.certs import CertificateError, NodeCredentials
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the base is the chosen backend's (see _connection_class)
     from aioquic.asyncio.protocol import QuicConnectionProtocol

@@ -42,7 +42,6 @@ from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, PeerRates, peer_rates
-from transports.core.certs import NodeCredentials
 from transports.core.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
@@ -61,6 +60,7 @@ from transports.quic.base import (
 from transports.quic.guard import BoundedQuicServer, GuardedConnection
 from transports.quic.tls import QuicTlsMaterial
 from transports.quic.udp import udp_socket
+from transports.trust.certs import NodeCredentials
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's (see _classes)
     from aioquic.asyncio.protocol import QuicConnectionProtocol

@@ -22,7 +22,6 @@ from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import tune_allocator, uninitialised_bytearray
-from transports.core.certs import NodeCredentials
 from transports.core.client_session import ClientSession, Outcome
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
@@ -40,6 +39,7 @@ from transports.core.tracker import MAX_ADDRESSES_PER_PULL
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason, open_tls
 from transports.tls.link import TRANSPORT, TlsLink
+from transports.trust.certs import NodeCredentials
 
 logger = logging.getLogger(__name__)
 

@@ -46,9 +46,9 @@ from transports.core.codec import (
 )
 from transports.core.link import WRITE_HIGH, LinkBase
 from transports.core.metrics import TransportMetrics
-from transports.core.provenance_tables import SentRecords
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason
+from transports.trust.provenance_tables import SentRecords
 
 logger = logging.getLogger(__name__)
 

@@ -38,7 +38,6 @@ from typing import Self
 from fabric.config import TransportConfig
 from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, PeerRates, peer_rates
-from transports.core.certs import CertificateError, NodeCredentials
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
@@ -64,6 +63,7 @@ from transports.core.timer import DeadlineTimer
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node, peer_tenants
 from transports.tls.link import TRANSPORT, TlsLink
+from transports.trust.certs import CertificateError, NodeCredentials
 
 logger = logging.getLogger(__name__)
 

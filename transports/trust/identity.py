@@ -34,7 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from transports.core.certs import CRL, TENANT_URI_PREFIX, CertificateError, node_name_of, revoked_serials
+from transports.trust.certs import CRL, TENANT_URI_PREFIX, CertificateError, node_name_of, revoked_serials
 
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPrivateKey

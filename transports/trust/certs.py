@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
 CRL = "crl.pem"   # the CA's revocation list, read by every node beside ca.pem
-TENANT_URI_PREFIX = "kvfabric-tenant:"   # a URI SAN naming a tenant (transports/core/tenant_tokens.py)
+TENANT_URI_PREFIX = "kvfabric-tenant:"   # a URI SAN naming a tenant (transports/trust/tenant_tokens.py)
 TENANT_SUFFIX = ".tenant"                # <name>.tenant.pem / .key: a tenant credential
 OPERATOR_URI_PREFIX = "kvfabric-operator:"   # a URI SAN naming an operator: node-wide calls (purge, stats)
 OPERATOR_SUFFIX = ".operator"            # <name>.operator.pem / .key: an operator credential
@@ -132,7 +132,7 @@ def issue_tenant(cert_dir: str | os.PathLike[str], tenant: str, days: int = 365,
                  ) -> tuple[Path, Path]:
     """Issue a tenant credential `<tenant>.tenant.pem` / `.key` (in `out_dir`, default `cert_dir`)
     signed by the CA in `cert_dir`: its only SAN is the URI `kvfabric-tenant:<tenant>`, so it never
-    proves a node identity (transports/core/tenant_tokens.py). Returns (cert, key) paths."""
+    proves a node identity (transports/trust/tenant_tokens.py). Returns (cert, key) paths."""
     return _issue_credential(cert_dir, "tenant", tenant, days, not_before, out_dir)
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from cryptography import x509
 
-from transports.core.certs import revoked_serials
+from transports.trust.certs import revoked_serials
 
 logger = logging.getLogger(__name__)
 

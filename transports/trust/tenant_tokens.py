@@ -40,8 +40,8 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from transports.core.certs import OPERATOR_URI_PREFIX, TENANT_URI_PREFIX, CertificateError
-from transports.core.identity import PrivateKey, PublicKey, TrustAnchor, sign_with, verify_signature
+from transports.trust.certs import OPERATOR_URI_PREFIX, TENANT_URI_PREFIX, CertificateError
+from transports.trust.identity import PrivateKey, PublicKey, TrustAnchor, sign_with, verify_signature
 
 DOMAIN = b"kvfabric/tenant-token/v1\0"
 TOKEN_VERSION = 1

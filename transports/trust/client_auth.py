@@ -14,7 +14,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from transports.core.certs import CertificateError, node_name_of
+from transports.trust.certs import CertificateError, node_name_of
 
 
 class AuthFailure(enum.StrEnum):

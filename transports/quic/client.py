@@ -31,6 +31,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import Peer, PullResult
@@ -223,8 +224,9 @@ class QuicTransportClient:
     """Pulls blocks from peers over pooled QUIC connections (one per peer, reconnected on loss)."""
 
     def __init__(self, credentials: NodeCredentials, *, tuning: QuicTuning | None = None,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = 5.0,
-                 idle_timeout_s: float = 30.0, frame_timeout_s: float = 10.0, max_inflight: int = 32,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S,
+                 idle_timeout_s: float = defaults.IDLE_TIMEOUT_S, frame_timeout_s: float = defaults.FRAME_TIMEOUT_S,
+                 max_inflight: int = defaults.MAX_INFLIGHT,
                  metrics: TransportMetrics | None = None, backend: str = "auto") -> None:
         """`backend`: the QUIC library (see `backend`); pair it with the servers' for resumption."""
         self.backend = resolve(backend)

@@ -38,6 +38,7 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import BlockSource
@@ -356,11 +357,14 @@ class QuicTransportServer(ServingServer):
 
     def __init__(self, credentials: NodeCredentials, source: BlockSource, *, host: str = "127.0.0.1",
                  port: int = 0, tuning: QuicTuning | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 frame_timeout_s: float = defaults.FRAME_TIMEOUT_S, idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
                  metrics: TransportMetrics | None = None, ticket_lifetime_s: float = 3600.0,
-                 retry: bool = True, max_half_open: int = 128, max_half_open_per_address: int = 16,
-                 handshake_timeout_s: float = 5.0, max_connections_per_peer: int = 8,
-                 peer_rates: PeerRates | None = None, io_threads: int = 4, backend: str = "auto") -> None:
+                 retry: bool = True, max_half_open: int = defaults.QUIC_MAX_HALF_OPEN,
+                 max_half_open_per_address: int = defaults.QUIC_MAX_HALF_OPEN_PER_ADDRESS,
+                 handshake_timeout_s: float = defaults.CONNECT_TIMEOUT_S,
+                 max_connections_per_peer: int = defaults.MAX_CONNECTIONS_PER_PEER,
+                 peer_rates: PeerRates | None = None, io_threads: int = defaults.IO_THREADS,
+                 backend: str = "auto") -> None:
         """`retry`: validate client addresses with a Retry before any handshake state is kept;
         `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
         them from one source address, each for at most `handshake_timeout_s`;

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Self
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import Hit, Peer, PullResult
@@ -176,7 +177,8 @@ class TlsTcpClient:
     transport = TRANSPORT  # the metrics label
 
     def __init__(self, credentials: NodeCredentials, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 connect_timeout_s: float = 5.0, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S,
+                 frame_timeout_s: float = defaults.FRAME_TIMEOUT_S, idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
                  metrics: TransportMetrics | None = None, tune_malloc: bool = False) -> None:
         """`tune_malloc`: opt in to `buffers.tune_allocator()` (process-wide glibc thresholds: faster large pulls)."""
         if tune_malloc:

@@ -35,6 +35,7 @@ import ssl
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, PeerRates, peer_rates
@@ -194,9 +195,10 @@ class TlsTcpServer(ServingServer):
     transport = TRANSPORT  # the metrics label
 
     def __init__(self, credentials: NodeCredentials, source: BlockSource, host: str = "127.0.0.1", port: int = 0,
-                 *, max_payload: int = DEFAULT_MAX_PAYLOAD, max_inflight: int = 32, frame_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0, io_threads: int = 4,
-                 max_connections_per_peer: int = 8, peer_rates: PeerRates | None = None,
+                 *, max_payload: int = DEFAULT_MAX_PAYLOAD, max_inflight: int = defaults.MAX_INFLIGHT,
+                 frame_timeout_s: float = defaults.FRAME_TIMEOUT_S, idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
+                 handshake_timeout_s: float = defaults.CONNECT_TIMEOUT_S, io_threads: int = defaults.IO_THREADS,
+                 max_connections_per_peer: int = defaults.MAX_CONNECTIONS_PER_PEER, peer_rates: PeerRates | None = None,
                  metrics: TransportMetrics | None = None, send_rate: float = 0.0) -> None:
         """`io_threads`: threads for slow (disk) fetches; 0 always fetches on the event loop;
         `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);

@@ -14,6 +14,7 @@ use the new certificate while open connections carry on with the old one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import logging
@@ -222,6 +223,13 @@ def crl_next_update(crl_path: Path) -> float | None:
     return None if next_update is None else next_update.timestamp()
 
 
+def file_stamp(path: Path) -> tuple[int, int, int]:
+    """What changes whenever `path` is replaced or rewritten: (mtime ns, size, inode). The one change
+    rule for the credential files and the revocation list (`revocation.RevocationFile`)."""
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 def revoked_serials(crl_pem: bytes, ca_cert: x509.Certificate, where: str = "the revocation list") -> frozenset[int]:
     """Serials revoked by a CA-signed CRL (PEM); raises CertificateError if the CA did not sign it."""
     try:
@@ -277,13 +285,9 @@ class CredentialFiles:
         """Changes whenever any of the three files, or the revocation list, is replaced or rewritten."""
         out: list[int] = []
         for p in (self.ca, self.cert, self.key):
-            st = p.stat()
-            out += [st.st_mtime_ns, st.st_size, st.st_ino]
-        try:
-            st = self.crl.stat()
-            out += [st.st_mtime_ns, st.st_size, st.st_ino]
-        except FileNotFoundError:
-            pass
+            out += file_stamp(p)
+        with contextlib.suppress(FileNotFoundError):   # the list is optional
+            out += file_stamp(self.crl)
         return tuple(out)
 
 

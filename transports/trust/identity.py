@@ -101,10 +101,7 @@ class TrustAnchor:
     def from_files(cls, ca_path: str | Path, crl_path: str | Path | None = None) -> TrustAnchor:
         """Load `ca.pem` and, when it exists, the CA-signed revocation list beside it (`crl.pem`)."""
         ca = Path(ca_path)
-        try:
-            ca_cert = x509.load_pem_x509_certificate(ca.read_bytes())
-        except (OSError, ValueError) as e:
-            raise CertificateError(f"cannot read the cluster CA certificate {ca}: {e}") from None
+        ca_cert = read_ca_cert(ca)
         crl = Path(crl_path) if crl_path is not None else ca.with_name(CRL)
         return cls(ca_cert, load_revoked(crl, ca_cert) if crl.is_file() else frozenset())
 
@@ -181,6 +178,14 @@ def sign_with(key: PrivateKey, message: bytes) -> bytes:
     if isinstance(key, rsa.RSAPrivateKey):
         return key.sign(message, _PSS, hashes.SHA256())
     return key.sign(message, ec.ECDSA(hashes.SHA256()))
+
+
+def read_ca_cert(ca_path: Path) -> x509.Certificate:
+    """The cluster CA certificate at `ca_path`; CertificateError when it cannot be read."""
+    try:
+        return x509.load_pem_x509_certificate(ca_path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CertificateError(f"cannot read the cluster CA certificate {ca_path}: {e}") from None
 
 
 def load_revoked(crl_path: str | Path, ca_cert: x509.Certificate) -> frozenset[int]:

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import tomllib
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
@@ -24,9 +25,35 @@ class ConfigError(ValueError):
     """The configuration file or a value in it is invalid."""
 
 
+HOME_ENV: Final = "KVFABRIC_HOME"
+NODE_NAME_ENV: Final = "KVFABRIC_NODE_NAME"
+ADVERTISE_HOST_ENV: Final = "KVFABRIC_ADVERTISE_HOST"
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """What kvfabric takes from a process's environment, read here and nowhere else.
+
+    `home` ($KVFABRIC_HOME, else ~/.cache/kvfabric): the root of every default path. `node_name`
+    ($KVFABRIC_NODE_NAME; "": derived from the Ray node id): a node's certificate name, e.g. the
+    Kubernetes pod's, so a restarted pod finds its SSD blocks again under a new Ray node id.
+    `advertise_host` ($KVFABRIC_ADVERTISE_HOST; "": the Ray node's IP address): the host a node
+    listening on every interface advertises, a name its certificate carries."""
+
+    home: Path
+    node_name: str = ""
+    advertise_host: str = ""
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
+        env = os.environ if environ is None else environ
+        return cls(Path(env.get(HOME_ENV) or Path.home() / ".cache" / "kvfabric"), env.get(NODE_NAME_ENV, ""),
+                   env.get(ADVERTISE_HOST_ENV, ""))
+
+
 def kvfabric_home() -> Path:
     """The root of every default path: `$KVFABRIC_HOME`, else `~/.cache/kvfabric`."""
-    return Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
+    return Environment.read().home
 
 
 # The [transport] defaults, in one place: `TransportConfig` and every transport's constructor and

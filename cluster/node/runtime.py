@@ -17,7 +17,6 @@ import dataclasses
 import gc
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -31,7 +30,7 @@ from cluster.events.publisher import KvEventPublisher
 from cluster.node.local import LocalFabric
 from cluster.node.metrics import ClusterMetrics
 from cluster.tenancy import TenantGate
-from fabric.config import Config
+from fabric.config import Config, Environment
 from fabric.events import EventKind
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
@@ -47,10 +46,6 @@ from transports.trust.revocation import RevocationFile
 logger = logging.getLogger(__name__)
 
 GC_THRESHOLD = 50_000   # young-generation allocations between cycle-collector passes (CPython: 700)
-
-# The host a node advertises when it listens on every interface: a DNS name its certificate names
-# (the chart sets the pod's), else the Ray node's IP address (which the certificate must then name).
-ADVERTISE_HOST_ENV = "KVFABRIC_ADVERTISE_HOST"
 
 
 class NodeRuntime:
@@ -94,7 +89,7 @@ class NodeRuntime:
         self.server.tenant_roots = self.tenancy.tenants_of_root
         host, port = await self.server.start()
         if host in ("0.0.0.0", "::"):
-            host = os.environ.get(ADVERTISE_HOST_ENV) or ray.util.get_node_ip_address()
+            host = Environment.read().advertise_host or ray.util.get_node_ip_address()
         self.client: TransportClient = create_client(transport, metrics=tmetrics)
         self.address = NodeAddress(host, port, transport.kind, self.node_name)
         bind = "127.0.0.1" if transport.host.startswith("127.") else "0.0.0.0"

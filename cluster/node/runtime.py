@@ -83,7 +83,7 @@ class NodeRuntime:
         self.local.revoked = self.trust.revoked
         self.tenancy = TenantGate(cfg.tenancy, self.trust,
                                   (Path(transport.cert_dir) / f"{self.node_name}.pem").read_bytes(), self.registry)
-        tmetrics = TransportMetrics(self.registry)
+        self.transport_metrics = tmetrics = TransportMetrics(self.registry)
         self.server: TransportServer = create_server(transport, self.kv_store, metrics=tmetrics)
         self.server.require_pull_namespace = cfg.tenancy.required   # docs/tenants.md
         self.server.tenant_roots = self.tenancy.tenants_of_root

@@ -42,6 +42,7 @@ from cluster.api import (
     StoreReply,
     Tokens,
 )
+from cluster.errors import ClusterError
 from cluster.node.actor import node_actor_name
 from cluster.tenancy import TenantRefusedError
 from fabric.block_ids import BlockId
@@ -56,11 +57,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class FabricUnavailableError(RuntimeError):
+class FabricUnavailableError(ClusterError, RuntimeError):
     """No NodeActor serves this Ray node (the fabric is not started here, or not yet)."""
 
 
-class FabricTimeoutError(TimeoutError):
+class FabricTimeoutError(ClusterError, TimeoutError):
     """The node's NodeActor did not answer a call within the client's `call_timeout_s`."""
 
 

@@ -29,6 +29,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
 
+from cluster.errors import ClusterError
 from fabric.config import TenancyConfig
 from fabric.keys import Namespace
 from fabric.tenancy import TenancyPolicy
@@ -40,7 +41,7 @@ logger = logging.getLogger(__name__)
 MAX_ROOTS = 65536   # namespace roots remembered for the transport's per-peer tenant check
 
 
-class TenantRefusedError(PermissionError):
+class TenantRefusedError(ClusterError, PermissionError):
     """The call's tenant token was missing, invalid, or names a tenant this node does not serve."""
 
 

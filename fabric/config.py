@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
+from fabric.errors import FabricError
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 
 
-class ConfigError(ValueError):
+class ConfigError(FabricError, ValueError):
     """The configuration file or a value in it is invalid."""
 
 

@@ -53,6 +53,7 @@ from typing import Protocol
 
 import blake3
 
+from fabric.errors import FabricError
 from fabric.keys import HASH_SIZE
 from fabric.merkle import MAX_DEPTH, leaf_hash, root_and_paths, root_from_path
 
@@ -73,7 +74,7 @@ _LAYERS = struct.Struct("<II")
 _NAME_LEN = struct.Struct("<H")
 
 
-class ProvenanceError(ValueError):
+class ProvenanceError(FabricError, ValueError):
     """Bytes that are not a provenance record (a peer's or a file's fault)."""
 
 

@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from fabric.errors import FabricError
+
 SALT_CONTEXT = "kvfabric 2026-11 tenant namespace salt v1"
 ANONYMOUS_SALT = b""
 
 
-class TenancyConfigError(ValueError):
+class TenancyConfigError(FabricError, ValueError):
     """A shared-group list that is not a partition of tenant names."""
 
 

@@ -43,6 +43,7 @@ import msgpack
 
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, derived_node_name, is_derived_node_name
+from cluster.errors import ClusterError
 from transports.trust.identity import IdentityError, NodeIdentity
 
 logger = logging.getLogger(__name__)
@@ -133,7 +134,7 @@ class ReportSigner:
         return self._proof(Op.END_RESYNC, shard, [resync_id, seq])
 
 
-class _Refused(Exception):
+class _Refused(ClusterError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason

@@ -28,6 +28,7 @@ import numpy as np
 import ray
 
 from cluster.api import AuditReport
+from cluster.errors import ClusterError
 from cluster.node.local import LocalFabric
 from cluster.node.metrics import ClusterMetrics
 from cluster.node.quarantine import QUARANTINED, QuarantineBook, entry_problem, released_entry, signed_entry
@@ -46,7 +47,7 @@ TICKET_TTL_S = 600.0      # an engine has this long to hand in the KV of a sampl
 MAX_TICKETS = 4096
 
 
-class AuditRefusedError(ValueError):
+class AuditRefusedError(ClusterError, ValueError):
     """An audit of blocks this node did not sample: nobody picks which producer to accuse."""
 
 

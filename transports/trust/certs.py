@@ -28,6 +28,8 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from transports.core.errors import TrustError
+
 logger = logging.getLogger(__name__)
 
 CA_CERT = "ca.pem"
@@ -39,7 +41,7 @@ OPERATOR_URI_PREFIX = "kvfabric-operator:"   # a URI SAN naming an operator: nod
 OPERATOR_SUFFIX = ".operator"            # <name>.operator.pem / .key: an operator credential
 
 
-class CertificateError(Exception):
+class CertificateError(TrustError):
     """Certificate material is missing, unreadable or does not fit the cluster CA."""
 
 

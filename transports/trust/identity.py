@@ -34,6 +34,7 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
+from transports.core.errors import TrustError
 from transports.trust.certs import CRL, TENANT_URI_PREFIX, CertificateError, node_name_of, revoked_serials
 
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey
@@ -42,7 +43,7 @@ PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPri
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.DIGEST_LENGTH)
 
 
-class IdentityError(Exception):
+class IdentityError(TrustError):
     """A certificate that does not prove a node identity; `reason` is a short metrics label."""
 
     def __init__(self, reason: str, message: str) -> None:

@@ -40,6 +40,7 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
+from transports.core.errors import TrustError
 from transports.trust.certs import OPERATOR_URI_PREFIX, TENANT_URI_PREFIX, CertificateError
 from transports.trust.identity import PrivateKey, PublicKey, TrustAnchor, sign_with, verify_signature
 
@@ -51,7 +52,7 @@ MAX_TOKEN_BYTES = 32 * 1024
 _TIMES = struct.Struct("<qq")
 
 
-class TenantError(Exception):
+class TenantError(TrustError):
     """A token that proves no tenant; `reason` is the metrics label (kvfabric_tenant_refusals_total)."""
 
     def __init__(self, reason: str, message: str) -> None:

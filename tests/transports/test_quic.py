@@ -173,7 +173,7 @@ def test_abandoned_pull_frees_the_server_stream_and_keeps_the_connection(
             (conn,) = server._connections
             await wait_until(lambda: not conn._streams and not conn._ready)  # STOP_SENDING reached it
             assert source.num_gets < len(source.addresses)  # it stopped reading blocks for nobody
-            (client_conn, _), = client._pool.values()
+            (client_conn,) = client._pool
             assert not client_conn.pulls
             again = await pull_all(client, peer, source.addresses[:4])
             assert [r.address for r in again] == source.addresses[:4] and all(isinstance(r, Hit) for r in again)

@@ -45,7 +45,7 @@ from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, PeerRates, peer_rates
 from transports.core.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
 from transports.core.metrics import TransportMetrics
-from transports.core.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
+from transports.core.serving import BATCH_BYTES, ServingServer
 from transports.core.session import Fetched, ServerSession
 from transports.core.timer import DeadlineTimer
 from transports.quic.backend import QuicBackend, resolve
@@ -292,22 +292,18 @@ class _ServerConnection(GuardedConnection):
             return False
         rid, rest = batch
         server = self._server
-        if server.executor is not None and self._loop.time() < server.slow_until:
+        if not server.fetches_inline(self._loop.time()):
             stream.fetching = True   # the store is slow (disk): read it off the loop
             task = self._loop.create_task(self._fetch_in_thread(stream, session, rid, rest))
             server.fetches.add(task)
             task.add_done_callback(server.fetches.discard)
             return False
-        fetched, slow = fetch(server.source, rest, BATCH_BYTES, INLINE_FETCH_S)
-        server.note_fetch(slow, self._loop.time())
-        self._answered(stream, session, rid, rest, fetched)
+        self._answered(stream, session, rid, rest, server.fetch_inline(rest, BATCH_BYTES))
         return True
 
     async def _fetch_in_thread(self, stream: _Stream, session: ServerSession, rid: int,
                                rest: Sequence[BlockAddress]) -> None:
-        server = self._server
-        assert server.executor is not None, "fetching in a thread needs the pool"
-        fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, BATCH_BYTES)
+        fetched = await self._server.fetch_in_pool(rest, BATCH_BYTES)
         stream.fetching = False
         if stream.session is session and not self._terminated:
             self._answered(stream, session, rid, rest, fetched)

@@ -53,10 +53,8 @@ from transports.core.link import FrameLink
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import (
     BATCH_BYTES,
-    INLINE_FETCH_S,
     EgressPacer,
     ServingServer,
-    fetch,
     payload_bytes,
 )
 from transports.core.session import ServerSession
@@ -148,14 +146,11 @@ class ServerConnection:
                 if turn is None:
                     break
                 rid, rest = turn
-                # RAM-resident blocks are read on the loop; after SLOW_STREAK slow reads in a row
-                # (disk, not a one-off preemption) reading moves to the pool for SLOW_SOURCE_HOLD_S.
                 batch = BATCH_BYTES if server.pacer is None else server.pacer.batch_bytes(BATCH_BYTES)
-                if server.executor is None or self._loop.time() >= server.slow_until:
-                    fetched, slow = fetch(server.source, rest, batch, INLINE_FETCH_S)
-                    server.note_fetch(slow, self._loop.time())
+                if server.fetches_inline(self._loop.time()):
+                    fetched = server.fetch_inline(rest, batch)
                 else:
-                    fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, batch)
+                    fetched = await server.fetch_in_pool(rest, batch)
                 if link.closed or rid not in session.active:
                     break
                 now = self._loop.time()

@@ -24,8 +24,8 @@ from cluster.directory.auth import ReportSigner
 from cluster.directory.client import DirectoryClient
 from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.launch import LocalCluster, start_local_cluster
-from cluster.node.actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_name_for
-from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
+from cluster.node.actor import NodeActor, node_actor_name, node_name_for
+from fabric.config import NODE_NAME_ENV, ClusterConfig, Config, KVConfig, TransportConfig
 from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from transports.core.base import Hit, Peer

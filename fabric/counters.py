@@ -1,49 +1,59 @@
 """Counters kept in code and exported to Prometheus: owners read their own numbers, never the registry.
 
-    owner ── inc(n) ──► CountedCounter ──► prometheus Counter (export: /metrics)
-                                  └──────► value(*labels)     (what `stats()` reports)
+    owner ── inc(n) ──► CountedCounter.value (a float per label combination, under one lock)
+                                  │
+    /metrics scrape ──► collect() ┘ (a Prometheus collector: the same numbers, read at scrape time)
 
-`stats()` answers and /metrics never disagree because both come from the same `inc`: the value is
-added to the Prometheus counter and to a plain float beside it, under one lock (pulls are counted
-from the event loop, store work from I/O threads). Each label combination's child is created once;
-`labels()` afterwards is a dict lookup.
+`stats()` answers and /metrics never disagree because there is one number: the counter is a
+collector in the registry, so a scrape reads what the owner counted, as the gauges' callbacks do.
+An `inc` costs a lock and an add (pulls are counted from the event loop, store work from I/O
+threads), no more than a `prometheus_client.Counter` child's. The exposition is a Counter's:
+`<name>` samples per label combination and their `_created` timestamps. Each label combination's
+child is created once; `labels()` afterwards is a dict lookup.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily
 
 
 class CountedChild:
     """One label combination of a `CountedCounter`."""
 
-    __slots__ = ("_exported", "_lock", "value")
+    __slots__ = ("_lock", "created", "value")
 
-    def __init__(self, exported: Counter, lock: threading.Lock) -> None:
-        self._exported = exported
+    def __init__(self, lock: threading.Lock) -> None:
         self._lock = lock
         self.value = 0.0
+        self.created = time.time()
 
     def inc(self, amount: float = 1.0) -> None:
+        if amount < 0:
+            raise ValueError(f"counters only go up: inc({amount})")
         with self._lock:
-            self._exported.inc(amount)
             self.value += amount
 
 
 class CountedCounter:
-    """A Prometheus counter named `name` (in `registry`) whose values this object also keeps."""
+    """A counter named `name` (ending in `_total`), registered in `registry` as a collector."""
 
     def __init__(self, name: str, documentation: str, labelnames: Sequence[str] = (), *,
                  registry: CollectorRegistry | None) -> None:
+        if not name.endswith("_total"):
+            raise ValueError(f"a counter's name ends in _total, got {name!r}")
         self.name = name
+        self.documentation = documentation
         self.labelnames = tuple(labelnames)
-        self._exported = Counter(name, documentation, self.labelnames, registry=registry)
         self._lock = threading.Lock()
         self._children: dict[tuple[str, ...], CountedChild] = {}
-        self._unlabelled = None if self.labelnames else CountedChild(self._exported, self._lock)
+        self._unlabelled = None if self.labelnames else CountedChild(self._lock)
+        if registry is not None:
+            registry.register(self)
 
     def labels(self, *values: str) -> CountedChild:
         found = self._children.get(values)
@@ -51,7 +61,7 @@ class CountedCounter:
             if len(values) != len(self.labelnames):
                 raise ValueError(f"{self.name} takes labels {self.labelnames}, got {values}")
             with self._lock:
-                found = self._children.setdefault(values, CountedChild(self._exported.labels(*values), self._lock))
+                found = self._children.setdefault(values, CountedChild(self._lock))
         return found
 
     def inc(self, amount: float = 1.0) -> None:
@@ -65,3 +75,14 @@ class CountedCounter:
             return self._unlabelled.value
         found = self._children.get(labels)
         return 0.0 if found is None else found.value
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
+        with self._lock:
+            children = list(self._children.items()) if self._unlabelled is None else [((), self._unlabelled)]
+            for values, child in children:
+                family.add_metric(list(values), child.value, created=child.created)
+        yield family

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, generate_latest
 
 from fabric.counters import CountedCounter
 
@@ -45,3 +45,15 @@ def test_wrong_labels_are_refused_with_the_metric_named() -> None:
         pulls.inc()
     with pytest.raises(ValueError, match="kvfabric_test_bad_total takes labels"):
         pulls.labels("hit", "extra")
+
+
+def test_a_scrape_shows_the_counted_numbers_as_a_prometheus_counter_would() -> None:
+    registry = CollectorRegistry()
+    hits = CountedCounter("kvfabric_test_scraped_total", "hits", ["source"], registry=registry)
+    hits.labels("peer").inc(2)
+    text = generate_latest(registry).decode()
+    assert "# TYPE kvfabric_test_scraped_total counter" in text
+    assert 'kvfabric_test_scraped_total{source="peer"} 2.0' in text
+    assert 'kvfabric_test_scraped_created{source="peer"}' in text
+    with pytest.raises(ValueError, match="only go up"):
+        hits.labels("peer").inc(-1)

@@ -44,8 +44,8 @@ from benchmarks.network_runs import Measures, measure_profile, profile_figures
 from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE
 from cluster.netbed.bed import NetBed, NetbedUnavailable
 from cluster.netbed.plan import NetbedError, parse_profile
-from transports.core.certs import init_ca, issue_node
 from transports.quic.backend import resolve
+from transports.trust.certs import init_ca, issue_node
 
 logger = logging.getLogger("bench_network")
 ROOT = Path(__file__).resolve().parent.parent

@@ -110,12 +110,12 @@ from benchmarks.transfer_provenance import (
 )
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
-from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
-from transports.core.identity import NodeSigner, TrustAnchor
-from transports.core.provenance_check import ProvenanceVerifier
 from transports.tls import channel as tls_channel
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.trust.identity import NodeSigner, TrustAnchor
+from transports.trust.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger("bench_transfer")
 

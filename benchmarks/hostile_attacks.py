@@ -39,9 +39,9 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from benchmarks.soak_node import big_address
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Peer
-from transports.core.certs import CredentialFiles, NodeCredentials
 from transports.core.codec import Bye, End, Error, ErrorCode, FrameDecoder, Hello, Miss, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient
+from transports.trust.certs import CredentialFiles, NodeCredentials
 
 SERVER_NODE, ATTACKER = "node-a", "bad-1"
 FLOOD_BATCH = 64   # PULLs written per round of the TLS-TCP flood

@@ -36,10 +36,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.stream_blocks import answer_requests
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import TransportServer
-from transports.core.certs import CredentialFiles, NodeCredentials
 from transports.quic import QuicTransportServer, QuicTuning
 from transports.quic.backend import resolve
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import CredentialFiles, NodeCredentials
 
 SERVER_NODE, CLIENT_NODE = "net-server", "net-client"
 TLS_TCP_PORT, QUIC_PORT, QUIC_STOCK_PORT, TCP_PORT, TLS_PORT = 7101, 7102, 7103, 7104, 7105

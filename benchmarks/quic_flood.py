@@ -44,8 +44,8 @@ from benchmarks._common import emit_json, percentile, print_table
 from benchmarks.transfer_baselines import stop_process
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
-from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
+from transports.trust.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 
 SERVER_NODE, CLIENT_NODE = "flood-server", "flood-client"
 SETTINGS = {"retry": (True, 128), "no_retry_cap": (False, 128), "no_retry_open": (False, 1 << 30)}

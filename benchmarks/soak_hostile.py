@@ -43,9 +43,9 @@ from benchmarks.quic_flood import rss_mib
 from benchmarks.soak_node import address
 from benchmarks.transfer_baselines import process_cpu_s
 from transports.core.base import Hit, Peer
-from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.quic import QuicTransportClient
 from transports.tls.client import TlsTcpClient
+from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
 
 HERE = Path(__file__).resolve().parent
 GOOD = "good-1"

@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks._common import percentile
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
-from transports.core.certs import CredentialFiles, NodeCredentials
 from transports.quic import QuicTransportServer
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import CredentialFiles, NodeCredentials
 
 LAG_TICK_S = 0.01
 

@@ -2,7 +2,7 @@
 checking those records costs on its own.
 
     tls_tcp_provenance   the tls_tcp method against a server whose payloads carry records; the client
-                         checks every payload as a NodeActor's puller does (transports/core/provenance_check.py).
+                         checks every payload as a NodeActor's puller does (transports/trust/provenance_check.py).
                          LAYERS_PER_BLOCK consecutive payloads are the layers of one block and share
                          one record; RUN_BLOCKS consecutive blocks were stored as one run and share
                          one signature (as `LocalFabric.write_blocks` signs what an engine stores at
@@ -30,12 +30,12 @@ import blake3
 from benchmarks.transfer_baselines import BLOCK_SIZES, num_distinct, random_blocks
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_run
-from transports.core.certs import CA_CERT
 from transports.core.codec import FrameDecoder, encode
 from transports.core.frames import Block, Blocks
-from transports.core.identity import NodeSigner, TrustAnchor
-from transports.core.provenance_check import ProvenanceVerifier
 from transports.core.session import GROUP_BYTES, GROUP_PART_MAX
+from transports.trust.certs import CA_CERT
+from transports.trust.identity import NodeSigner, TrustAnchor
+from transports.trust.provenance_check import ProvenanceVerifier
 
 # A Llama-3-8B-class layout: 32 layers, and 16 tokens x 8 KV heads x 128 dims x K,V x fp16 = 64 KiB
 # per (block, layer), the benchmark's smallest payload.

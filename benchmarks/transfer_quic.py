@@ -36,10 +36,10 @@ from aioquic.quic.configuration import QuicConfiguration
 from benchmarks._common import emit_json, median, print_table
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
-from transports.core.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 from transports.core.codec import FrameDecoder, MissReason, Pull, encode, encode_parts, payload_pieces
 from transports.core.tracker import PullTracker, answer_pull
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer, QuicTuning
+from transports.trust.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 
 logger = logging.getLogger(__name__)
 

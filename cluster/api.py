@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from cluster.errors import ClusterError
 from fabric.block_ids import BlockId
 from fabric.keys import Namespace
 
@@ -168,7 +169,7 @@ class LayerStream(Protocol):
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]: ...
 
 
-class IncompleteLoadError(Exception):
+class IncompleteLoadError(ClusterError):
     """A layer-wise load could not deliver a layer for every planned block (peer died, corrupt)."""
 
 

@@ -42,12 +42,13 @@ from cluster.api import (
     StoreReply,
     Tokens,
 )
+from cluster.errors import ClusterError
 from cluster.node.actor import node_actor_name
 from cluster.tenancy import TenantRefusedError
 from fabric.block_ids import BlockId
 from fabric.config import ClusterConfig, TenancyConfig
 from fabric.keys import Namespace
-from transports.core.tenant_tokens import TenantMinter
+from transports.trust.tenant_tokens import TenantMinter
 
 DEFAULT_NAMESPACE = "kvfabric"
 DEFAULT_CALL_TIMEOUT_S = ClusterConfig().client_timeout_s
@@ -56,11 +57,11 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 
-class FabricUnavailableError(RuntimeError):
+class FabricUnavailableError(ClusterError, RuntimeError):
     """No NodeActor serves this Ray node (the fabric is not started here, or not yet)."""
 
 
-class FabricTimeoutError(TimeoutError):
+class FabricTimeoutError(ClusterError, TimeoutError):
     """The node's NodeActor did not answer a call within the client's `call_timeout_s`."""
 
 

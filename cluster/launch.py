@@ -27,7 +27,7 @@ from cluster.directory.actor import shard_actor_name, start_directory
 from cluster.node.actor import node_actor_name, node_name_for
 from cluster.supervisor import SUPERVISOR_NAME, alive_node_ids, ensure_nodes, start_supervisor
 from fabric.config import Config
-from transports.core.certs import CA_CERT, init_ca, issue_node
+from transports.trust.certs import CA_CERT, init_ca, issue_node
 
 logger = logging.getLogger(__name__)
 

@@ -29,18 +29,19 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter
 
+from cluster.errors import ClusterError
 from fabric.config import TenancyConfig
 from fabric.keys import Namespace
 from fabric.tenancy import TenancyPolicy
-from transports.core.identity import TrustAnchor
-from transports.core.tenant_tokens import Principal, TenantError, TenantVerifier, tenants_of_node
+from transports.trust.identity import TrustAnchor
+from transports.trust.tenant_tokens import Principal, TenantError, TenantVerifier, tenants_of_node
 
 logger = logging.getLogger(__name__)
 
 MAX_ROOTS = 65536   # namespace roots remembered for the transport's per-peer tenant check
 
 
-class TenantRefusedError(PermissionError):
+class TenantRefusedError(ClusterError, PermissionError):
     """The call's tenant token was missing, invalid, or names a tenant this node does not serve."""
 
 

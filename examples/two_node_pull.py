@@ -34,8 +34,8 @@ from fabric.keys import BlockAddress, addresses, block_hashes
 from fabric.store import Store
 from fabric.tiers.base import Payload
 from transports.core.base import Hit, Peer
-from transports.core.certs import init_ca, issue_node
 from transports.factory import create_client, create_server
+from transports.trust.certs import init_ca, issue_node
 
 logger = logging.getLogger("two_node_pull")
 

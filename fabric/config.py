@@ -12,22 +12,73 @@ import dataclasses
 import os
 import tomllib
 import types
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin, get_type_hints
+from typing import Any, Final, Literal, get_args, get_origin, get_type_hints
 
+from fabric.errors import FabricError
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 
 
-class ConfigError(ValueError):
+class ConfigError(FabricError, ValueError):
     """The configuration file or a value in it is invalid."""
+
+
+HOME_ENV: Final = "KVFABRIC_HOME"
+NODE_NAME_ENV: Final = "KVFABRIC_NODE_NAME"
+ADVERTISE_HOST_ENV: Final = "KVFABRIC_ADVERTISE_HOST"
+
+
+@dataclass(frozen=True, slots=True)
+class Environment:
+    """What kvfabric takes from a process's environment, read here and nowhere else.
+
+    `home` ($KVFABRIC_HOME, else ~/.cache/kvfabric): the root of every default path. `node_name`
+    ($KVFABRIC_NODE_NAME; "": derived from the Ray node id): a node's certificate name, e.g. the
+    Kubernetes pod's, so a restarted pod finds its SSD blocks again under a new Ray node id.
+    `advertise_host` ($KVFABRIC_ADVERTISE_HOST; "": the Ray node's IP address): the host a node
+    listening on every interface advertises, a name its certificate carries."""
+
+    home: Path
+    node_name: str = ""
+    advertise_host: str = ""
+
+    @classmethod
+    def read(cls, environ: Mapping[str, str] | None = None) -> Environment:
+        env = os.environ if environ is None else environ
+        return cls(Path(env.get(HOME_ENV) or Path.home() / ".cache" / "kvfabric"), env.get(NODE_NAME_ENV, ""),
+                   env.get(ADVERTISE_HOST_ENV, ""))
 
 
 def kvfabric_home() -> Path:
     """The root of every default path: `$KVFABRIC_HOME`, else `~/.cache/kvfabric`."""
-    return Path(os.environ.get("KVFABRIC_HOME", Path.home() / ".cache" / "kvfabric"))
+    return Environment.read().home
 
+
+# The [transport] defaults, in one place: `TransportConfig` and every transport's constructor and
+# session take theirs from here (a transport built without a config behaves as the default config).
+MAX_PAYLOAD_BYTES: Final = 64 * 1024 * 1024   # largest frame payload a peer may send
+MAX_DATAGRAM_SIZE: Final = 8952               # QUIC: a 9000-byte MTU minus IP/UDP headers; 1452 for Ethernet
+QUIC_MAX_DATA: Final = 8 * 1024 * 1024         # QUIC connection flow-control window
+QUIC_MAX_STREAM_DATA: Final = 4 * 1024 * 1024  # QUIC per-stream flow-control window
+MAX_INFLIGHT: Final = 32                       # PULLs a server works on at once per connection
+CONNECT_TIMEOUT_S: Final = 5.0                 # dial + handshake (a server's handshake deadline too)
+IDLE_TIMEOUT_S: Final = 30.0                   # a connection idle this long is closed
+FRAME_TIMEOUT_S: Final = 10.0                  # a frame arrives whole, and a waiting pull hears, within this
+MAX_CONNECTIONS_PER_PEER: Final = 8            # per peer node, on each transport (past it: ERROR overloaded)
+QUIC_MAX_HALF_OPEN: Final = 128                # QUIC connections mid-handshake, in total ...
+QUIC_MAX_HALF_OPEN_PER_ADDRESS: Final = 16     # ... and from one source address
+PEER_PULLS_PER_S: Final = 1000.0               # PULLs one peer node may start per second ...
+PEER_PULL_BURST: Final = 2000.0                # ... and at once after being idle
+PEER_BYTES_PER_S: Final = 4.0 * (1 << 30)      # payload bytes one peer node may be served per second ...
+PEER_BYTES_BURST: Final = 4.0 * (1 << 30)      # ... and at once after being idle
+NODE_BYTES_PER_S: Final = 8.0 * (1 << 30)      # payload bytes all peers together, shared fairly when short ...
+NODE_BYTES_BURST: Final = 8.0 * (1 << 30)      # ... and at once after being idle
+NODE_HANDSHAKES_PER_S: Final = 200.0           # TLS / QUIC handshakes begun, all sources, shared fairly ...
+NODE_HANDSHAKE_BURST: Final = 400.0            # ... and at once after being idle
+IO_THREADS: Final = 4                          # threads for slow (disk) reads, in the store and the servers
 
 TransportKind = Literal["quic", "tls-tcp", "rdma"]
 QuicBackendName = Literal["auto", "aioquic", "qh3"]
@@ -50,7 +101,7 @@ class KVConfig:
     o_direct: bool = True                # use O_DIRECT reads where the filesystem allows it
     eviction_interval_s: float = 1.0
     ram_high_water: float = 1.25         # past ram_gib * this, put() answers "full"
-    io_threads: int = 4
+    io_threads: int = IO_THREADS
     gpu_offload_threshold: float = 0.85
     cpu_offload_threshold: float = 0.90
     prefetch_threshold: float = 0.7
@@ -77,25 +128,25 @@ class TransportConfig:
     tcp_port: int = 0
     cert_dir: str = str(kvfabric_home() / "certs")
     node_name: str = "node-0"
-    max_payload_bytes: int = 64 * 1024 * 1024
-    max_datagram_size: int = 8952
-    quic_max_data: int = 8 * 1024 * 1024         # QUIC connection flow-control window
-    quic_max_stream_data: int = 4 * 1024 * 1024  # QUIC per-stream flow-control window
-    quic_max_half_open: int = 128                # QUIC connections mid-handshake, in total ...
-    quic_max_half_open_per_address: int = 16     # ... and from one source address
-    max_connections_per_peer: int = 8            # per peer node, on each transport (past it: ERROR overloaded)
-    peer_pulls_per_s: float = 1000.0             # PULLs one peer node may start per second ...
-    peer_pull_burst: float = 2000.0              # ... and at once after being idle
-    peer_bytes_per_s: float = 4.0 * (1 << 30)    # payload bytes one peer node may be served per second ...
-    peer_bytes_burst: float = 4.0 * (1 << 30)    # ... and at once after being idle
-    node_bytes_per_s: float = 8.0 * (1 << 30)    # payload bytes all peers together, shared fairly when short ...
-    node_bytes_burst: float = 8.0 * (1 << 30)    # ... and at once after being idle
-    node_handshakes_per_s: float = 200.0         # TLS / QUIC handshakes begun, all sources, shared fairly ...
-    node_handshake_burst: float = 400.0          # ... and at once after being idle
-    connect_timeout_s: float = 5.0
-    idle_timeout_s: float = 30.0
-    frame_timeout_s: float = 10.0
-    max_inflight: int = 32
+    max_payload_bytes: int = MAX_PAYLOAD_BYTES
+    max_datagram_size: int = MAX_DATAGRAM_SIZE
+    quic_max_data: int = QUIC_MAX_DATA
+    quic_max_stream_data: int = QUIC_MAX_STREAM_DATA
+    quic_max_half_open: int = QUIC_MAX_HALF_OPEN
+    quic_max_half_open_per_address: int = QUIC_MAX_HALF_OPEN_PER_ADDRESS
+    max_connections_per_peer: int = MAX_CONNECTIONS_PER_PEER
+    peer_pulls_per_s: float = PEER_PULLS_PER_S
+    peer_pull_burst: float = PEER_PULL_BURST
+    peer_bytes_per_s: float = PEER_BYTES_PER_S
+    peer_bytes_burst: float = PEER_BYTES_BURST
+    node_bytes_per_s: float = NODE_BYTES_PER_S
+    node_bytes_burst: float = NODE_BYTES_BURST
+    node_handshakes_per_s: float = NODE_HANDSHAKES_PER_S
+    node_handshake_burst: float = NODE_HANDSHAKE_BURST
+    connect_timeout_s: float = CONNECT_TIMEOUT_S
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    frame_timeout_s: float = FRAME_TIMEOUT_S
+    max_inflight: int = MAX_INFLIGHT
     send_rate_mb_s: float = 0.0                  # TLS-TCP: MB/s this node serves at most, all peers (0: no cap)
 
 

@@ -39,6 +39,7 @@ from typing import Any
 import msgpack
 from rocksdict import AccessType, Options, Rdict, WriteBatch, WriteOptions
 
+from fabric.errors import FabricError
 from fabric.keys import HASH_SIZE, StorageKey
 from fabric.provenance import Provenance
 from fabric.tiers.base import DIGEST_SIZE, Tier
@@ -53,11 +54,11 @@ RESERVE_BYTES = 1 << 20
 RECONCILE_ACTIONS = ("file_without_row", "row_without_file", "size_mismatch", "bad_row", "temp_file")
 
 
-class IndexUnavailableError(Exception):
+class IndexUnavailableError(FabricError):
     """The index database could not be opened or written (locked, missing, I/O error)."""
 
 
-class BadRowError(ValueError):
+class BadRowError(FabricError, ValueError):
     """A row whose value is not a valid meta record."""
 
 

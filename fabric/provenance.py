@@ -39,7 +39,7 @@ Record encoding (what frames carry and the index stores, beside the producer's c
 
 The certificate (DER) travels beside the record, never inside the signed bytes: the CA's signature
 on it binds the signing key to the producer's name, and verifying that is the verifier's job
-(transports/core/provenance_check.py).
+(transports/trust/provenance_check.py).
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from typing import Protocol
 
 import blake3
 
+from fabric.errors import FabricError
 from fabric.keys import HASH_SIZE
 from fabric.merkle import MAX_DEPTH, leaf_hash, root_and_paths, root_from_path
 
@@ -73,7 +74,7 @@ _LAYERS = struct.Struct("<II")
 _NAME_LEN = struct.Struct("<H")
 
 
-class ProvenanceError(ValueError):
+class ProvenanceError(FabricError, ValueError):
     """Bytes that are not a provenance record (a peer's or a file's fault)."""
 
 
@@ -253,7 +254,7 @@ class Provenance:
 
 class BlockSigner(Protocol):
     """A producer's signing key and the certificate that binds it to its node name
-    (transports.core.identity.NodeSigner)."""
+    (transports.trust.identity.NodeSigner)."""
 
     @property
     def node(self) -> str: ...

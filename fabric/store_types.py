@@ -10,6 +10,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from fabric.errors import FabricError
 from fabric.index import BlockMeta
 from fabric.keys import BlockAddress, BlockHash, StorageKey
 from fabric.provenance import Provenance
@@ -35,7 +36,7 @@ class PutResult(enum.Enum):
         return self is PutResult.OK
 
 
-class StoreClosedError(RuntimeError):
+class StoreClosedError(FabricError, RuntimeError):
     """A call reached a store that is closing or closed (see `Store.close`)."""
 
 

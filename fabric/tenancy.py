@@ -2,7 +2,7 @@
 
 A namespace's root hash covers its `tenant_salt`, so two tenants with different salts never share a
 block address. The salt is derived here from the tenant's name, which only a verified credential
-supplies (transports/core/tenant_tokens.py); the salt a caller passes is ignored. So knowing another
+supplies (transports/trust/tenant_tokens.py); the salt a caller passes is ignored. So knowing another
 tenant's salt, or its addresses, gets a caller nothing: its own calls are rebound to its own salt.
 
     salt(tenant) = BLAKE3-derive-key(SALT_CONTEXT, "tenant\\0" || NAME)                 (32 bytes)
@@ -20,11 +20,13 @@ from dataclasses import dataclass, field
 
 import blake3
 
+from fabric.errors import FabricError
+
 SALT_CONTEXT = "kvfabric 2026-11 tenant namespace salt v1"
 ANONYMOUS_SALT = b""
 
 
-class TenancyConfigError(ValueError):
+class TenancyConfigError(FabricError, ValueError):
     """A shared-group list that is not a partition of tenant names."""
 
 

@@ -17,13 +17,14 @@ from typing import get_args
 
 from fabric.config import TransportConfig, TransportKind
 from transports.core.base import BlockSource, TransportClient, TransportServer
-from transports.core.certs import CredentialFiles, NodeCredentials
+from transports.core.errors import TransportError
 from transports.core.metrics import TransportMetrics
+from transports.trust.certs import CredentialFiles, NodeCredentials
 
 KINDS: tuple[str, ...] = get_args(TransportKind)
 
 
-class TransportUnavailableError(RuntimeError):
+class TransportUnavailableError(TransportError, RuntimeError):
     """The configured transport cannot run on this machine (e.g. RDMA without a device)."""
 
 

@@ -14,7 +14,7 @@ from cryptography import x509
 
 from cluster.cli import events_keys
 from cluster.cli.main import CLIError
-from transports.core.certs import CRL, CertificateError, init_ca, issue_node, issue_operator, issue_tenant, revoke
+from transports.trust.certs import CRL, CertificateError, init_ca, issue_node, issue_operator, issue_tenant, revoke
 
 
 def register(sub: Any) -> None:

@@ -35,8 +35,8 @@ from rich.table import Table
 from cluster.cli.main import CLIError
 from cluster.netbed.bed import NetBed, pid_alive
 from fabric.config import ClusterConfig, Config, ConfigError, kvfabric_home
-from transports.core.certs import CA_KEY, OPERATOR_SUFFIX, CertificateError, issue_operator
-from transports.core.tenant_tokens import TenantMinter
+from transports.trust.certs import CA_KEY, OPERATOR_SUFFIX, CertificateError, issue_operator
+from transports.trust.tenant_tokens import TenantMinter
 
 logger = logging.getLogger(__name__)
 

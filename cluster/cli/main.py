@@ -13,12 +13,14 @@ import logging
 import sys
 from collections.abc import Sequence
 
+from cluster.errors import ClusterError
+
 # Modules that add sub-commands; each has register(subparsers: argparse._SubParsersAction).
 COMMAND_MODULES = ("cluster.cli.cluster", "cluster.cli.demo", "cluster.cli.inspect", "cluster.cli.certs",
                    "cluster.cli.purge", "cluster.cli.unbind")
 
 
-class CLIError(Exception):
+class CLIError(ClusterError):
     """A user-facing error: printed as one line, exit code 2."""
 
 

@@ -35,10 +35,10 @@ from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, LocateReply, NodeAddress, NodeInfo
 from cluster.tenancy import TenantRefusedError
 from fabric.config import ClusterConfig
-from transports.core.certs import CA_CERT, CRL, CertificateError, revoked_serials
-from transports.core.identity import TrustAnchor
-from transports.core.revocation import RevocationFile
-from transports.core.tenant_tokens import TenantError, TenantVerifier
+from transports.trust.certs import CA_CERT, CRL, CertificateError, revoked_serials
+from transports.trust.identity import TrustAnchor
+from transports.trust.revocation import RevocationFile
+from transports.trust.tenant_tokens import TenantError, TenantVerifier
 
 logger = logging.getLogger(__name__)
 

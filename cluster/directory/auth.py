@@ -41,7 +41,8 @@ from typing import Protocol
 from cluster.directory.report import BODIES, Proof, Report, signed_message
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, derived_node_name, is_derived_node_name
-from transports.core.identity import IdentityError, NodeIdentity
+from cluster.errors import ClusterError
+from transports.trust.identity import IdentityError, NodeIdentity
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ class Verifier(Protocol):
     def identity(self, cert: bytes) -> NodeIdentity: ...
 
 
-class _Refused(Exception):
+class _Refused(ClusterError):
     def __init__(self, reason: str) -> None:
         super().__init__(reason)
         self.reason = reason

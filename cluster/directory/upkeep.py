@@ -27,13 +27,14 @@ from typing import Protocol
 from cluster.directory.report import Apply, BeginResync, Body, EndResync, Heartbeat, Report, ReportSigner, ResyncBatch
 from cluster.directory.sync import DirectorySync
 from cluster.directory.types import ApplyOutcome, NodeAddress
+from cluster.errors import ClusterError
 from cluster.node.metrics import ClusterMetrics
 from fabric.config import ClusterConfig
 
 logger = logging.getLogger(__name__)
 
 
-class ShardUnavailable(Exception):
+class ShardUnavailable(ClusterError):
     """A directory shard did not answer (dead, restarting, stalled past the call timeout)."""
 
 

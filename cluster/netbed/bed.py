@@ -29,6 +29,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from cluster.errors import ClusterError
 from cluster.netbed.plan import (
     BedPlan,
     NetbedError,
@@ -48,7 +49,7 @@ STATE_NAME = "bed.json"
 _libc = ctypes.CDLL(None, use_errno=True)
 
 
-class NetbedUnavailable(RuntimeError):
+class NetbedUnavailable(ClusterError, RuntimeError):
     """This machine cannot host a bed; the message names the missing capability."""
 
 

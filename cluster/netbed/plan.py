@@ -13,13 +13,15 @@ import ipaddress
 import re
 from dataclasses import dataclass
 
+from cluster.errors import ClusterError
+
 PREFIX_RE = re.compile(r"^kvb[0-9a-f]{4}$")
 HOST_IF = "eth0"               # the host's end of its veth, inside its namespace
 MAX_HOSTS = 200
 NFT_TABLE = "kvfabric_bed"
 
 
-class NetbedError(ValueError):
+class NetbedError(ClusterError, ValueError):
     """A bed request that cannot be planned: unknown profile, bad prefix, too many hosts."""
 
 

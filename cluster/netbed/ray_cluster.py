@@ -26,8 +26,7 @@ import ray
 from cluster.launch import ensure_ca, issue_local_certs, local_config, start_fabric
 from cluster.netbed.bed import NetBed
 from cluster.netbed.plan import ray_start_command
-from cluster.node.runtime import ADVERTISE_HOST_ENV
-from fabric.config import Config
+from fabric.config import ADVERTISE_HOST_ENV, Config
 
 logger = logging.getLogger(__name__)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -56,7 +55,7 @@ from cluster.node.reads import NodeLoader
 from cluster.node.runtime import NodeRuntime
 from cluster.node.stats import node_stats
 from fabric.block_ids import BlockId, block_id_hashes
-from fabric.config import Config
+from fabric.config import Config, Environment
 from fabric.events import EventKind
 from fabric.keys import BlockHash, Namespace, block_hashes
 
@@ -78,15 +77,12 @@ def node_actor_name(node_id: str) -> str:
     return f"kvfabric-node-{node_id}"
 
 
-NODE_NAME_ENV = "KVFABRIC_NODE_NAME"
-
-
 def node_name_for(node_id: str) -> str:
     """The certificate / transport name and folder of a Ray node: `$KVFABRIC_NODE_NAME` when the
     node's environment sets it (e.g. the Kubernetes node name, so a restarted pod finds its SSD
     blocks again under a new Ray node id), else derived from the Ray node id (stable across restarts
     of the actor on that node)."""
-    return os.environ.get(NODE_NAME_ENV) or derived_node_name(node_id)
+    return Environment.read().node_name or derived_node_name(node_id)
 
 
 # Every method may run twice: reads are reads, and a store of the same tokens writes the same

@@ -28,6 +28,7 @@ import numpy as np
 import ray
 
 from cluster.api import AuditReport
+from cluster.errors import ClusterError
 from cluster.node.local import LocalFabric
 from cluster.node.metrics import ClusterMetrics
 from cluster.node.quarantine import QUARANTINED, QuarantineBook, entry_problem, released_entry, signed_entry
@@ -37,7 +38,7 @@ from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash, Namespace
 from fabric.provenance import VERSION_TAG_SIZE, Provenance, version_producer
 from fabric.store import Store
-from transports.core.identity import NodeSigner, TrustAnchor
+from transports.trust.identity import NodeSigner, TrustAnchor
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,7 @@ TICKET_TTL_S = 600.0      # an engine has this long to hand in the KV of a sampl
 MAX_TICKETS = 4096
 
 
-class AuditRefusedError(ValueError):
+class AuditRefusedError(ClusterError, ValueError):
     """An audit of blocks this node did not sample: nobody picks which producer to accuse."""
 
 

@@ -11,6 +11,7 @@ from functools import partial
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from cluster.directory.breaker import CircuitBreaker
+from fabric.counters import CountedCounter
 
 
 def _breaker_value(breaker: CircuitBreaker) -> float:
@@ -28,18 +29,20 @@ class ClusterMetrics:
         self.load_seconds = Histogram("kvfabric_load_seconds", "Time to answer a load (local reads + pulls)",
                                       registry=registry,
                                       buckets=(0.001, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0))
-        self.requested_blocks = Counter("kvfabric_requested_blocks_total", "Full blocks asked for by load",
-                                        registry=registry)
-        self.hit_blocks = Counter("kvfabric_hit_blocks_total", "Blocks a load returned, by where they came from",
-                                  ["source"], registry=registry)
-        self.said_yes_owner_no = Counter("kvfabric_directory_said_yes_owner_said_no_total",
-                                         "Pull runs whose owner, named by the directory, did not have the blocks",
+        # Counted in code as well (fabric/counters.py): `stats()` reports these without reading the registry.
+        self.requested_blocks = CountedCounter("kvfabric_requested_blocks_total", "Full blocks asked for by load",
+                                               registry=registry)
+        self.hit_blocks = CountedCounter("kvfabric_hit_blocks_total",
+                                         "Blocks a load returned, by where they came from", ["source"],
                                          registry=registry)
+        self.said_yes_owner_no = CountedCounter("kvfabric_directory_said_yes_owner_said_no_total",
+                                                "Pull runs whose owner, named by the directory, did not have the "
+                                                "blocks", registry=registry)
         self.pull_failures = Counter("kvfabric_pull_failures_total",
                                      "Pull runs that failed on a peer (error, timeout, dead peer)", registry=registry)
         self.fallbacks = Counter("kvfabric_pull_fallbacks_total", "Pull runs retried on another owner",
                                  registry=registry)
-        self.provenance_rejections = Counter(
+        self.provenance_rejections = CountedCounter(
             "kvfabric_provenance_rejections_total",
             "Pulled payloads refused because their producer's signature did not hold, by reason",
             ["reason"], registry=registry)

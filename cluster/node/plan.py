@@ -25,7 +25,7 @@ from fabric.keys import BlockHash
 from fabric.provenance import Provenance
 from fabric.tiers.base import Tier
 from transports.core.base import Peer
-from transports.core.provenance_check import ProvenanceVerifier
+from transports.trust.provenance_check import ProvenanceVerifier
 
 
 @dataclass(frozen=True, slots=True)

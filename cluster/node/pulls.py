@@ -14,7 +14,7 @@ The transport has already checked every payload against the digest its authentic
 announced; here a result is also checked to be an address we asked for and of the exact size
 the namespace implies, so a peer cannot fill the wrong slot, and its provenance is checked: the
 digest must be the one the block's producer signed, for this namespace, block and layer, with a
-certificate of the cluster CA that is not revoked (transports/core/provenance_check.py). A payload that
+certificate of the cluster CA that is not revoked (transports/trust/provenance_check.py). A payload that
 fails is a miss counted by reason (`PullOutcome.rejections`), never filled, so never mirrored or
 advertised, and its peer's blocks move to the next owner. The answer is the leading run of
 blocks complete in every layer — any failure makes a shorter hit, never wrong KV.
@@ -41,8 +41,8 @@ from cluster.planner import PullRun, plan_pulls
 from fabric.keys import BlockAddress
 from fabric.provenance import Rejection
 from transports.core.base import Hit, TransportClient
-from transports.core.certs import CertificateError
 from transports.core.codec import ProtocolError
+from transports.trust.certs import CertificateError
 
 logger = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from transports.core.identity import IdentityError, NodeSigner, TrustAnchor
+from transports.trust.identity import IdentityError, NodeSigner, TrustAnchor
 
 logger = logging.getLogger(__name__)
 

@@ -53,7 +53,7 @@ from fabric.layout import LayoutKind
 from fabric.priority import lower_thread_priority
 from fabric.provenance import Provenance, version_producer
 from transports.core.base import Peer, TransportClient
-from transports.core.provenance_check import ProvenanceVerifier
+from transports.trust.provenance_check import ProvenanceVerifier
 
 logger = logging.getLogger(__name__)
 

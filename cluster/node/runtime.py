@@ -17,7 +17,6 @@ import dataclasses
 import gc
 import logging
 import math
-import os
 import time
 from pathlib import Path
 
@@ -30,24 +29,21 @@ from cluster.events.publisher import KvEventPublisher
 from cluster.node.local import LocalFabric
 from cluster.node.metrics import ClusterMetrics
 from cluster.tenancy import TenantGate
-from fabric.config import Config
+from fabric.config import Config, Environment
 from fabric.store import Store
 from transports.core.base import TransportClient, TransportServer
 from transports.core.buffers import tune_allocator
-from transports.core.certs import CA_CERT, CRL, CertificateError, crl_next_update
-from transports.core.identity import NodeSigner, TrustAnchor
 from transports.core.metrics import TransportMetrics
-from transports.core.provenance_check import ProvenanceVerifier
 from transports.core.serving import EgressPacer
 from transports.factory import create_client, create_server
+from transports.trust.certs import CA_CERT, CRL, CertificateError
+from transports.trust.identity import NodeSigner, TrustAnchor, read_ca_cert
+from transports.trust.provenance_check import ProvenanceVerifier
+from transports.trust.revocation import RevocationFile
 
 logger = logging.getLogger(__name__)
 
 GC_THRESHOLD = 50_000   # young-generation allocations between cycle-collector passes (CPython: 700)
-
-# The host a node advertises when it listens on every interface: a DNS name its certificate names
-# (the chart sets the pod's), else the Ray node's IP address (which the certificate must then name).
-ADVERTISE_HOST_ENV = "KVFABRIC_ADVERTISE_HOST"
 
 
 class NodeRuntime:
@@ -85,13 +81,13 @@ class NodeRuntime:
         self.local.revoked = self.trust.revoked
         self.tenancy = TenantGate(cfg.tenancy, self.trust,
                                   (Path(transport.cert_dir) / f"{self.node_name}.pem").read_bytes(), self.registry)
-        tmetrics = TransportMetrics(self.registry)
+        self.transport_metrics = tmetrics = TransportMetrics(self.registry)
         self.server: TransportServer = create_server(transport, self.kv_store, metrics=tmetrics)
         self.server.require_pull_namespace = cfg.tenancy.required   # docs/tenants.md
         self.server.tenant_roots = self.tenancy.tenants_of_root
         host, port = await self.server.start()
         if host in ("0.0.0.0", "::"):
-            host = os.environ.get(ADVERTISE_HOST_ENV) or ray.util.get_node_ip_address()
+            host = Environment.read().advertise_host or ray.util.get_node_ip_address()
         self.client: TransportClient = create_client(transport, metrics=tmetrics)
         self.address = NodeAddress(host, port, transport.kind, self.node_name)
         bind = "127.0.0.1" if transport.host.startswith("127.") else "0.0.0.0"
@@ -114,32 +110,27 @@ class NodeRuntime:
             logger.error("%s", message)
             raise CertificateError(message)
         self.signer = NodeSigner(cert_dir / f"{self.node_name}.pem", cert_dir / f"{self.node_name}.key")
-        self.trust = TrustAnchor.from_files(cert_dir / CA_CERT)
+        self._crl = RevocationFile(cert_dir / CRL, read_ca_cert(cert_dir / CA_CERT), check_every_s=0.0)
+        self.trust = TrustAnchor(self._crl.ca_cert, self._crl.load())
         self.reports = ReportSigner(self.signer, self.node_id, self.incarnation)
         self.verifier = ProvenanceVerifier(self.trust)
-        self._crl_path = cert_dir / CRL
-        self._crl_mtime = self._crl_path.stat().st_mtime_ns if self._crl_path.exists() else 0
-        self.crl_next_update = crl_next_update(self._crl_path)
+        self.crl_next_update = self._crl.next_update
 
     def reload_revocations(self) -> None:
         """Pick up a new revocation list (crl.pem beside ca.pem) without a restart."""
-        mtime = self._crl_path.stat().st_mtime_ns if self._crl_path.exists() else 0
-        if mtime == self._crl_mtime:
-            return
-        self._crl_mtime = mtime
         try:
-            self.trust = TrustAnchor.from_files(self._crl_path.with_name(CA_CERT))
+            revoked = self._crl.poll(time.monotonic())
         except CertificateError as e:   # keep the list we have: an unreadable one revokes nothing new
             logger.error("new revocation list not used: %s", e)
             self.metrics.crl_reloads.labels("refused").inc()
             return
+        if revoked is None:
+            return
+        self.trust = TrustAnchor(self._crl.ca_cert, revoked)
         self.verifier.trust = self.trust
         self.tenancy.verifier.trust = self.trust
         self.local.revoked = self.trust.revoked
-        try:
-            self.crl_next_update = crl_next_update(self._crl_path)
-        except (OSError, ValueError) as e:   # the list was verified just now: only a race with a writer
-            logger.warning("cannot read the revocation list's nextUpdate: %s", e)
+        self.crl_next_update = self._crl.next_update
         self.metrics.crl_reloads.labels("loaded").inc()
         logger.info("revocation list reloaded: %d certificates revoked", len(self.trust.revoked))
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import blake3
 
+from fabric.errors import FabricError
 from fabric.keys import StorageKey
 from fabric.provenance import Provenance
 
@@ -59,7 +60,7 @@ class TierStats:
     capacity_bytes: int
 
 
-class CorruptBlockError(Exception):
+class CorruptBlockError(FabricError):
     """A stored block failed verification (bad header, wrong key, wrong length or digest mismatch).
 
     Raised by the SSD tier's readers; the Store catches it at its boundary, counts it, removes the

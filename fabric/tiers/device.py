@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fabric.errors import FabricError
 from fabric.events import BlockEvicted, BlockStored
 from fabric.keys import BlockHash
 from fabric.tiers.base import Tier, TierStats
@@ -28,7 +29,7 @@ STORED_EVENTS = frozenset({"BlockStored"})
 EVICTED_EVENTS = frozenset({"BlockEvicted"})
 
 
-class UnknownEventError(TypeError):
+class UnknownEventError(FabricError, TypeError):
     """An object that is neither a BlockStored nor a BlockEvicted event (or has no block_hashes)."""
 
 

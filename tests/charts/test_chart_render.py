@@ -20,7 +20,7 @@ from chart_support import (
     validate,
 )
 
-from transports.core.certs import CA_CERT, CA_KEY, CRL
+from transports.trust.certs import CA_CERT, CA_KEY, CRL
 
 CASES = {"default": {}, "all-features": ALL_FEATURES}
 
@@ -116,7 +116,7 @@ def test_volumes_match_the_config_paths(rendered: list[dict[str, Any]]) -> None:
         for key in ("ssd_dir", "index_dir"):
             assert Path(cfg["kv"][key]).is_relative_to(mounts["ssd"])
         # Certificates: tls-setup links the pod's own certificate (csi-driver), the CA certificate and the
-        # revocation list into cert_dir under the names transports/core/certs.py and the NodeActor open.
+        # revocation list into cert_dir under the names transports/trust/certs.py and the NodeActor open.
         assert mounts["certs"] == cert_dir
         assert volumes["certs"]["emptyDir"]["medium"] == "Memory"
         setup = next(c for c in pod["spec"]["initContainers"] if c["name"] == "tls-setup")

@@ -24,14 +24,14 @@ from cluster.directory.client import DirectoryClient
 from cluster.directory.report import Apply, Heartbeat, Report, ReportSigner
 from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.launch import LocalCluster, start_local_cluster
-from cluster.node.actor import NODE_NAME_ENV, NodeActor, node_actor_name, node_name_for
-from fabric.config import ClusterConfig, Config, KVConfig, TransportConfig
+from cluster.node.actor import NodeActor, node_actor_name, node_name_for
+from fabric.config import NODE_NAME_ENV, ClusterConfig, Config, KVConfig, TransportConfig
 from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from transports.core.base import Hit, Peer
-from transports.core.certs import CertificateError, init_ca, issue_node, issue_tenant, revoke
-from transports.core.identity import NodeSigner
 from transports.factory import create_client
+from transports.trust.certs import CertificateError, init_ca, issue_node, issue_tenant, revoke
+from transports.trust.identity import NodeSigner
 
 LAYOUT = KVLayout.mha(4, 2, 64, "f16")      # 8 KiB per (block, layer) at 16 tokens
 NS = Namespace("itest-model", LAYOUT, block_size=16, weights_fingerprint="itest")

@@ -25,7 +25,7 @@ from fabric.config import ClusterConfig, Config, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.provenance import version_producer
-from transports.core.certs import revoke
+from transports.trust.certs import revoke
 
 LAYOUT = KVLayout.mha(4, 2, 64, "f16")
 NS = Namespace("prov-model", LAYOUT, block_size=16, weights_fingerprint="prov")

@@ -30,10 +30,10 @@ from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.tenancy import TenancyPolicy
 from transports.core.base import Hit, Peer
-from transports.core.certs import init_ca, issue_node, issue_operator, issue_tenant, revoke
-from transports.core.identity import NodeSigner
-from transports.core.tenant_tokens import TenantToken
 from transports.factory import create_client
+from transports.trust.certs import init_ca, issue_node, issue_operator, issue_tenant, revoke
+from transports.trust.identity import NodeSigner
+from transports.trust.tenant_tokens import TenantToken
 
 LAYOUT = KVLayout.mha(2, 2, 32, "f16")
 NS = Namespace("tenant-model", LAYOUT, block_size=16)

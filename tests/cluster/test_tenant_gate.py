@@ -12,9 +12,9 @@ from fabric.config import TenancyConfig
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 from fabric.tenancy import TenancyPolicy
-from transports.core.certs import init_ca, issue_node, issue_operator, issue_tenant
-from transports.core.identity import TrustAnchor
-from transports.core.tenant_tokens import TenantMinter
+from transports.trust.certs import init_ca, issue_node, issue_operator, issue_tenant
+from transports.trust.identity import TrustAnchor
+from transports.trust.tenant_tokens import TenantMinter
 
 NOW = 1_800_000_000.0
 NS = Namespace("m", KVLayout.mha(2, 2, 8, "f16"), 16)

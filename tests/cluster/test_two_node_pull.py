@@ -13,7 +13,7 @@ from cluster.engines.reference.paged import PagedEngine
 from cluster.engines.reference.tiny_llama import TinyLlama, TinyLlamaConfig
 from examples.two_node_pull import open_store, pull_prefix, run
 from fabric.keys import BlockAddress, addresses, block_hashes
-from transports.core.certs import init_ca, issue_node
+from transports.trust.certs import init_ca, issue_node
 
 
 @pytest.mark.parametrize("kind", ["tls-tcp", "quic"])

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from fabric.config import Config, ConfigError
+from fabric.config import Config, ConfigError, Environment
 from fabric.keys import block_hashes
 from fabric.layout import KVLayout
 
@@ -126,3 +126,11 @@ def test_tenancy_is_optional_by_default_and_loads_shared_groups(tmp_path: Path) 
         p.write_text(f"[tenancy]\n{bad}\n")
         with pytest.raises(ConfigError, match=message):
             Config.load(p)
+
+
+def test_the_environment_names_home_node_and_advertised_host_and_unset_means_the_defaults() -> None:
+    env = Environment.read({"KVFABRIC_HOME": "/srv/kv", "KVFABRIC_NODE_NAME": "pod-3",
+                            "KVFABRIC_ADVERTISE_HOST": "pod-3.nodes.ml.svc"})
+    assert (env.home, env.node_name, env.advertise_host) == (Path("/srv/kv"), "pod-3", "pod-3.nodes.ml.svc")
+    bare = Environment.read({})
+    assert (bare.home, bare.node_name, bare.advertise_host) == (Path.home() / ".cache" / "kvfabric", "", "")

@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from fabric.keys import BlockAddress, BlockHash
-from transports.core.certs import init_ca, issue_node
+from transports.trust.certs import init_ca, issue_node
 
 NODES = ("node-a", "node-b", "client-1")
 EXPIRED_NODE = "expired-1"

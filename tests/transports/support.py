@@ -22,10 +22,10 @@ from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
 from fabric.store import Store
 from transports.core.base import Hit, Peer, PullResult
-from transports.core.certs import CredentialFiles, NodeCredentials, issue_node
-from transports.core.identity import NodeSigner, TrustAnchor
-from transports.core.provenance_check import ProvenanceVerifier
 from transports.quic.base import ALPN
+from transports.trust.certs import CredentialFiles, NodeCredentials, issue_node
+from transports.trust.identity import NodeSigner, TrustAnchor
+from transports.trust.provenance_check import ProvenanceVerifier
 
 SIGNED_NAMESPACE = b"s" * 32   # the namespace root of `signed_store` blocks
 TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from transports.core.certs import (
+from transports.trust.certs import (
     CertificateError,
     CredentialFiles,
     NodeCredentials,

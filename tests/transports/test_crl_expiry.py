@@ -16,10 +16,10 @@ from cryptography.hazmat.primitives import hashes, serialization
 from support import run, wait_until
 
 from transports.core.base import Hit, Peer, TransportClient, TransportServer
-from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
 from transports.quic import QuicTransportClient, QuicTransportServer
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
 
 
 def _publish_expired_list(d: Path) -> None:

@@ -12,10 +12,10 @@ import pytest
 
 from fabric.config import Config, TransportConfig
 from transports.core.base import Hit, Peer
-from transports.core.certs import CertificateError
 from transports.factory import create_client, create_server, load_credentials, server_port
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import CertificateError
 
 
 def transport_config(cert_dir: Path, kind: str, node: str = "node-a") -> TransportConfig:

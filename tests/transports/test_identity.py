@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 
-from transports.core.certs import CertificateError, init_ca, issue_node, revoke
-from transports.core.identity import IdentityError, NodeSigner, TrustAnchor
+from transports.trust.certs import CertificateError, init_ca, issue_node, revoke
+from transports.trust.identity import IdentityError, NodeSigner, TrustAnchor
 
 
 def _cert(path: Path) -> x509.Certificate:

@@ -10,9 +10,9 @@ from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
 
 from fabric.provenance import Provenance, Rejection, sign_block, sign_run
-from transports.core.certs import init_ca, issue_node, revoke
-from transports.core.identity import NodeSigner, TrustAnchor
-from transports.core.provenance_check import ProvenanceVerifier
+from transports.trust.certs import init_ca, issue_node, revoke
+from transports.trust.identity import NodeSigner, TrustAnchor
+from transports.trust.provenance_check import ProvenanceVerifier
 
 NS, BLOCK = b"n" * 32, b"h" * 32
 DIGESTS = [bytes([i]) * 32 for i in range(3)]

@@ -40,7 +40,6 @@ from support import (
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import BlockSource, Hit, Peer, PullResult
-from transports.core.certs import issue_node
 from transports.core.codec import (
     VERSION,
     Block,
@@ -58,6 +57,7 @@ from transports.core.codec import (
 from transports.core.encoder import MAGIC, PREAMBLE
 from transports.core.metrics import TransportMetrics
 from transports.quic import ALPN, MAX_ADDRESSES_PER_STREAM, QuicTransportClient, QuicTransportServer, QuicTuning
+from transports.trust.certs import issue_node
 
 
 def serving(cert_dir: Path, source: BlockSource, node: str = "node-a",
@@ -173,7 +173,7 @@ def test_abandoned_pull_frees_the_server_stream_and_keeps_the_connection(
             (conn,) = server._connections
             await wait_until(lambda: not conn._streams and not conn._ready)  # STOP_SENDING reached it
             assert source.num_gets < len(source.addresses)  # it stopped reading blocks for nobody
-            (client_conn, _), = client._pool.values()
+            (client_conn,) = client._pool
             assert not client_conn.pulls
             again = await pull_all(client, peer, source.addresses[:4])
             assert [r.address for r in again] == source.addresses[:4] and all(isinstance(r, Hit) for r in again)

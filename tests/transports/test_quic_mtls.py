@@ -25,10 +25,10 @@ from cryptography import x509
 from support import run
 
 from transports.core.base import Hit, Peer
-from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
 from transports.core.codec import FrameDecoder, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
 from transports.quic import tls as quic_tls
+from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
 
 
 def node_files(cert_dir: Path, node: str) -> CredentialFiles:

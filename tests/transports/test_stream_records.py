@@ -1,4 +1,4 @@
-"""Provenance records named by number on an ordered stream (transports/core/provenance_tables.py):
+"""Provenance records named by number on an ordered stream (transports/trust/provenance_tables.py):
 each record and certificate crosses a stream once, a reader resolves later frames to the very
 records it decoded, and anything a writer could not have sent is a protocol error."""
 
@@ -12,7 +12,7 @@ from fabric.provenance import Provenance, sign_block
 from transports.core.codec import Block, Blocks, FrameDecoder, FrameType, ProtocolError, encode
 from transports.core.encoder import MAGIC, PREAMBLE, encode_parts, payload_pieces
 from transports.core.frames import VERSION
-from transports.core.provenance_tables import MAX_HELD_BYTES, MAX_NEW, STREAM_WINDOW, SentRecords
+from transports.trust.provenance_tables import MAX_HELD_BYTES, MAX_NEW, STREAM_WINDOW, SentRecords
 
 
 def _record(i: int, cert: bytes = b"C" * 300) -> Provenance:

@@ -12,7 +12,7 @@ from cryptography.hazmat.primitives import serialization
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from transports.core.certs import (
+from transports.trust.certs import (
     CertificateError,
     init_ca,
     issue_node,
@@ -21,8 +21,8 @@ from transports.core.certs import (
     node_name_of,
     revoke,
 )
-from transports.core.identity import IdentityError, TrustAnchor
-from transports.core.tenant_tokens import (
+from transports.trust.identity import IdentityError, TrustAnchor
+from transports.trust.tenant_tokens import (
     MAX_TTL_S,
     Principal,
     TenantError,

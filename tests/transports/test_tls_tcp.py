@@ -33,7 +33,6 @@ from support import (
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import uninitialised_bytearray
-from transports.core.certs import init_ca, issue_node, revoke
 from transports.core.codec import (
     VERSION,
     Block,
@@ -57,6 +56,7 @@ from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
 from transports.tls.handshake import open_tls
 from transports.tls.link import READ_BUDGET, TRANSPORT
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import init_ca, issue_node, revoke
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 # Fixtures of tests/transports/conftest.py (not importable as a module: tests/ is no package).
@@ -698,7 +698,8 @@ def test_a_pull_racing_the_servers_idle_close_reconnects(cert_dir: Path, memory_
         async with serving(cert_dir, source, idle_timeout_s=0.3) as (server, peer), \
                 client_of(cert_dir, idle_timeout_s=30.0) as client:
             assert_hits(await pull_all(client, peer, source.addresses), source, source.addresses)
-            conn = client._pool[peer]
+            conn = client._pool.entry(peer.node)
+            assert conn is not None
             conn.link.pause_reading()                      # the BYE stays unread ...
             await wait_until(lambda: server.num_connections == 0)
             assert not conn.link.closed                    # ... so the pooled connection looks alive
@@ -778,7 +779,7 @@ def test_slow_consumer_bounds_client_memory(cert_dir: Path, memory_source: Memor
                 results.append(r)
                 if len(results) == 1:
                     await asyncio.sleep(0.3)  # the caller is busy; the connection must stop reading
-                    (conn,) = client._pool.values()
+                    (conn,) = client._pool
                     assert conn.session.buffered <= (1 << 20) + READ_BUDGET + 256 * 1024
             assert_hits(results, source, source.addresses)
 

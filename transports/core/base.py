@@ -42,7 +42,7 @@ class BlockSource(Protocol):
 @dataclass(frozen=True, slots=True)
 class Hit:
     """A verified payload: its BLAKE3 digest matched the one the peer announced. `provenance` is
-    the producer's record the peer sent with it (not yet checked: see transports/core/provenance_check.py)."""
+    the producer's record the peer sent with it (not yet checked: see transports/trust/provenance_check.py)."""
 
     address: BlockAddress
     payload: bytes | bytearray | memoryview

@@ -29,6 +29,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 
 MAX_TRACKED = 4096   # peers whose buckets are kept before the full ones are swept
@@ -40,14 +41,14 @@ class PeerRates:
     """What one peer may cost per second. The defaults are far above what a pulling node asks for
     (a pull of 64 addresses per QUIC stream, 1,024 per TLS-TCP PULL)."""
 
-    pulls_per_s: float = 1000.0
-    pull_burst: float = 2000.0
-    bytes_per_s: float = 4.0 * (1 << 30)
-    bytes_burst: float = 4.0 * (1 << 30)
-    node_bytes_per_s: float = 8.0 * (1 << 30)   # all peers together, shared fairly (module docstring)
-    node_bytes_burst: float = 8.0 * (1 << 30)
-    handshakes_per_s: float = 200.0             # handshakes begun, all sources together, shared fairly
-    handshake_burst: float = 400.0
+    pulls_per_s: float = defaults.PEER_PULLS_PER_S
+    pull_burst: float = defaults.PEER_PULL_BURST
+    bytes_per_s: float = defaults.PEER_BYTES_PER_S
+    bytes_burst: float = defaults.PEER_BYTES_BURST
+    node_bytes_per_s: float = defaults.NODE_BYTES_PER_S   # all peers together, shared fairly (module docstring)
+    node_bytes_burst: float = defaults.NODE_BYTES_BURST
+    handshakes_per_s: float = defaults.NODE_HANDSHAKES_PER_S   # handshakes begun, all sources, shared fairly
+    handshake_burst: float = defaults.NODE_HANDSHAKE_BURST
 
     def __post_init__(self) -> None:
         for name in ("pulls_per_s", "pull_burst", "bytes_per_s", "bytes_burst", "node_bytes_per_s",

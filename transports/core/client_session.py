@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from fabric import config as defaults
 from fabric.keys import BlockAddress
 from transports.core.base import Hit, PullResult
 from transports.core.codec import (
@@ -107,7 +108,8 @@ class ClientSession(SessionBase):
     """The client's side of one connection (or one QUIC stream, `hello=False`) to `peer_node`."""
 
     def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0, hello: bool = True,
+                 frame_timeout_s: float = defaults.FRAME_TIMEOUT_S, idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
+                 hello: bool = True,
                  decoder: FrameDecoder | None = None) -> None:
         self.node = node
         self.peer_node = peer_node

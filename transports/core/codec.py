@@ -18,7 +18,7 @@ with its own digest. BLOCK and BLOCKS frames may carry the producers' provenance
 cannot make us allocate more than `max_header` + `max_payload` bytes per connection.
 
 Provenance: optional `certs` / `provs` / `pix` header fields of BLOCK and BLOCKS, laid out and
-read by `provenance_tables.py`.
+read by `transports/trust/provenance_tables.py`.
 
 Error strategy (one place): anything malformed raises `ProtocolError` with a message saying what
 was wrong. The decoder is then poisoned (every later call raises the same error): the transport
@@ -68,7 +68,7 @@ from transports.core.frames import (
     Payload,
     Pull,
 )
-from transports.core.provenance_tables import StreamRecords
+from transports.trust.provenance_tables import StreamRecords
 
 # The frames (frames.py) and the encoder (encoder.py) are part of the codec's interface.
 __all__ = [

@@ -26,7 +26,7 @@ from transports.core.frames import (
     Payload,
     Pull,
 )
-from transports.core.provenance_tables import SentRecords, record_tables
+from transports.trust.provenance_tables import SentRecords, record_tables
 
 __all__ = ["DEFAULT_MAX_HEADER", "DIGEST_SIZE", "MAGIC", "PREAMBLE", "PREAMBLE_SIZE", "check_parts", "encode",
            "encode_many", "encode_parts", "payload_pieces"]
@@ -91,7 +91,7 @@ def encode_parts(frame: Frame, max_header: int = DEFAULT_MAX_HEADER, max_payload
     """Preamble + header as one bytes object, and the payload unchanged (for vectored writes): one
     buffer, or a BLOCKS frame's tuple of part buffers, to be written in order after the head.
     `sent`: the ordered stream this frame is written to next, whose records it names by number
-    (transports/core/provenance_tables.py); left as it was when the frame is refused."""
+    (transports/trust/provenance_tables.py); left as it was when the frame is refused."""
     if type(frame) is Block and (frame.provenance is None or sent is not None):
         # The data path, a BLOCK unsigned or on a stream that names its record by number.
         if frame.provenance is None or sent is None:

@@ -13,6 +13,7 @@ import msgpack
 from fabric.keys import HASH_SIZE, BlockAddress, BlockHash
 from fabric.provenance import Provenance
 from transports.core.encoder import DIGEST_SIZE, check_parts
+from transports.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from transports.core.frames import (
     Block,
     Blocks,
@@ -27,27 +28,10 @@ from transports.core.frames import (
     MissReason,
     Pull,
 )
-from transports.core.provenance_tables import StreamRecords, part_records
+from transports.trust.provenance_tables import StreamRecords, part_records
 
 __all__ = ["PAYLOAD_TYPES", "LocalProtocolError", "ProtocolError", "RemoteProtocolError", "build_frame",
            "unpack_map"]
-
-class ProtocolError(Exception):
-    """The peer broke the protocol (h11's RemoteProtocolError): bytes that are not a valid frame
-    stream, or valid frames that break the session rules. `code` is what the ERROR frame that
-    answers it carries."""
-
-    def __init__(self, message: str, code: ErrorCode = ErrorCode.PROTOCOL) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-RemoteProtocolError = ProtocolError
-
-
-class LocalProtocolError(RuntimeError):
-    """We broke the protocol: a transport called a session out of turn (a bug of ours)."""
-
 
 PAYLOAD_TYPES = (FrameType.BLOCK, FrameType.BLOCKS)
 

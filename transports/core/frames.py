@@ -9,11 +9,12 @@ import enum
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from fabric.config import MAX_PAYLOAD_BYTES
 from fabric.keys import BlockAddress
 from fabric.provenance import Provenance
 
 VERSION = 1                            # the protocol version a HELLO announces
-DEFAULT_MAX_PAYLOAD = 64 * 1024 * 1024
+DEFAULT_MAX_PAYLOAD = MAX_PAYLOAD_BYTES      # the [transport] default (fabric/config.py)
 
 
 class FrameType(enum.IntEnum):

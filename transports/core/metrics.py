@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from fabric.counters import CountedChild, CountedCounter
 from transports.core.base import Hit, PullResult
 from transports.core.codec import MissReason
 
@@ -11,10 +14,11 @@ from transports.core.codec import MissReason
 class TransportMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
-        self.pulls = Counter("kvfabric_pulls_total", "Pulled (block, layer) results by transport and outcome",
-                             ["transport", "outcome"], registry=self.registry)
-        self.pull_bytes = Counter("kvfabric_pull_bytes_total", "Verified payload bytes pulled",
-                                  ["transport"], registry=self.registry)
+        # Counted in code as well (fabric/counters.py): owners read them without reading the registry.
+        self.pulls = CountedCounter("kvfabric_pulls_total", "Pulled (block, layer) results by transport and outcome",
+                                    ["transport", "outcome"], registry=self.registry)
+        self.pull_bytes = CountedCounter("kvfabric_pull_bytes_total", "Verified payload bytes pulled",
+                                         ["transport"], registry=self.registry)
         self.served = Counter("kvfabric_served_total", "(block, layer) answers sent by the server",
                               ["transport", "outcome"], registry=self.registry)
         self.served_bytes = Counter("kvfabric_served_bytes_total", "Payload bytes sent by the server",
@@ -34,9 +38,14 @@ class TransportMetrics:
         self.connections = Gauge("kvfabric_connections", "Open connections", ["transport", "side"],
                                  registry=self.registry)
 
-        self._children: dict[tuple[int, tuple[str, ...]], Counter] = {}
+        self._children: dict[tuple[int, tuple[str, ...]], Counter | CountedChild] = {}
 
-    def child(self, metric: Counter, *labels: str) -> Counter:
+    @overload
+    def child(self, metric: CountedCounter, *labels: str) -> CountedChild: ...
+    @overload
+    def child(self, metric: Counter, *labels: str) -> Counter: ...
+
+    def child(self, metric: Counter | CountedCounter, *labels: str) -> Counter | CountedChild:
         """`metric.labels(*labels)`, looked up once: `labels()` costs microseconds, and the data
         path counts every (block, layer) it pulls or serves."""
         key = (id(metric), labels)
@@ -53,6 +62,4 @@ class TransportMetrics:
             self.child(self.pulls, transport, result.reason.value).inc()
 
     def digest_mismatches(self, transport: str) -> float:
-        value = self.registry.get_sample_value(
-            "kvfabric_pulls_total", {"transport": transport, "outcome": MissReason.DIGEST_MISMATCH.value})
-        return value or 0.0
+        return self.pulls.value(transport, MissReason.DIGEST_MISMATCH.value)

@@ -6,6 +6,7 @@ batches (on the loop or in a thread pool), pacing egress and each peer's budget.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -16,7 +17,7 @@ from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, Verdict
 from transports.core.metrics import TransportMetrics
 from transports.core.session import Fetched, ServerSession
-from transports.core.tenant_tokens import pull_authoriser
+from transports.trust.tenant_tokens import pull_authoriser
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +60,7 @@ class ServingServer:
     each peer's budget. Subclasses set `executor` (a thread pool, or None: always on the loop),
     `metrics`, `transport`, `budgets` and `max_connections_per_peer`."""
 
+    source: BlockSource
     executor: Executor | None
     metrics: TransportMetrics
     transport: str
@@ -76,6 +78,25 @@ class ServingServer:
     def authoriser(self, peer_tenants: frozenset[str]) -> Callable[[bytes], bool] | None:
         """Which namespace roots a peer restricted to `peer_tenants` may read (None: every root)."""
         return pull_authoriser(self.tenant_roots, peer_tenants)
+
+    def fetches_inline(self, now: float) -> bool:
+        """Where the next batch is read: on the loop (True: RAM-resident blocks answer in microseconds),
+        or in the thread pool (False) for SLOW_SOURCE_HOLD_S after SLOW_STREAK slow reads in a row
+        (disk, not a one-off preemption). Both servers place their reads by this one rule."""
+        return self.executor is None or now >= self.slow_until
+
+    def fetch_inline(self, addresses: Sequence[BlockAddress], budget: int) -> list[Fetched]:
+        """Read a batch on the loop (see `fetches_inline`), noting whether the store was slow."""
+        fetched, slow = fetch(self.source, addresses, budget, INLINE_FETCH_S)
+        self.note_fetch(slow, asyncio.get_running_loop().time())
+        return fetched
+
+    async def fetch_in_pool(self, addresses: Sequence[BlockAddress], budget: int) -> list[Fetched]:
+        """Read a batch in the thread pool (see `fetches_inline`)."""
+        assert self.executor is not None, "fetching in a thread needs the pool"
+        fetched, _ = await asyncio.get_running_loop().run_in_executor(self.executor, fetch, self.source,
+                                                                      addresses, budget)
+        return fetched
 
     def note_fetch(self, slow: bool, now: float) -> None:
         """After SLOW_STREAK slow batches in a row, reads move to the pool for SLOW_SOURCE_HOLD_S."""

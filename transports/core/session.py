@@ -41,6 +41,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from fabric import config as defaults
 from fabric.keys import BlockAddress
 from fabric.provenance import Provenance
 from transports.core.base import SourceBlock
@@ -101,7 +102,8 @@ class ServerSession(SessionBase):
     read is answered with misses, as if nothing were held there."""
 
     def __init__(self, node: str, peer_node: str, now: float, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 max_inflight: int = 32, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 max_inflight: int = defaults.MAX_INFLIGHT, frame_timeout_s: float = defaults.FRAME_TIMEOUT_S,
+                 idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
                  hello: bool = True, one_pull: bool = False, require_namespace: bool = False,
                  authorise: Callable[[bytes], bool] | None = None) -> None:
         self.node = node

@@ -26,8 +26,8 @@ from functools import cache
 from types import ModuleType
 from typing import Any, Literal, cast
 
-from transports.quic.client_auth import AuthFailure
 from transports.quic.udp import UdpEndpoint
+from transports.trust.client_auth import AuthFailure
 
 logger = logging.getLogger(__name__)
 

@@ -25,6 +25,7 @@ from typing import cast
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from transports.core.codec import Frame, encode_parts, payload_pieces
 from transports.quic.backend import QuicBackend
@@ -46,12 +47,12 @@ STREAM_CANCELLED = 0x3
 class QuicTuning:
     """Knobs that decide QUIC throughput. Defaults suit loopback and datacenter jumbo frames."""
 
-    max_datagram_size: int = 8952           # 9000-byte MTU minus IP/UDP headers; 1452 for Ethernet
+    max_datagram_size: int = defaults.MAX_DATAGRAM_SIZE
     # Windows and the send high-water mark keep the bytes in flight below what the receiver's
     # socket buffer absorbs while its (single-threaded, pure-Python) QUIC stack catches up:
     # loss there halves the congestion window. They are far above loopback/datacenter BDPs.
-    max_data: int = 8 * 1024 * 1024         # connection flow-control window
-    max_stream_data: int = 4 * 1024 * 1024  # per-stream flow-control window
+    max_data: int = defaults.QUIC_MAX_DATA                # connection flow-control window
+    max_stream_data: int = defaults.QUIC_MAX_STREAM_DATA  # per-stream flow-control window
     send_high_water: int = 2 * 1024 * 1024  # server: unacknowledged answer bytes per connection
     socket_buffer: int = 8 * 1024 * 1024    # SO_SNDBUF / SO_RCVBUF, capped by net.core.[rw]mem_max
     # The round trip assumed before the first sample: it sets the handshake's loss timer. The

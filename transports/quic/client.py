@@ -31,13 +31,14 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import Peer, PullResult
-from transports.core.certs import CertificateError, NodeCredentials
 from transports.core.client_session import ClientSession, Outcome
 from transports.core.codec import DEFAULT_MAX_PAYLOAD, Miss, MissReason, encode
 from transports.core.metrics import TransportMetrics
+from transports.core.pool import ConnectionPool, may_redial
 from transports.core.timer import DeadlineTimer
 from transports.quic.backend import QuicBackend, resolve
 from transports.quic.base import (
@@ -50,6 +51,7 @@ from transports.quic.base import (
 )
 from transports.quic.tls import QuicTlsMaterial
 from transports.quic.udp import udp_socket
+from transports.trust.certs import CertificateError, NodeCredentials
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the base is the chosen backend's (see _connection_class)
     from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -81,6 +83,7 @@ class _ClientConnection(QuicConnectionProtocol):
         self._deadlines = DeadlineTimer(self._expire)   # the pulls' sessions' deadlines
         self.slots = asyncio.Semaphore(client.max_inflight)
         self.closed = False
+        self.endpoint: asyncio.DatagramTransport | None = None   # its UDP socket's transport, once made
         self.session_resumed = False
         self.last_received = self._loop.time()
         try:
@@ -223,8 +226,9 @@ class QuicTransportClient:
     """Pulls blocks from peers over pooled QUIC connections (one per peer, reconnected on loss)."""
 
     def __init__(self, credentials: NodeCredentials, *, tuning: QuicTuning | None = None,
-                 max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = 5.0,
-                 idle_timeout_s: float = 30.0, frame_timeout_s: float = 10.0, max_inflight: int = 32,
+                 max_payload: int = DEFAULT_MAX_PAYLOAD, connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S,
+                 idle_timeout_s: float = defaults.IDLE_TIMEOUT_S, frame_timeout_s: float = defaults.FRAME_TIMEOUT_S,
+                 max_inflight: int = defaults.MAX_INFLIGHT,
                  metrics: TransportMetrics | None = None, backend: str = "auto") -> None:
         """`backend`: the QUIC library (see `backend`); pair it with the servers' for resumption."""
         self.backend = resolve(backend)
@@ -236,8 +240,7 @@ class QuicTransportClient:
         self.frame_timeout_s = frame_timeout_s
         self.max_inflight = max_inflight
         self.metrics = metrics or TransportMetrics()
-        self._pool: dict[str, tuple[_ClientConnection, asyncio.DatagramTransport]] = {}
-        self._locks: dict[str, asyncio.Lock] = {}
+        self._pool: ConnectionPool[_ClientConnection] = ConnectionPool(self._drop)
         self._tickets: dict[str, tls.SessionTicket] = {}
         self._num_connects: dict[str, int] = {}
         self.tls = QuicTlsMaterial(credentials, base_configuration(True, self.tuning, idle_timeout_s, self.backend))
@@ -253,10 +256,9 @@ class QuicTransportClient:
                    max_inflight=config.max_inflight, metrics=metrics, backend=config.quic_backend)
 
     def connection_info(self, peer: Peer) -> ConnectionInfo | None:
-        entry = self._pool.get(peer.node)
-        if entry is None:
+        conn = self._pool.entry(peer.node)
+        if conn is None:
             return None
-        conn = entry[0]
         return ConnectionInfo(peer.node, self._num_connects.get(peer.node, 0), conn.session_resumed,
                               not conn.closed)
 
@@ -271,7 +273,7 @@ class QuicTransportClient:
                 yield result
 
     async def _pull_stream(self, peer: Peer, addresses: Sequence[BlockAddress], namespace: bytes = b"",
-                           may_retry: bool = True) -> AsyncIterator[PullResult]:
+                           attempt: int = 0) -> AsyncIterator[PullResult]:
         request_id = next(self._request_ids)
         conn, reused = await self._connection(peer)
         if conn is None:
@@ -284,7 +286,7 @@ class QuicTransportClient:
             try:
                 while pull is not None:
                     outcome = pull.outcome
-                    if reused and may_retry and outcome.done and _all_gone(pull, len(addresses)):
+                    if outcome.done and may_redial(reused, not _all_gone(pull, len(addresses)), attempt):
                         # A pooled connection that was already closing (peer restarted, idle
                         # timeout): nothing was answered, and PULL is idempotent, so dial again.
                         stale = True
@@ -304,21 +306,15 @@ class QuicTransportClient:
                 if pull is not None and not pull.outcome.done:
                     conn.abandon(stream_id)
         if pull is None or stale:
-            async for result in self._pull_stream(peer, addresses, namespace, may_retry=False):
+            async for result in self._pull_stream(peer, addresses, namespace, attempt=attempt + 1):
                 yield result
 
     async def _connection(self, peer: Peer) -> tuple[_ClientConnection | None, bool]:
         """The pooled connection to `peer` (reused: True) or a new one; None if it cannot be made."""
-        entry = self._pool.get(peer.node)
-        if entry is not None and not entry[0].closed and entry[0].peer == peer:
-            return entry[0], True
-        async with self._locks.setdefault(peer.node, asyncio.Lock()):
-            entry = self._pool.get(peer.node)
-            if entry is not None and not entry[0].closed and entry[0].peer == peer:
-                return entry[0], True
-            if entry is not None:
-                await self.disconnect(peer)
-            return await self._connect(peer), False
+        conn = self._pool.get(peer)
+        if conn is not None:
+            return conn, True
+        return await self._pool.connection(peer, self._connect)
 
     def _client_configuration(self, peer: Peer) -> QuicConfiguration:
         material = self.tls.current()
@@ -350,7 +346,8 @@ class QuicTransportClient:
         conn = cast(_ClientConnection, _connection_class(self.backend)(quic, client=self, peer=peer))
         transport = await self.backend.endpoint(sock, conn)
         self._num_connects[peer.node] = self._num_connects.get(peer.node, 0) + 1
-        self._pool[peer.node] = (conn, transport)
+        conn.endpoint = transport
+        self._pool.add(conn)
         conn.connect(addr)
         try:
             await asyncio.wait_for(conn.wait_connected(), self.connect_timeout_s)
@@ -371,21 +368,24 @@ class QuicTransportClient:
 
     async def disconnect(self, peer: Peer) -> None:
         """Close the pooled connection to `peer` (its open pulls end as PEER_GONE misses)."""
-        entry = self._pool.pop(peer.node, None)
-        if entry is None:
-            return
-        conn, transport = entry
+        conn = self._pool.entry(peer.node)
+        if conn is not None:
+            await self._drop(conn)
+
+    async def _drop(self, conn: _ClientConnection) -> None:
+        """Take `conn` out of the pool and close it and its socket (see `pool`)."""
+        self._pool.discard(conn)
         if not conn.closed:
             conn.close()  # CONNECTION_CLOSE goes out before the socket is closed below
             conn._on_terminated(events.ConnectionTerminated(QuicErrorCode.NO_ERROR, None, "closed by us"))
-        transport.close()
+        if conn.endpoint is not None:
+            conn.endpoint.close()
         if conn._timer is not None:  # no drain or retransmission timers on a closed socket
             conn._timer.cancel()
 
     async def close(self) -> None:
-        for node in list(self._pool):
-            entry = self._pool[node]
-            await self.disconnect(entry[0].peer)
+        for conn in self._pool:
+            await self._drop(conn)
         await asyncio.sleep(0)
 
 

@@ -31,10 +31,10 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 
-from transports.core.certs import NodeCredentials
 from transports.core.metrics import TransportMetrics
 from transports.quic.backend import QuicBackend
 from transports.quic.base import TRANSPORT
+from transports.trust.certs import NodeCredentials
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's
     from aioquic.asyncio.protocol import QuicConnectionProtocol

@@ -38,14 +38,14 @@ from aioquic.quic import events
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicErrorCode
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, PeerRates, peer_rates
-from transports.core.certs import NodeCredentials
 from transports.core.codec import DEFAULT_MAX_PAYLOAD, End, Frame, MissReason
 from transports.core.metrics import TransportMetrics
-from transports.core.serving import BATCH_BYTES, INLINE_FETCH_S, ServingServer, fetch
+from transports.core.serving import BATCH_BYTES, ServingServer
 from transports.core.session import Fetched, ServerSession
 from transports.core.timer import DeadlineTimer
 from transports.quic.backend import QuicBackend, resolve
@@ -61,6 +61,7 @@ from transports.quic.base import (
 from transports.quic.guard import BoundedQuicServer, GuardedConnection
 from transports.quic.tls import QuicTlsMaterial
 from transports.quic.udp import udp_socket
+from transports.trust.certs import NodeCredentials
 
 if TYPE_CHECKING:   # typed against aioquic; at run time the bases are the chosen backend's (see _classes)
     from aioquic.asyncio.protocol import QuicConnectionProtocol
@@ -291,22 +292,18 @@ class _ServerConnection(GuardedConnection):
             return False
         rid, rest = batch
         server = self._server
-        if server.executor is not None and self._loop.time() < server.slow_until:
+        if not server.fetches_inline(self._loop.time()):
             stream.fetching = True   # the store is slow (disk): read it off the loop
             task = self._loop.create_task(self._fetch_in_thread(stream, session, rid, rest))
             server.fetches.add(task)
             task.add_done_callback(server.fetches.discard)
             return False
-        fetched, slow = fetch(server.source, rest, BATCH_BYTES, INLINE_FETCH_S)
-        server.note_fetch(slow, self._loop.time())
-        self._answered(stream, session, rid, rest, fetched)
+        self._answered(stream, session, rid, rest, server.fetch_inline(rest, BATCH_BYTES))
         return True
 
     async def _fetch_in_thread(self, stream: _Stream, session: ServerSession, rid: int,
                                rest: Sequence[BlockAddress]) -> None:
-        server = self._server
-        assert server.executor is not None, "fetching in a thread needs the pool"
-        fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, BATCH_BYTES)
+        fetched = await self._server.fetch_in_pool(rest, BATCH_BYTES)
         stream.fetching = False
         if stream.session is session and not self._terminated:
             self._answered(stream, session, rid, rest, fetched)
@@ -356,11 +353,14 @@ class QuicTransportServer(ServingServer):
 
     def __init__(self, credentials: NodeCredentials, source: BlockSource, *, host: str = "127.0.0.1",
                  port: int = 0, tuning: QuicTuning | None = None, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 frame_timeout_s: float = defaults.FRAME_TIMEOUT_S, idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
                  metrics: TransportMetrics | None = None, ticket_lifetime_s: float = 3600.0,
-                 retry: bool = True, max_half_open: int = 128, max_half_open_per_address: int = 16,
-                 handshake_timeout_s: float = 5.0, max_connections_per_peer: int = 8,
-                 peer_rates: PeerRates | None = None, io_threads: int = 4, backend: str = "auto") -> None:
+                 retry: bool = True, max_half_open: int = defaults.QUIC_MAX_HALF_OPEN,
+                 max_half_open_per_address: int = defaults.QUIC_MAX_HALF_OPEN_PER_ADDRESS,
+                 handshake_timeout_s: float = defaults.CONNECT_TIMEOUT_S,
+                 max_connections_per_peer: int = defaults.MAX_CONNECTIONS_PER_PEER,
+                 peer_rates: PeerRates | None = None, io_threads: int = defaults.IO_THREADS,
+                 backend: str = "auto") -> None:
         """`retry`: validate client addresses with a Retry before any handshake state is kept;
         `max_half_open`: connections allowed mid-handshake at once, `max_half_open_per_address` of
         them from one source address, each for at most `handshake_timeout_s`;

@@ -48,9 +48,9 @@ from aioquic._buffer import Buffer
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from transports.core.certs import CertificateError, NodeCredentials, node_name_of
-from transports.core.tenant_tokens import tenant_names
-from transports.quic.client_auth import AuthFailure, client_auth_allowed
+from transports.trust.certs import CertificateError, NodeCredentials, node_name_of
+from transports.trust.client_auth import AuthFailure, client_auth_allowed
+from transports.trust.tenant_tokens import tenant_names
 
 PINNED_AIOQUIC = "1.7.2"
 if aioquic.__version__ != PINNED_AIOQUIC:

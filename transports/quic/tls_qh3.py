@@ -33,9 +33,9 @@ from qh3._hazmat import Buffer, SignatureError, verify_with_public_key
 from qh3._hazmat import Certificate as Qh3Certificate
 from qh3.quic.connection import QuicConnection
 
-from transports.core.tenant_tokens import tenant_names
-from transports.quic.client_auth import AuthFailure, ClientRefused, check_client_certificate
 from transports.quic.tls import TlsGeneration
+from transports.trust.client_auth import AuthFailure, ClientRefused, check_client_certificate
+from transports.trust.tenant_tokens import tenant_names
 
 PINNED_QH3 = "2.1.0"
 if qh3.__version__ != PINNED_QH3:

@@ -18,13 +18,14 @@ import sys
 from pathlib import Path
 from typing import Any, ClassVar
 
+from transports.core.errors import TransportError
 from transports.core.slabs import Extent, SlabAllocator
 from transports.rdma.control import MTU_CODES, gid_bytes
 
 logger = logging.getLogger(__name__)
 
 
-class RdmaDeviceError(OSError):
+class RdmaDeviceError(TransportError, OSError):
     """The RDMA device refused an operation (pyverbs error), or a work request failed."""
 
 

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from transports.core.base import BlockSource, Peer
-from transports.core.certs import NodeCredentials
 from transports.core.codec import MissReason
 from transports.core.link import FrameLink
 from transports.rdma.control import (
@@ -46,6 +45,7 @@ from transports.rdma.link import TRANSPORT, RdmaLink
 from transports.tls.channel import TlsChannel
 from transports.tls.client import ClientConnection, TlsTcpClient
 from transports.tls.server import ServerConnection, TlsTcpServer
+from transports.trust.certs import NodeCredentials
 
 __all__ = [
     "CONTROL_LEN", "CONTROL_MAX", "MTU_CODES", "PARAMS_VERSION", "TRANSPORT", "ControlDecoder", "ControlError",

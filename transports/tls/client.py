@@ -18,11 +18,11 @@ from collections import deque
 from collections.abc import AsyncIterator, Sequence
 from typing import Self
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from fabric.keys import BlockAddress
 from transports.core.base import Hit, Peer, PullResult
 from transports.core.buffers import tune_allocator, uninitialised_bytearray
-from transports.core.certs import NodeCredentials
 from transports.core.client_session import ClientSession, Outcome
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
@@ -35,11 +35,13 @@ from transports.core.codec import (
 )
 from transports.core.link import FrameLink
 from transports.core.metrics import TransportMetrics
+from transports.core.pool import STALE_RETRIES, ConnectionPool, may_redial
 from transports.core.timer import DeadlineTimer
 from transports.core.tracker import MAX_ADDRESSES_PER_PULL
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason, open_tls
 from transports.tls.link import TRANSPORT, TlsLink
+from transports.trust.certs import NodeCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,10 @@ class ClientConnection:
     """Client side of one connection: its ClientSession, and results handed to their callers."""
 
     link: FrameLink
+
+    @property
+    def closed(self) -> bool:
+        return self.link.closed
 
     def __init__(self, client: TlsTcpClient, peer: Peer) -> None:
         self.client = client
@@ -170,7 +176,8 @@ class TlsTcpClient:
     transport = TRANSPORT  # the metrics label
 
     def __init__(self, credentials: NodeCredentials, *, max_payload: int = DEFAULT_MAX_PAYLOAD,
-                 connect_timeout_s: float = 5.0, frame_timeout_s: float = 10.0, idle_timeout_s: float = 30.0,
+                 connect_timeout_s: float = defaults.CONNECT_TIMEOUT_S,
+                 frame_timeout_s: float = defaults.FRAME_TIMEOUT_S, idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
                  metrics: TransportMetrics | None = None, tune_malloc: bool = False) -> None:
         """`tune_malloc`: opt in to `buffers.tune_allocator()` (process-wide glibc thresholds: faster large pulls)."""
         if tune_malloc:
@@ -182,8 +189,7 @@ class TlsTcpClient:
         self.frame_timeout_s = frame_timeout_s
         self.idle_timeout_s = idle_timeout_s
         self.metrics = metrics or TransportMetrics()
-        self._pool: dict[Peer, ClientConnection] = {}
-        self._dialing: dict[Peer, asyncio.Lock] = {}
+        self._pool: ConnectionPool[ClientConnection] = ConnectionPool(self._drop)
         self.num_connects = 0
 
     @classmethod
@@ -206,7 +212,7 @@ class TlsTcpClient:
         part = 0 if slots is None else slots.nbytes // len(addresses)
         if slots is not None and part * len(addresses) != slots.nbytes:
             raise ValueError(f"{slots.nbytes} bytes do not split into {len(addresses)} equal slots")
-        for attempt in range(2):
+        for attempt in range(1 + STALE_RETRIES):
             conn, reason, reused = await self._connection(peer)
             if conn is None:
                 for miss in (Miss(0, address, reason) for address in addresses):
@@ -228,8 +234,8 @@ class TlsTcpClient:
                     while True:
                         while results:
                             r = outcome.take()   # out of the window; `consumed` resumes below
-                            if (not isinstance(r, Hit) and i == 0 and attempt == 0 and reused
-                                    and not outcome.answered and r.reason is MissReason.PEER_GONE):
+                            if (not isinstance(r, Hit) and i == 0 and r.reason is MissReason.PEER_GONE
+                                    and may_redial(reused, outcome.answered, attempt)):
                                 retry = True  # the pooled connection was gone before answering anything
                                 break
                             yield r
@@ -256,45 +262,44 @@ class TlsTcpClient:
         """(the pooled or a new connection, None and the miss reason when none can be had, whether
         the connection was reused from the pool)."""
         conn = self._pool.get(peer)
-        if conn is not None and not conn.link.closed:
+        if conn is not None:
             return conn, MissReason.PEER_GONE, True
-        lock = self._dialing.setdefault(peer, asyncio.Lock())
-        try:
-            async with lock:
-                return await self._dial(peer)
-        finally:
-            if not lock.locked() and self._dialing.get(peer) is lock:
-                del self._dialing[peer]   # no dial of this peer waits: forget its lock
+        failure = [MissReason.PEER_GONE]
 
-    async def _dial(self, peer: Peer) -> tuple[ClientConnection | None, MissReason, bool]:
-        conn = self._pool.get(peer)
-        if conn is not None and not conn.link.closed:
-            return conn, MissReason.PEER_GONE, True
+        async def dial(peer: Peer) -> ClientConnection | None:
+            made, failure[0] = await self._dial(peer)
+            return made
+
+        conn, reused = await self._pool.connection(peer, dial)
+        return conn, failure[0], reused
+
+    async def _dial(self, peer: Peer) -> tuple[ClientConnection | None, MissReason]:
+        """A new connection to `peer`, pooled; or None and the miss reason when none can be made."""
         try:
             sock = await open_tls(peer, self.credentials, self.connect_timeout_s)
         except ssl.SSLError as e:
             reason = auth_failure_reason(e)
             self.metrics.auth_failures.labels(self.transport, f"server_{reason}").inc()
             logger.warning("refusing server %s at %s:%d (%s): %s", peer.node, peer.host, peer.port, reason, e)
-            return None, MissReason.PEER_ERROR, False
+            return None, MissReason.PEER_ERROR
         except (OSError, TimeoutError) as e:
             logger.info("cannot reach %s at %s:%d: %s", peer.node, peer.host, peer.port, e)
-            return None, MissReason.TIMEOUT if isinstance(e, TimeoutError) else MissReason.PEER_GONE, False
+            return None, MissReason.TIMEOUT if isinstance(e, TimeoutError) else MissReason.PEER_GONE
         conn = ClientConnection(self, peer)
         try:
             conn.attach(await self.open_link(peer, sock, conn))
         except (OSError, TimeoutError, ProtocolError) as e:
             logger.warning("could not set up a %s link with %s: %s", self.transport, peer.node, e)
             sock.close()
-            return None, MissReason.PEER_ERROR, False
-        self._pool[peer] = conn
+            return None, MissReason.PEER_ERROR
+        self._pool.add(conn)
         self.num_connects += 1
         self.metrics.connections.labels(self.transport, "client").inc()
         conn.link.start()
         for frame in conn.session.hello():
             conn.link.send(frame)
         conn.timer.at_most(conn.session.next_deadline())
-        return conn, MissReason.PEER_GONE, False
+        return conn, MissReason.PEER_GONE
 
     async def open_link(self, peer: Peer, sock: TlsChannel, conn: ClientConnection) -> FrameLink:
         """The frame link of an authenticated connection (RDMA overrides this)."""
@@ -302,12 +307,17 @@ class TlsTcpClient:
                        self.frame_timeout_s, self.metrics, self.transport, batch_frames=True)
 
     def _forget(self, conn: ClientConnection) -> None:
-        if self._pool.get(conn.peer) is conn:
-            del self._pool[conn.peer]
+        if self._pool.discard(conn):
             self.metrics.connections.labels(self.transport, "client").dec()
 
+    async def _drop(self, conn: ClientConnection) -> None:
+        """A pooled connection that closed, or reaches its node at an old address (see `pool`)."""
+        self._forget(conn)
+        if not conn.link.closed:
+            conn.link.close(MissReason.PEER_GONE, "the peer moved")
+
     async def close(self) -> None:
-        for conn in list(self._pool.values()):
+        for conn in self._pool:
             conn.link.send(Bye("client closing"))
             conn.link.close(MissReason.PEER_GONE, "client closing")
         await asyncio.sleep(0)

@@ -15,9 +15,9 @@ import ssl
 from cryptography import x509
 
 from transports.core.base import Peer
-from transports.core.certs import CertificateError, NodeCredentials, node_name_of
-from transports.core.tenant_tokens import tenant_names
 from transports.tls.channel import HANDSHAKE_READ, TlsChannel
+from transports.trust.certs import CertificateError, NodeCredentials, node_name_of
+from transports.trust.tenant_tokens import tenant_names
 
 __all__ = ["accept_tls", "auth_failure_reason", "open_tls", "peer_node", "peer_tenants", "tls_recv", "tls_send_all"]
 

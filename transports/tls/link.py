@@ -60,10 +60,10 @@ from transports.core.codec import (
 )
 from transports.core.link import WRITE_HIGH, LinkBase
 from transports.core.metrics import TransportMetrics
-from transports.core.provenance_tables import SentRecords
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason
 from transports.tls.records import MAX_CONTENT, MAX_RECORD, RecordError, RecordLayer
+from transports.trust.provenance_tables import SentRecords
 
 logger = logging.getLogger(__name__)
 

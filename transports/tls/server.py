@@ -35,10 +35,10 @@ import ssl
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
+from fabric import config as defaults
 from fabric.config import TransportConfig
 from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, PeerRates, peer_rates
-from transports.core.certs import CertificateError, NodeCredentials
 from transports.core.codec import (
     DEFAULT_MAX_PAYLOAD,
     Bye,
@@ -53,10 +53,8 @@ from transports.core.link import FrameLink
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import (
     BATCH_BYTES,
-    INLINE_FETCH_S,
     EgressPacer,
     ServingServer,
-    fetch,
     payload_bytes,
 )
 from transports.core.session import ServerSession
@@ -64,6 +62,7 @@ from transports.core.timer import DeadlineTimer
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node, peer_tenants
 from transports.tls.link import TRANSPORT, TlsLink
+from transports.trust.certs import CertificateError, NodeCredentials
 
 logger = logging.getLogger(__name__)
 
@@ -147,14 +146,11 @@ class ServerConnection:
                 if turn is None:
                     break
                 rid, rest = turn
-                # RAM-resident blocks are read on the loop; after SLOW_STREAK slow reads in a row
-                # (disk, not a one-off preemption) reading moves to the pool for SLOW_SOURCE_HOLD_S.
                 batch = BATCH_BYTES if server.pacer is None else server.pacer.batch_bytes(BATCH_BYTES)
-                if server.executor is None or self._loop.time() >= server.slow_until:
-                    fetched, slow = fetch(server.source, rest, batch, INLINE_FETCH_S)
-                    server.note_fetch(slow, self._loop.time())
+                if server.fetches_inline(self._loop.time()):
+                    fetched = server.fetch_inline(rest, batch)
                 else:
-                    fetched, _ = await self._loop.run_in_executor(server.executor, fetch, server.source, rest, batch)
+                    fetched = await server.fetch_in_pool(rest, batch)
                 if link.closed or rid not in session.active:
                     break
                 now = self._loop.time()
@@ -194,9 +190,10 @@ class TlsTcpServer(ServingServer):
     transport = TRANSPORT  # the metrics label
 
     def __init__(self, credentials: NodeCredentials, source: BlockSource, host: str = "127.0.0.1", port: int = 0,
-                 *, max_payload: int = DEFAULT_MAX_PAYLOAD, max_inflight: int = 32, frame_timeout_s: float = 10.0,
-                 idle_timeout_s: float = 30.0, handshake_timeout_s: float = 5.0, io_threads: int = 4,
-                 max_connections_per_peer: int = 8, peer_rates: PeerRates | None = None,
+                 *, max_payload: int = DEFAULT_MAX_PAYLOAD, max_inflight: int = defaults.MAX_INFLIGHT,
+                 frame_timeout_s: float = defaults.FRAME_TIMEOUT_S, idle_timeout_s: float = defaults.IDLE_TIMEOUT_S,
+                 handshake_timeout_s: float = defaults.CONNECT_TIMEOUT_S, io_threads: int = defaults.IO_THREADS,
+                 max_connections_per_peer: int = defaults.MAX_CONNECTIONS_PER_PEER, peer_rates: PeerRates | None = None,
                  metrics: TransportMetrics | None = None, send_rate: float = 0.0) -> None:
         """`io_threads`: threads for slow (disk) fetches; 0 always fetches on the event loop;
         `max_connections_per_peer` and `peer_rates`: what one peer node may cost (see `budget`);

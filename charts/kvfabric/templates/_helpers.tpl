@@ -225,7 +225,7 @@ integers (fabric/config.py accepts an integer where it expects a float, never th
 {{- define "kvfabric.initContainers" -}}
 initContainers:
   # The node reads <cert_dir>/ca.pem, <cert_dir>/<node name>.pem/.key and, when published, crl.pem
-  # (transports/core/certs.py): link them to the pod's own certificate and the revocation-list Secret.
+  # (transports/trust/certs.py): link them to the pod's own certificate and the revocation-list Secret.
   - name: tls-setup
     image: {{ include "kvfabric.image" . }}
     imagePullPolicy: {{ .Values.image.pullPolicy }}

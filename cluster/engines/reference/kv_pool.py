@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from cluster.errors import ClusterError
 from fabric.layout import KVLayout, LayoutKind
 
 logger = logging.getLogger(__name__)
@@ -63,11 +64,11 @@ class StorageType(enum.StrEnum):
     SYSTEM = "system"
 
 
-class StorageUnavailableError(RuntimeError):
+class StorageUnavailableError(ClusterError, RuntimeError):
     """The requested storage type does not exist on this machine."""
 
 
-class DoubleFreeError(RuntimeError):
+class DoubleFreeError(ClusterError, RuntimeError):
     """An index was freed that is not currently allocated."""
 
 

@@ -25,6 +25,7 @@ from cluster.engines.reference.block_manager import BlockManager
 from cluster.engines.reference.kv_pool import StorageType, TokenToKVPool
 from cluster.engines.reference.sequence import SeqState
 from cluster.engines.reference.tiny_llama import TinyLlama
+from cluster.errors import ClusterError
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import Store
 from fabric.tiers.base import Payload
@@ -45,7 +46,7 @@ class PrefillResult:
         return self.num_device_hit_tokens + self.num_store_hit_tokens
 
 
-class OutOfBlocks(RuntimeError):
+class OutOfBlocks(ClusterError, RuntimeError):
     """The pool has no room for this prompt even after evicting every cached block."""
 
 

@@ -22,6 +22,7 @@ from typing import Any
 import blake3
 import torch
 
+from cluster.errors import ClusterError
 from fabric.keys import Namespace
 from fabric.layout import DType, KVLayout
 
@@ -32,7 +33,7 @@ _DTYPES = {torch.float32: DType.F32, torch.float16: DType.F16, torch.bfloat16: D
 _CHUNK = 8 << 20
 
 
-class UnsupportedModelError(ValueError):
+class UnsupportedModelError(ClusterError, ValueError):
     """A model whose KV the connector cannot address (several KV cache groups, MLA, ...)."""
 
 

@@ -18,10 +18,10 @@ from cryptography import x509
 from cluster.cli.main import main
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
-from transports.core.certs import CredentialFiles, NodeCredentials, node_name_of
-from transports.core.identity import IdentityError, TrustAnchor
-from transports.core.tenant_tokens import TenantMinter, tenants_of_node
 from transports.quic import QuicTransportClient, QuicTransportServer
+from transports.trust.certs import CredentialFiles, NodeCredentials, node_name_of
+from transports.trust.identity import IdentityError, TrustAnchor
+from transports.trust.tenant_tokens import TenantMinter, tenants_of_node
 
 
 @dataclass(frozen=True)

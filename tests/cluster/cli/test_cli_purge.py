@@ -9,7 +9,7 @@ from pathlib import Path
 
 from test_cli_cluster import run
 
-from transports.core.certs import issue_tenant
+from transports.trust.certs import issue_tenant
 
 
 def test_purge_and_stats_carry_the_operator_credential_and_bad_input_is_one_line(tmp_path: Path) -> None:

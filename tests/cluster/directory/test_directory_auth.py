@@ -24,8 +24,8 @@ from cluster.directory.report import (
 )
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, derived_node_name
-from transports.core.certs import init_ca, issue_node
-from transports.core.identity import NodeSigner, TrustAnchor
+from transports.trust.certs import init_ca, issue_node
+from transports.trust.identity import NodeSigner, TrustAnchor
 
 H = [bytes([i]) * 32 for i in range(6)]
 A, B = "ray-id-a", "ray-id-b"            # Ray node ids; the certificates name "node-a" / "node-b"

@@ -18,8 +18,8 @@ from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.directory.upkeep import DirectoryUpkeep, ShardUnavailable
 from cluster.node.metrics import ClusterMetrics
 from fabric.config import ClusterConfig
-from transports.core.certs import init_ca, issue_node
-from transports.core.identity import NodeSigner, TrustAnchor
+from transports.trust.certs import init_ca, issue_node
+from transports.trust.identity import NodeSigner, TrustAnchor
 
 NODE = "a" * 56
 ADDR = NodeAddress("127.0.0.1", 7000, "tls-tcp", "node-a")

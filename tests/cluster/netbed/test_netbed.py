@@ -30,8 +30,8 @@ from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.store import Store
 from transports.core.base import Hit, Peer
-from transports.core.certs import init_ca, issue_node
 from transports.factory import create_client, create_server
+from transports.trust.certs import init_ca, issue_node
 
 _missing = missing_capability()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"network test bed needs {_missing}")

@@ -20,7 +20,7 @@ from test_node_loader import HASHES, NS, NUM_BLOCKS, NUM_LOCAL, TRUTH, Pair, _ru
 
 from cluster.node.audit import AuditRefusedError, NodeAuditor
 from fabric.config import AuditConfig, Config
-from transports.core.identity import TrustAnchor
+from transports.trust.identity import TrustAnchor
 
 __all__ = ["cert_dir"]   # the pair's certificates (a module-scoped fixture of test_node_loader.py)
 

@@ -29,11 +29,11 @@ from fabric.layout import KVLayout
 from fabric.provenance import Provenance, Rejection, sign_block
 from fabric.store import Store
 from transports.core.base import Peer, PullResult
-from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
-from transports.core.identity import NodeSigner, TrustAnchor
-from transports.core.provenance_check import ProvenanceVerifier
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
+from transports.trust.identity import NodeSigner, TrustAnchor
+from transports.trust.provenance_check import ProvenanceVerifier
 
 LAYOUT = KVLayout.mha(3, 2, 32, "f16")
 NS = Namespace("prov-model", LAYOUT, block_size=16, weights_fingerprint="prov")

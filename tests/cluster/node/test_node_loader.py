@@ -32,11 +32,11 @@ from fabric.config import Config, KVConfig
 from fabric.keys import Namespace, block_hashes
 from fabric.layout import KVLayout
 from fabric.store import Store
-from transports.core.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
-from transports.core.identity import NodeSigner, TrustAnchor
-from transports.core.provenance_check import ProvenanceVerifier
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
+from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.trust.identity import NodeSigner, TrustAnchor
+from transports.trust.provenance_check import ProvenanceVerifier
 
 LAYOUT = KVLayout.mha(3, 2, 32, "f16")
 NS = Namespace("loader-model", LAYOUT, block_size=16, weights_fingerprint="loader")

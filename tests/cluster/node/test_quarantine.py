@@ -8,8 +8,8 @@ from pathlib import Path
 from cryptography import x509
 
 from cluster.node.quarantine import QUARANTINED, QuarantineBook, entry_problem, released_entry, signed_entry
-from transports.core.certs import CA_CERT, CRL, init_ca, issue_node, revoke
-from transports.core.identity import NodeSigner, TrustAnchor
+from transports.trust.certs import CA_CERT, CRL, init_ca, issue_node, revoke
+from transports.trust.identity import NodeSigner, TrustAnchor
 
 EVIDENCE = {"namespace": "00" * 32, "block": "11" * 32, "layer": 2, "engine_digest": "aa" * 32,
             "signed_digest": "bb" * 32, "worst": 4.5}

@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from fabric.provenance import DIGEST_SIZE, Provenance, ProvenanceError, Rejection
-from transports.core.identity import IdentityError, NodeIdentity, TrustAnchor
+from transports.trust.identity import IdentityError, NodeIdentity, TrustAnchor
 
 _IDENTITY_REJECTIONS = {r.value: r for r in (Rejection.UNTRUSTED, Rejection.EXPIRED, Rejection.REVOKED,
                                              Rejection.NOT_A_NODE, Rejection.MALFORMED)}

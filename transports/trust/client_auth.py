@@ -14,7 +14,8 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.x509.oid import ExtendedKeyUsageOID
 
-from transports.core.certs import CertificateError, node_name_of
+from transports.core.errors import TrustError
+from transports.trust.certs import CertificateError, node_name_of
 
 
 class AuthFailure(enum.StrEnum):
@@ -28,7 +29,7 @@ class AuthFailure(enum.StrEnum):
     HANDSHAKE = "handshake"          # any other TLS failure (bad signature, no common ALPN, ...)
 
 
-class ClientRefused(Exception):
+class ClientRefused(TrustError):
     """A client certificate kvfabric does not accept; `reason` says why."""
 
     def __init__(self, reason: AuthFailure, message: str) -> None:

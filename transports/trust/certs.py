@@ -14,6 +14,7 @@ use the new certificate while open connections carry on with the old one.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import ipaddress
 import logging
@@ -27,18 +28,20 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from transports.core.errors import TrustError
+
 logger = logging.getLogger(__name__)
 
 CA_CERT = "ca.pem"
 CA_KEY = "ca.key"
 CRL = "crl.pem"   # the CA's revocation list, read by every node beside ca.pem
-TENANT_URI_PREFIX = "kvfabric-tenant:"   # a URI SAN naming a tenant (transports/core/tenant_tokens.py)
+TENANT_URI_PREFIX = "kvfabric-tenant:"   # a URI SAN naming a tenant (transports/trust/tenant_tokens.py)
 TENANT_SUFFIX = ".tenant"                # <name>.tenant.pem / .key: a tenant credential
 OPERATOR_URI_PREFIX = "kvfabric-operator:"   # a URI SAN naming an operator: node-wide calls (purge, stats)
 OPERATOR_SUFFIX = ".operator"            # <name>.operator.pem / .key: an operator credential
 
 
-class CertificateError(Exception):
+class CertificateError(TrustError):
     """Certificate material is missing, unreadable or does not fit the cluster CA."""
 
 
@@ -132,7 +135,7 @@ def issue_tenant(cert_dir: str | os.PathLike[str], tenant: str, days: int = 365,
                  ) -> tuple[Path, Path]:
     """Issue a tenant credential `<tenant>.tenant.pem` / `.key` (in `out_dir`, default `cert_dir`)
     signed by the CA in `cert_dir`: its only SAN is the URI `kvfabric-tenant:<tenant>`, so it never
-    proves a node identity (transports/core/tenant_tokens.py). Returns (cert, key) paths."""
+    proves a node identity (transports/trust/tenant_tokens.py). Returns (cert, key) paths."""
     return _issue_credential(cert_dir, "tenant", tenant, days, not_before, out_dir)
 
 
@@ -222,6 +225,13 @@ def crl_next_update(crl_path: Path) -> float | None:
     return None if next_update is None else next_update.timestamp()
 
 
+def file_stamp(path: Path) -> tuple[int, int, int]:
+    """What changes whenever `path` is replaced or rewritten: (mtime ns, size, inode). The one change
+    rule for the credential files and the revocation list (`revocation.RevocationFile`)."""
+    st = path.stat()
+    return st.st_mtime_ns, st.st_size, st.st_ino
+
+
 def revoked_serials(crl_pem: bytes, ca_cert: x509.Certificate, where: str = "the revocation list") -> frozenset[int]:
     """Serials revoked by a CA-signed CRL (PEM); raises CertificateError if the CA did not sign it."""
     try:
@@ -277,13 +287,9 @@ class CredentialFiles:
         """Changes whenever any of the three files, or the revocation list, is replaced or rewritten."""
         out: list[int] = []
         for p in (self.ca, self.cert, self.key):
-            st = p.stat()
-            out += [st.st_mtime_ns, st.st_size, st.st_ino]
-        try:
-            st = self.crl.stat()
-            out += [st.st_mtime_ns, st.st_size, st.st_ino]
-        except FileNotFoundError:
-            pass
+            out += file_stamp(p)
+        with contextlib.suppress(FileNotFoundError):   # the list is optional
+            out += file_stamp(self.crl)
         return tuple(out)
 
 

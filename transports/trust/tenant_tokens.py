@@ -40,8 +40,9 @@ from cryptography import x509
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
 
-from transports.core.certs import OPERATOR_URI_PREFIX, TENANT_URI_PREFIX, CertificateError
-from transports.core.identity import PrivateKey, PublicKey, TrustAnchor, sign_with, verify_signature
+from transports.core.errors import TrustError
+from transports.trust.certs import OPERATOR_URI_PREFIX, TENANT_URI_PREFIX, CertificateError
+from transports.trust.identity import PrivateKey, PublicKey, TrustAnchor, sign_with, verify_signature
 
 DOMAIN = b"kvfabric/tenant-token/v1\0"
 TOKEN_VERSION = 1
@@ -51,7 +52,7 @@ MAX_TOKEN_BYTES = 32 * 1024
 _TIMES = struct.Struct("<qq")
 
 
-class TenantError(Exception):
+class TenantError(TrustError):
     """A token that proves no tenant; `reason` is the metrics label (kvfabric_tenant_refusals_total)."""
 
     def __init__(self, reason: str, message: str) -> None:

@@ -34,7 +34,8 @@ from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec, ed25519, padding, rsa
 
-from transports.core.certs import CRL, TENANT_URI_PREFIX, CertificateError, node_name_of, revoked_serials
+from transports.core.errors import TrustError
+from transports.trust.certs import CRL, TENANT_URI_PREFIX, CertificateError, node_name_of, revoked_serials
 
 PublicKey = ec.EllipticCurvePublicKey | ed25519.Ed25519PublicKey | rsa.RSAPublicKey
 PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPrivateKey
@@ -42,7 +43,7 @@ PrivateKey = ec.EllipticCurvePrivateKey | ed25519.Ed25519PrivateKey | rsa.RSAPri
 _PSS = padding.PSS(mgf=padding.MGF1(hashes.SHA256()), salt_length=padding.PSS.DIGEST_LENGTH)
 
 
-class IdentityError(Exception):
+class IdentityError(TrustError):
     """A certificate that does not prove a node identity; `reason` is a short metrics label."""
 
     def __init__(self, reason: str, message: str) -> None:
@@ -101,10 +102,7 @@ class TrustAnchor:
     def from_files(cls, ca_path: str | Path, crl_path: str | Path | None = None) -> TrustAnchor:
         """Load `ca.pem` and, when it exists, the CA-signed revocation list beside it (`crl.pem`)."""
         ca = Path(ca_path)
-        try:
-            ca_cert = x509.load_pem_x509_certificate(ca.read_bytes())
-        except (OSError, ValueError) as e:
-            raise CertificateError(f"cannot read the cluster CA certificate {ca}: {e}") from None
+        ca_cert = read_ca_cert(ca)
         crl = Path(crl_path) if crl_path is not None else ca.with_name(CRL)
         return cls(ca_cert, load_revoked(crl, ca_cert) if crl.is_file() else frozenset())
 
@@ -181,6 +179,14 @@ def sign_with(key: PrivateKey, message: bytes) -> bytes:
     if isinstance(key, rsa.RSAPrivateKey):
         return key.sign(message, _PSS, hashes.SHA256())
     return key.sign(message, ec.ECDSA(hashes.SHA256()))
+
+
+def read_ca_cert(ca_path: Path) -> x509.Certificate:
+    """The cluster CA certificate at `ca_path`; CertificateError when it cannot be read."""
+    try:
+        return x509.load_pem_x509_certificate(ca_path.read_bytes())
+    except (OSError, ValueError) as e:
+        raise CertificateError(f"cannot read the cluster CA certificate {ca_path}: {e}") from None
 
 
 def load_revoked(crl_path: str | Path, ca_cert: x509.Certificate) -> frozenset[int]:

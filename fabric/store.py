@@ -6,15 +6,15 @@
         └─► SSD file ─► verify header + digest ─► promote to RAM ─────────────► view over the read
     lookup(addresses) ─► tier per address (device / RAM / SSD catalog, no I/O), leading run length
     peek(addresses)   ─► the same answer; recency and access frequency stay untouched
-    read_run(blocks)  ─► every layer of the leading blocks held in full, verified, in one pass
+    read_run(blocks)  ─► every layer of the leading blocks held in full, verified, in one walk
     mirror(address, payload, digest) ─► a put checked against the peer's digest if [kv].mirror_pulls
 
 Modules, one job each, each the one writer of its state: store_parts (the parts, wired once),
-store_holdings (held addresses, events, accesses), store_puts (hashing, the overwrite rule,
+store_holdings (held addresses, events, accesses, counts), store_puts (hashing, the overwrite rule,
 write-through), write_behind (the pending queue and its flusher), ssd_commit (the one commit path,
 reserved and wanted SSD room), store_reads (lookups, gets, runs), store_maintenance (carrying out
-the pure planner's `MaintenancePlan`, the background thread), eviction (the planner itself),
-store_types (results, errors, counters).
+the pure planner's `MaintenancePlan`, the background thread), store_types (results, errors,
+lifecycle), eviction (the planner itself).
 
 Overwrite rule: the first acknowledged payload of an address stands; a put of other bytes for a
 held address answers CONFLICT and is counted (fabric/store_puts.py). So a committed file is never
@@ -39,7 +39,7 @@ power cut (not a process crash: the page cache survives SIGKILL) may lose recent
 digest check on every read still guarantees that nothing wrong is served. Write-behind
 acknowledges once the payload is in RAM, before any of this: a crash loses blocks still pending.
 
-Lifecycle: OPEN -> CLOSING -> CLOSED (fabric/store_lifecycle.py). `close()` admits no new call (they
+Lifecycle: OPEN -> CLOSING -> CLOSED (fabric/store_types.py). `close()` admits no new call (they
 raise StoreClosedError), waits for the calls in flight (up to `timeout_s`), stops the background thread,
 flushes, and always shuts the pools down and releases the index lock, even when a step fails; it
 returns a CloseReport naming the acknowledged write-behind blocks it could not flush.
@@ -65,12 +65,12 @@ from fabric.keys import BlockAddress, BlockHash
 from fabric.metrics import StoreMetrics
 from fabric.provenance import Provenance, block_version
 from fabric.ssd_commit import SsdCommitter
-from fabric.store_lifecycle import CallGate
 from fabric.store_maintenance import Background, Maintenance
 from fabric.store_parts import StoreParts
 from fabric.store_puts import Puts
 from fabric.store_reads import Reads
 from fabric.store_types import (
+    CallGate,
     CloseReport,
     Hashed,
     LookupResult,
@@ -157,7 +157,7 @@ class Store:
         self._gate.enter()
         try:
             return self._puts.put_many(list(items), model, None if digests is None else list(digests),
-                                         None if provenance is None else list(provenance))
+                                       None if provenance is None else list(provenance))
         finally:
             self._gate.leave()
 
@@ -238,17 +238,14 @@ class Store:
         finally:
             self._gate.leave()
 
-    def read_run(self, blocks: Sequence[Sequence[BlockAddress]], *, promote: bool = True) -> list[list[StoredBlock]]:
-        """Every layer of the leading `blocks` (each a block's addresses) that are held in full, each
-        payload verified, in one pass: the run is found under one lock, then its SSD files are read
-        and checked. It ends before the first block with a layer missing or failing its check. An
-        access of each layer served, as a get is."""
-        start = time.perf_counter()
-        with self._lock:
-            self._gate.admit_locked()
-            run = self._reads.find_run_locked(blocks)
+    def read_run(self, blocks: Iterable[Sequence[BlockAddress]], *, promote: bool = True) -> list[list[StoredBlock]]:
+        """Every layer of the leading `blocks` (each a block's addresses) held in full, each payload
+        verified, in one walk that ends before the first block with a layer missing or failing its
+        check (a block past it is not looked at: pass a generator to build none). Each layer served
+        is an access, as a get is."""
+        self._gate.enter()
         try:
-            return self._reads.read_run(run, promote, start)
+            return self._reads.read_run(blocks, promote)
         finally:
             self._gate.leave()
 
@@ -257,19 +254,21 @@ class Store:
 
         A lookup is an access: it refreshes the blocks' recency and access frequency, as a get
         does. `peek=True` answers the same without touching either (see `peek`)."""
+        keys = [a.storage_key for a in addresses]
         now = self._clock()
         with self._lock:
             self._gate.check_open_locked()
-            return self._reads.lookup_locked(addresses, now, peek=peek)
+            return self._reads.lookup_locked(addresses, keys, now, peek=peek)
 
-    def lookup_run(self, blocks: Sequence[Sequence[BlockAddress]], *, peek: bool = False) -> list[tuple[Tier, ...]]:
-        """The tiers of every layer of the leading `blocks` held in full, in one pass that stops at
-        the first block with a layer missing (a prompt mostly held elsewhere costs one address past
-        the run). An access of each layer of the run unless `peek`, as `lookup`."""
-        now = self._clock()
-        with self._lock:
-            self._gate.check_open_locked()
-            return self._reads.lookup_run_locked(blocks, now, peek=peek)
+    def lookup_run(self, blocks: Iterable[Sequence[BlockAddress]], *, peek: bool = False) -> list[tuple[Tier, ...]]:
+        """The tiers of every layer of the leading `blocks` held in full, in one walk that stops at the
+        first block with a layer missing (a prompt mostly held elsewhere costs one block past the
+        run). An access of each layer of the run unless `peek`, as `lookup`."""
+        self._gate.enter()
+        try:
+            return self._reads.lookup_run(blocks, self._clock(), peek=peek)
+        finally:
+            self._gate.leave()
 
     def peek(self, addresses: Sequence[BlockAddress]) -> LookupResult:
         """`lookup` that leaves recency and access frequency untouched: for a router probing nodes

@@ -1,5 +1,5 @@
-"""What a store holds and how it is used: the held addresses with their STORED / REMOVED events,
-access frequency, and the accesses the next maintenance pass needs (no I/O).
+"""A store's books: what it holds and how it is used (the held addresses with their STORED /
+REMOVED events, access frequency, the accesses the next maintenance pass needs), and its counts (no I/O).
 
     held          storage key -> BlockAddress of every (block, layer) in any tier whose hash is known;
                   a key enters with a STORED event (`hold`) and leaves with a REMOVED event (`forget`)
@@ -9,6 +9,10 @@ access frequency, and the accesses the next maintenance pass needs (no I/O).
 
 `Holdings` is the one writer of these; the store calls it under its lock. Costs: O(1) per call,
 O(held) for a listing.
+
+`StoreCounters` is what `Store.stats()` reports: plain integers counted where things happen (under
+the store's lock), so stats never read numbers back out of Prometheus. It feeds the Prometheus
+metrics at the same points, for export only; it is the one writer of both.
 """
 
 from __future__ import annotations
@@ -18,6 +22,9 @@ from collections.abc import Iterable, Iterator
 from fabric.events import EventKind, StoreEventLog, StoreEvents
 from fabric.eviction import DecayedFrequency
 from fabric.keys import BlockAddress, StorageKey
+from fabric.metrics import StoreMetrics
+from fabric.store_types import PutResult
+from fabric.tiers.base import Tier
 
 # An index row's last-seen time is refreshed once it is this much older than the block's: TTL
 # expiry (days) and the LRU order after a restart do not need it finer.
@@ -66,7 +73,7 @@ class Holdings:
 
     # ---- accesses ----------------------------------------------------------------------------------
 
-    def accessed(self, key: StorageKey, now: float, *, row_stale: bool, ssd_only: bool = False) -> None:
+    def accessed(self, key: StorageKey, now: float, row_stale: bool, ssd_only: bool = False) -> None:
         """One access of `key`. `row_stale`: its index row's last-seen time is LAST_SEEN_RESOLUTION_S
         behind (rewritten at the next pass: a pull that reads 7,680 (block, layer) rows again and
         again would rewrite all of them every second otherwise). `ssd_only`: it is not in RAM."""
@@ -88,3 +95,47 @@ class Holdings:
         """The keys whose index row is due for a last-seen rewrite, since the last call."""
         touched, self._touched_rows = self._touched_rows, set()
         return touched
+
+
+class StoreCounters:
+    """Monotonic counts since open, and their Prometheus twins; call under the store's lock."""
+
+    def __init__(self, metrics: StoreMetrics) -> None:
+        self._metrics = metrics
+        self._put_rejected = {r.value: 0 for r in PutResult if not r.ok}
+        self._evictions = {Tier.RAM.value: 0, Tier.SSD.value: 0}
+        self._corrupt_blocks = {Tier.RAM.value: 0, Tier.SSD.value: 0}
+        self._reconciled: dict[str, int] = {}
+        self._flush_failures = 0
+
+    def rejected(self, result: PutResult) -> PutResult:
+        """Count a refused put; returns `result`."""
+        self._put_rejected[result.value] += 1
+        self._metrics.put_rejected.labels(result.value).inc()
+        return result
+
+    def evicted(self, tier: Tier, n: int) -> None:
+        if n:
+            self._evictions[tier.value] += n
+            self._metrics.evictions.labels(tier.value).inc(n)
+
+    def corrupt(self, tier: Tier) -> None:
+        """A block that failed verification was removed (the exported counter is fed by the read's
+        own observation, `StoreMetrics.observe_corrupt`, or by `verify`)."""
+        self._corrupt_blocks[tier.value] += 1
+
+    def reconciled(self, action: str, n: int = 1, *, export: bool = True) -> None:
+        self._reconciled[action] = self._reconciled.get(action, 0) + n
+        if export:
+            self._metrics.reconciled.labels(action).inc(n)
+
+    def reconciled_counts(self) -> dict[str, int]:
+        return dict(self._reconciled)
+
+    def flush_failed(self) -> None:
+        self._flush_failures += 1
+
+    def snapshot(self) -> dict[str, object]:
+        return {"reconciled": dict(self._reconciled), "corrupt_blocks": dict(self._corrupt_blocks),
+                "evictions": dict(self._evictions), "put_rejected": dict(self._put_rejected),
+                "flush_failures": self._flush_failures}

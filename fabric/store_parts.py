@@ -35,8 +35,7 @@ from fabric.index import Index, reconcile
 from fabric.keys import BlockAddress, BlockHash, StorageKey
 from fabric.metrics import StoreMetrics
 from fabric.provenance import Provenance
-from fabric.store_holdings import LAST_SEEN_RESOLUTION_S, Holdings
-from fabric.store_types import StoreCounters
+from fabric.store_holdings import LAST_SEEN_RESOLUTION_S, Holdings, StoreCounters
 from fabric.tiers.base import Tier
 from fabric.tiers.device import DeviceTier
 from fabric.tiers.ram import Evicted, RamTier
@@ -144,7 +143,7 @@ class StoreParts:
         The in-memory LRU order stays exact; the row is rewritten at the next pass."""
         entry = self.ssd.touch(key, now)
         stale = entry is not None and entry.last_seen_unix - entry.row_seen_unix >= LAST_SEEN_RESOLUTION_S
-        self.holdings.accessed(key, now, row_stale=stale, ssd_only=ssd_only)
+        self.holdings.accessed(key, now, stale, ssd_only)
 
     def drop_ram_victims_locked(self, victims: Sequence[Evicted]) -> None:
         """RAM evicted these: one that is not on SSD either has left the store."""

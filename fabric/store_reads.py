@@ -2,9 +2,9 @@
 
     get       RAM hit ──► view, no copy
               └─► SSD entry ──► read + verify header and digest (outside the lock) ──► promote to RAM
-    read_run  one pass under the lock finds every layer of the leading blocks (RAM copy or SSD entry)
-              and stops at the first block with a layer missing; then the SSD files are read and
-              verified outside the lock, and the run ends before the first block one fails in
+    read_run  one walk over the leading blocks: per block, every layer found under the lock (RAM
+              copy or SSD entry), then its SSD files read and verified outside it; the run ends
+              before the first block with a layer missing or failing
 
 A read that meets a corrupt file or a row without a file drops both (counted), and answers a miss.
 `read_slots` bounds the file reads in flight to [kv].io_threads. Costs: lookup O(addresses); a RAM
@@ -19,7 +19,7 @@ import logging
 import mmap
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from fabric.keys import BlockAddress, StorageKey
 from fabric.store_parts import StoreParts
@@ -42,40 +42,46 @@ class Reads:
 
     # ---- where addresses are -----------------------------------------------------------------------
 
-    def tier_locked(self, address: BlockAddress, key: StorageKey, now: float, peek: bool) -> Tier | None:
-        """Which tier holds `address` (device first), no I/O; a RAM or SSD hit is an access (access
+    def lookup_locked(self, addresses: Sequence[BlockAddress], keys: Sequence[StorageKey], now: float, *,
+                      peek: bool = False) -> LookupResult:
+        """Which tier holds each address (device first), no I/O; a RAM or SSD hit is an access (access
         frequency, SSD recency) unless `peek`: a peek leaves every eviction order as it was."""
         parts = self._parts
-        if parts.device.contains(address.hash):
-            return Tier.DEVICE
-        if parts.ram.contains(key):
-            if not peek:
-                parts.touch_locked(key, now)
-            return Tier.RAM
-        if parts.ssd.contains(key):
-            if not peek:
-                parts.touch_locked(key, now, ssd_only=True)
-            return Tier.SSD
-        return None
-
-    def lookup_locked(self, addresses: Sequence[BlockAddress], now: float, *, peek: bool = False) -> LookupResult:
-        tiers = tuple(self.tier_locked(a, a.storage_key, now, peek) for a in addresses)
+        device, ram, ssd = parts.device, parts.ram, parts.ssd
+        tiers: list[Tier | None] = []
+        for address, key in zip(addresses, keys, strict=True):
+            if device.contains(address.hash):
+                tiers.append(Tier.DEVICE)
+            elif ram.contains(key):
+                tiers.append(Tier.RAM)
+                if not peek:
+                    parts.touch_locked(key, now)
+            elif ssd.contains(key):
+                tiers.append(Tier.SSD)
+                if not peek:
+                    parts.touch_locked(key, now, ssd_only=True)
+            else:
+                tiers.append(None)
         num_leading = next((i for i, t in enumerate(tiers) if t is None), len(tiers))
-        return LookupResult(num_leading, tiers)
+        return LookupResult(num_leading, tuple(tiers))
 
-    def lookup_run_locked(self, blocks: Sequence[Sequence[BlockAddress]], now: float, *,
-                          peek: bool = False) -> list[tuple[Tier, ...]]:
+    def lookup_run(self, blocks: Iterable[Sequence[BlockAddress]], now: float, *,
+                   peek: bool = False) -> list[tuple[Tier, ...]]:
         """The tiers of each leading block held in full, up to the first block with a layer missing;
-        the layers of a block past the run are not accessed."""
+        the layers of a block past the run are not accessed. Each block's keys are hashed outside
+        the lock, and a block past the first gap is never hashed."""
         out: list[tuple[Tier, ...]] = []
         for addresses in blocks:
-            tiers = [self.tier_locked(a, a.storage_key, now, peek=True) for a in addresses]
-            if any(t is None for t in tiers):
-                break
-            if not peek:
-                for a in addresses:
-                    self.tier_locked(a, a.storage_key, now, peek=False)
-            out.append(tuple(t for t in tiers if t is not None))
+            keys = [a.storage_key for a in addresses]
+            with self._parts.lock:
+                found = self.lookup_locked(addresses, keys, now, peek=True)
+                if found.num_leading < len(keys):
+                    break
+                if not peek:   # the whole block is held: now its layers count as accessed
+                    for key, tier in zip(keys, found.tiers, strict=True):
+                        if tier is not Tier.DEVICE:
+                            self._parts.touch_locked(key, now, ssd_only=tier is Tier.SSD)
+            out.append(tuple(t for t in found.tiers if t is not None))
         return out
 
     # ---- payloads ----------------------------------------------------------------------------------
@@ -100,52 +106,56 @@ class Reads:
             return None
         return self.read_ssd(key, entry, promote, start)
 
-    def find_run_locked(self, blocks: Sequence[Sequence[BlockAddress]]) -> list[list[_Found]]:
-        """One pass: each leading block's layers as found (RAM copy, else SSD entry), up to the first
-        block with a layer missing. Every layer of the run is an access; none past it is."""
-        parts = self._parts
-        run_keys: list[list[StorageKey]] = []
-        for addresses in blocks:
-            keys = [a.storage_key for a in addresses]
-            if not all(parts.ram.contains(k) or parts.ssd.contains(k) for k in keys):
-                break
-            run_keys.append(keys)
-        now = parts.clock()
-        run: list[list[_Found]] = []
-        for keys in run_keys:
-            found: list[_Found] = []
-            for key in keys:
-                block = parts.ram.get(key)
-                parts.touch_locked(key, now, ssd_only=block is None)
-                found.append((key, block if block is not None else parts.ssd_entry_locked(key)))
-            run.append(found)
-        return run
-
-    def read_run(self, run: list[list[_Found]], promote: bool, start: float) -> list[list[StoredBlock]]:
-        """`find_run_locked`'s run with its SSD files read and verified (outside the lock), up to the
-        first block with a layer that fails."""
-        pass_s = time.perf_counter() - start
+    def read_run(self, blocks: Iterable[Sequence[BlockAddress]], promote: bool) -> list[list[StoredBlock]]:
+        """Each leading block's verified layers, up to the first block with a layer missing or failing.
+        Per block: its keys hashed outside the lock, its layers found under it (RAM copy, else SSD
+        entry; each an access), its SSD files read and verified outside it."""
         out: list[list[StoredBlock]] = []
-        num_ram_hits = 0
-        for found in run:
-            layers: list[StoredBlock] = []
-            for key, where in found:
-                if isinstance(where, StoredBlock):
-                    num_ram_hits += 1
-                    layers.append(where)
-                    continue
-                block = self.read_ssd(key, where, promote, time.perf_counter())
-                if block is None:
-                    break
-                layers.append(block)
-            if len(layers) < len(found):
+        for addresses in blocks:
+            start = time.perf_counter()
+            keys = [a.storage_key for a in addresses]
+            with self._parts.lock:
+                found = self._find_block_locked(keys)
+            if found is None:
+                break
+            layers = self._read_block(found, promote, start)
+            if layers is None:
                 break
             out.append(layers)
-        # The run was found under one lock: each RAM hit is counted with its share of that pass.
-        share = pass_s / max(1, num_ram_hits)
-        for _ in range(num_ram_hits):
-            self._parts.metrics.observe_hit(Tier.RAM, share)
         return out
+
+    def _find_block_locked(self, keys: Sequence[StorageKey]) -> list[_Found] | None:
+        """Every layer of one block as found (RAM copy, else SSD entry), each touched; None if one is missing."""
+        parts = self._parts
+        ram, ssd = parts.ram, parts.ssd
+        if not all(ram.contains(k) or ssd.contains(k) for k in keys):
+            return None
+        now = parts.clock()
+        found: list[_Found] = []
+        for key in keys:
+            block = ram.get(key)
+            parts.touch_locked(key, now, ssd_only=block is None)
+            found.append((key, block if block is not None else parts.ssd_entry_locked(key)))
+        return found
+
+    def _read_block(self, found: list[_Found], promote: bool, start: float) -> list[StoredBlock] | None:
+        """`found`'s SSD files read and verified (outside the lock); None if one fails."""
+        pass_s = time.perf_counter() - start
+        layers: list[StoredBlock] = []
+        num_ram_hits = 0
+        for key, where in found:
+            if isinstance(where, StoredBlock):
+                num_ram_hits += 1
+                layers.append(where)
+                continue
+            block = self.read_ssd(key, where, promote, time.perf_counter())
+            if block is None:
+                return None
+            layers.append(block)
+        # A block's layers are found under one lock: each RAM hit is counted with its share of that pass.
+        for _ in range(num_ram_hits):
+            self._parts.metrics.observe_hit(Tier.RAM, pass_s / num_ram_hits)
+        return layers
 
     def read_ssd(self, key: StorageKey, entry: SsdEntry, promote: bool, start: float) -> StoredBlock | None:
         """Read and verify a catalogued file; promote it to RAM if asked and there is room."""

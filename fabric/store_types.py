@@ -1,19 +1,24 @@
-"""The Store's value types: results, reports, errors, lifecycle states, a payload hashed once, and
-the store's own counters (no I/O).
+"""The Store's value types and its lifecycle (no I/O): put results, lookups, verify reports, a
+payload on its way to the SSD, a payload hashed once; and OPEN -> CLOSING -> CLOSED:
 
-`StoreCounters` is what `Store.stats()` reports: plain integers counted where things happen (under
-the store's lock), so stats never read numbers back out of Prometheus. It feeds the Prometheus
-metrics at the same points, for export only; it is the one writer of both.
+    OPEN      every call is admitted; those that outlive the lock (file reads, puts, flushes,
+              maintenance) count as in flight until they leave
+    CLOSING   no call is admitted (StoreClosedError); `close()` waits up to its timeout for those
+              in flight, then flushes and releases
+    CLOSED    the CloseReport is kept: a second `close()` answers it, a concurrent one waits for it
+
+`CallGate` is the one writer of the state, the count in flight and the report, under the store's
+lock (shared, so a call is admitted and its state found in one critical section).
 """
 
 from __future__ import annotations
 
 import enum
+import threading
 from dataclasses import dataclass
 
 from fabric.index import BlockMeta
 from fabric.keys import BlockAddress, BlockHash, StorageKey
-from fabric.metrics import StoreMetrics
 from fabric.provenance import Provenance
 from fabric.tiers.base import Payload, Tier, as_bytes_view, digest_of
 
@@ -37,16 +42,6 @@ class PutResult(enum.Enum):
         return self is PutResult.OK
 
 
-class StoreClosedError(RuntimeError):
-    """A call reached a store that is closing or closed (see `Store.close`)."""
-
-
-class Lifecycle(enum.Enum):
-    OPEN = "open"
-    CLOSING = "closing"     # no new calls admitted; those in flight finish, then the flush
-    CLOSED = "closed"
-
-
 @dataclass(frozen=True, slots=True)
 class LookupResult:
     """Where each address is (None: not on this node) and how many leading ones are present."""
@@ -59,21 +54,6 @@ class LookupResult:
 class VerifyReport:
     num_checked: int
     corrupt: tuple[tuple[StorageKey, str], ...]
-
-
-@dataclass(frozen=True, slots=True)
-class CloseReport:
-    """What `close()` could not do. `unflushed`: acknowledged write-behind blocks that never reached
-    the SSD (full disk, failing disk or index) and are gone with this process; `errors`: the steps
-    that failed (the index lock and the thread pools are released regardless)."""
-
-    unflushed: tuple[BlockAddress, ...] = ()
-    errors: tuple[str, ...] = ()
-    num_calls_abandoned: int = 0    # calls still in flight when the close timeout ran out
-
-    @property
-    def clean(self) -> bool:
-        return not self.unflushed and not self.errors and not self.num_calls_abandoned
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,45 +102,79 @@ def hash_payload(payload: Payload | Hashed) -> Hashed:
     return Hashed(owned, digest_of(owned))
 
 
-class StoreCounters:
-    """Monotonic counts since open, and their Prometheus twins; call under the store's lock."""
+class StoreClosedError(RuntimeError):
+    """A call reached a store that is closing or closed (see `Store.close`)."""
 
-    def __init__(self, metrics: StoreMetrics) -> None:
-        self._metrics = metrics
-        self._put_rejected = {r.value: 0 for r in PutResult if not r.ok}
-        self._evictions = {Tier.RAM.value: 0, Tier.SSD.value: 0}
-        self._corrupt_blocks = {Tier.RAM.value: 0, Tier.SSD.value: 0}
-        self._reconciled: dict[str, int] = {}
-        self._flush_failures = 0
 
-    def rejected(self, result: PutResult) -> PutResult:
-        """Count a refused put; returns `result`."""
-        self._put_rejected[result.value] += 1
-        self._metrics.put_rejected.labels(result.value).inc()
-        return result
+class Lifecycle(enum.Enum):
+    OPEN = "open"
+    CLOSING = "closing"     # no new calls admitted; those in flight finish, then the flush
+    CLOSED = "closed"
 
-    def evicted(self, tier: Tier, n: int) -> None:
-        if n:
-            self._evictions[tier.value] += n
-            self._metrics.evictions.labels(tier.value).inc(n)
 
-    def corrupt(self, tier: Tier) -> None:
-        """A block that failed verification was removed (the exported counter is fed by the read's
-        own observation, `StoreMetrics.observe_corrupt`, or by `verify`)."""
-        self._corrupt_blocks[tier.value] += 1
+@dataclass(frozen=True, slots=True)
+class CloseReport:
+    """What `close()` could not do. `unflushed`: acknowledged write-behind blocks that never reached
+    the SSD (full disk, failing disk or index) and are gone with this process; `errors`: the steps
+    that failed (the index lock and the thread pools are released regardless)."""
 
-    def reconciled(self, action: str, n: int = 1, *, export: bool = True) -> None:
-        self._reconciled[action] = self._reconciled.get(action, 0) + n
-        if export:
-            self._metrics.reconciled.labels(action).inc(n)
+    unflushed: tuple[BlockAddress, ...] = ()
+    errors: tuple[str, ...] = ()
+    num_calls_abandoned: int = 0    # calls still in flight when the close timeout ran out
 
-    def reconciled_counts(self) -> dict[str, int]:
-        return dict(self._reconciled)
+    @property
+    def clean(self) -> bool:
+        return not self.unflushed and not self.errors and not self.num_calls_abandoned
 
-    def flush_failed(self) -> None:
-        self._flush_failures += 1
 
-    def snapshot(self) -> dict[str, object]:
-        return {"reconciled": dict(self._reconciled), "corrupt_blocks": dict(self._corrupt_blocks),
-                "evictions": dict(self._evictions), "put_rejected": dict(self._put_rejected),
-                "flush_failures": self._flush_failures}
+class CallGate:
+    """Admission of a store's calls and the close handshake (module docstring)."""
+
+    def __init__(self, lock: threading.Lock, name: str) -> None:
+        self._lock = lock
+        self._name = name
+        self._state = Lifecycle.OPEN
+        self._num_inflight = 0
+        self._idle = threading.Condition(lock)
+        self._report: CloseReport | None = None
+
+    @property
+    def state(self) -> Lifecycle:
+        return self._state
+
+    def check_open_locked(self) -> None:
+        if self._state is not Lifecycle.OPEN:
+            raise StoreClosedError(f"store over {self._name} is {self._state.value}")
+
+    def admit_locked(self) -> None:
+        """Admit a call that will outlive the lock (raises StoreClosedError unless OPEN); `leave` ends it."""
+        self.check_open_locked()
+        self._num_inflight += 1
+
+    def enter(self) -> None:
+        with self._lock:
+            self.admit_locked()
+
+    def leave(self) -> None:
+        with self._lock:
+            self._num_inflight -= 1
+            if not self._num_inflight:
+                self._idle.notify_all()
+
+    def begin_close(self, timeout_s: float) -> CloseReport | int:
+        """The report of a close already begun (waiting for it to end); else CLOSING from now on,
+        and how many calls were still in flight after `timeout_s`."""
+        with self._lock:
+            if self._state is not Lifecycle.OPEN:
+                self._idle.wait_for(lambda: self._state is Lifecycle.CLOSED)
+                assert self._report is not None, "a CLOSED store keeps its close report"
+                return self._report
+            self._state = Lifecycle.CLOSING
+            self._idle.wait_for(lambda: not self._num_inflight, timeout_s)
+            return self._num_inflight
+
+    def finish_close(self, report: CloseReport) -> None:
+        with self._lock:
+            self._report = report
+            self._state = Lifecycle.CLOSED
+            self._idle.notify_all()

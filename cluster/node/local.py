@@ -4,13 +4,15 @@ The NodeActor builds its answers on this (local blocks first, then pulls for the
 single-process engine or a test can use it directly.
 
 A block counts as held only when every layer of it is: `lookup` asks the store for the leading
-run of blocks held in full (one pass over the store that stops at the first gap), and a block's
-tier is its coldest layer's. `load` reads that run in one pass (`Store.read_run`), which stops at
+run of blocks held in full (one walk over the store that stops at the first gap), and a block's
+tier is its coldest layer's. `load` reads that run in one walk (`Store.read_run`), which stops at
 the first block with a layer that is missing or fails its digest (the store re-hashes anything it
-reads from a file), so the reply is always a verified leading run. A store hashes each payload
-once: `write_blocks` hands the same digest to the signer and to the store. A block whose record names a producer whose certificate is revoked
-(`revoked`, the node's revocation list) is not served either: it is deleted on that read, so a
-mirror of a revoked producer's block is gone once its node reads the new list, wherever it lives.
+reads from a file), so the reply is always a verified leading run. Each payload stored is hashed
+once: `write_blocks` hands the same digest to the signer and to the store.
+
+A block whose record names a producer whose certificate is revoked (`revoked`, the node's
+revocation list) is not served either: it is deleted on that read, so a mirror of a revoked
+producer's block is gone once its node reads the new list, wherever it lives.
 The same holds for a producer the cluster quarantined (`quarantined`, names; docs/security.md).
 """
 
@@ -87,7 +89,7 @@ class LocalFabric:
         """The tier of each leading block held in full (its coldest layer), up to the first gap, in one
         pass over the store that stops there. `peek`: answer without counting it as an access (a
         routing probe, not a load)."""
-        run = self.local_store.lookup_run([block_addresses([h], num_layers) for h in hashes], peek=peek)
+        run = self.local_store.lookup_run((block_addresses([h], num_layers) for h in hashes), peek=peek)
         return [max(layer_tiers, key=_COLDNESS.__getitem__) for layer_tiers in run]
 
     def cache_fill(self, ns: Namespace) -> CacheFill:
@@ -123,7 +125,7 @@ class LocalFabric:
                       ) -> list[tuple[Tier, list[memoryview]]]:
         """The store's leading run (one read), cut before the first block with a layer of the wrong
         size or of a revoked producer (that block is deleted: it is never served again)."""
-        run = self.local_store.read_run([block_addresses([h], num_layers) for h in hashes])
+        run = self.local_store.read_run(block_addresses([h], num_layers) for h in hashes)
         out: list[tuple[Tier, list[memoryview]]] = []
         for h, layers in zip(hashes, run, strict=False):
             if any(len(block.payload) != layer_bytes for block in layers):

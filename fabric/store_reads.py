@@ -29,7 +29,7 @@ from fabric.tiers.ssd_catalog import SsdEntry
 
 logger = logging.getLogger(__name__)
 
-# What one pass of `read_run` found for a (block, layer): its RAM copy, else its SSD entry.
+# What `read_run` found for a (block, layer) under the lock: its RAM copy, else its SSD entry.
 _Found = tuple[StorageKey, StoredBlock | SsdEntry]
 
 

@@ -142,8 +142,8 @@ class StoreParts:
         """An access: access frequency, the SSD's recency, and its row's last-seen time once stale.
         The in-memory LRU order stays exact; the row is rewritten at the next pass."""
         entry = self.ssd.touch(key, now)
-        stale = entry is not None and entry.last_seen_unix - entry.row_seen_unix >= LAST_SEEN_RESOLUTION_S
-        self.holdings.accessed(key, now, stale, ssd_only)
+        self.holdings.accessed(key, now, entry is not None and
+                               entry.last_seen_unix - entry.row_seen_unix >= LAST_SEEN_RESOLUTION_S, ssd_only)
 
     def drop_ram_victims_locked(self, victims: Sequence[Evicted]) -> None:
         """RAM evicted these: one that is not on SSD either has left the store."""

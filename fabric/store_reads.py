@@ -38,6 +38,7 @@ class Reads:
 
     def __init__(self, parts: StoreParts) -> None:
         self._parts = parts
+        self._ram, self._touch, self._clock, self._metrics = parts.ram, parts.touch_locked, parts.clock, parts.metrics
         self._read_slots = threading.BoundedSemaphore(parts.config.io_threads)
 
     # ---- where addresses are -----------------------------------------------------------------------
@@ -88,16 +89,16 @@ class Reads:
 
     def find_locked(self, key: StorageKey) -> tuple[StoredBlock | None, SsdEntry | None]:
         """(the RAM copy, touched, or None; else the SSD catalog entry or None)."""
-        block = self._parts.ram.get(key)
+        block = self._ram.get(key)
         if block is not None:
-            self._parts.touch_locked(key, self._parts.clock())
+            self._touch(key, self._clock())
             return block, None
         return None, self._parts.ssd.entry(key)
 
     def finish_get(self, key: StorageKey, block: StoredBlock | None, entry: SsdEntry | None, promote: bool,
                    start: float) -> StoredBlock | None:
         """What `find_locked` found, counted; an SSD entry is read (outside the lock) and verified."""
-        metrics = self._parts.metrics
+        metrics = self._metrics
         if block is not None:
             metrics.observe_hit(Tier.RAM, time.perf_counter() - start)
             return block

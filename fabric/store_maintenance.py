@@ -1,9 +1,9 @@
-"""Carrying out a `MaintenancePlan` (fabric/eviction.py) on a store's state: SSD expiry and
+"""Carrying out a `MaintenancePlan` (fabric/eviction.py) on a store's parts: SSD expiry and
 capacity eviction, RAM offload, prefetch, last-seen rows, and the full re-read of `verify`; and
 the background thread that runs a pass every tick and drains write-behind batches between ticks.
 
-The decisions are the planner's; these functions only take the lock, pick the victims the plan
-names (TTL first, then least recently seen) and do the file and index work outside the lock.
+The decisions are the planner's; `Maintenance` only takes the lock, picks the victims the plan
+names (TTL first, then least recently seen) and does the file and index work outside the lock.
 """
 
 from __future__ import annotations
@@ -17,34 +17,134 @@ from fabric.eviction import MaintenancePlan, TierSnapshot
 from fabric.index import BlockMeta
 from fabric.keys import StorageKey
 from fabric.priority import lower_thread_priority
-from fabric.store_core import StoreCore
+from fabric.ssd_commit import SsdCommitter
+from fabric.store_parts import StoreParts
+from fabric.store_reads import Reads
 from fabric.store_types import VerifyReport
-from fabric.store_writes import Writer
 from fabric.tiers.base import CorruptBlockError, Tier
+from fabric.write_behind import WriteBehind
 
 logger = logging.getLogger(__name__)
 
 
-def run_pass(core: StoreCore, writer: Writer, now: float) -> dict[str, int]:
-    """One evictor pass: plan from a snapshot, then SSD TTL + capacity, write-behind flush, RAM
-    offload, prefetch, last-seen rows."""
-    plan = core.policy.plan(snapshot(core), now)
-    done = {"ssd_evicted": evict_ssd(core, plan)}
-    if plan.flush:
-        writer.flush()
-    done["ram_evicted"] = evict_ram(core, plan)
-    done["prefetched"] = prefetch(core, plan)
-    done["rows_refreshed"] = persist_last_seen(core)
-    return done
+class Maintenance:
+    """One store's maintenance: each pass asks the planner, then evicts, flushes, prefetches and
+    rewrites stale rows through the parts' own methods."""
+
+    def __init__(self, parts: StoreParts, reads: Reads, committer: SsdCommitter, write_behind: WriteBehind) -> None:
+        self._parts = parts
+        self._reads = reads
+        self._committer = committer
+        self._write_behind = write_behind
+
+    def run_pass(self, now: float) -> dict[str, int]:
+        """One evictor pass: plan from a snapshot, then SSD TTL + capacity, write-behind flush, RAM
+        offload, prefetch, last-seen rows."""
+        plan = self._parts.policy.plan(self.snapshot(), now)
+        done = {"ssd_evicted": self.evict_ssd(plan)}
+        if plan.flush:
+            self._write_behind.flush()
+        done["ram_evicted"] = self.evict_ram(plan)
+        done["prefetched"] = self.prefetch(plan)
+        done["rows_refreshed"] = self.persist_last_seen()
+        return done
+
+    def snapshot(self) -> TierSnapshot:
+        """The planner's input; starts new counts of the SSD blocks touched and the SSD room wanted."""
+        parts = self._parts
+        with parts.lock:
+            ram, ssd = parts.ram, parts.ssd
+            candidates = tuple((k, parts.holdings.relative_frequency(k), parts.ssd_entry_locked(k).file_bytes)
+                               for k in parts.holdings.take_touched_ssd()
+                               if ssd.contains(k) and not ram.contains(k))
+            return TierSnapshot(ram.used_bytes, ssd.used_bytes, self._committer.take_wanted_locked(),
+                                self._write_behind.num_pending, ram.num_held_blocks, ssd.num_held_blocks,
+                                candidates)
+
+    def evict_ssd(self, plan: MaintenancePlan) -> int:
+        parts = self._parts
+        with parts.lock:
+            expired = parts.ssd.expired(plan.ssd_expiry_cutoff)
+            expired_bytes = sum(parts.ssd_entry_locked(k).file_bytes for k in expired)
+            extra = max(0, parts.ssd.used_bytes - expired_bytes - plan.ssd_target_bytes)
+            lru = parts.ssd.least_recent(extra, skip=frozenset(expired), num_blocks=plan.ssd_evict_blocks) \
+                if extra or plan.ssd_evict_blocks else []
+            victims = [(k, parts.ssd_entry_locked(k)) for k in expired + lru]
+        evicted = sum(parts.drop_file(key, entry) for key, entry in victims)
+        with parts.lock:
+            parts.counters.evicted(Tier.SSD, evicted)
+        return evicted
+
+    def evict_ram(self, plan: MaintenancePlan) -> int:
+        parts = self._parts
+        with parts.lock:
+            victims = parts.ram.evict(max(0, parts.ram.used_bytes - plan.ram_target_bytes),
+                                      num_blocks=plan.ram_evict_blocks)
+            parts.drop_ram_victims_locked(victims)
+        return len(victims)
+
+    def prefetch(self, plan: MaintenancePlan) -> int:
+        parts = self._parts
+        done = 0
+        for key in plan.prefetch:
+            with parts.lock:
+                entry = parts.ssd.entry(StorageKey(key))
+                if entry is None or parts.ram.contains(StorageKey(key)):
+                    continue
+            if self._reads.read_ssd(StorageKey(key), entry, True, time.perf_counter()) is not None:
+                done += 1
+        return done
+
+    def persist_last_seen(self) -> int:
+        """Write the last-seen time and tier of blocks whose row is LAST_SEEN_RESOLUTION_S behind (no
+        sync: advisory)."""
+        parts = self._parts
+        with parts.lock:
+            live = {k: e for k in parts.holdings.take_touched_rows() if (e := parts.ssd.entry(k)) is not None}
+        if not live:
+            return 0
+        # Under the stripes, so a row is never written back after its block was deleted.
+        with parts.stripes_of(live):
+            with parts.lock:
+                rows = [(k, BlockMeta(e.model, e.layer, e.num_bytes, e.digest, e.created_unix, e.last_seen_unix,
+                                      Tier.RAM if parts.ram.contains(k) else Tier.SSD, e.block_hash, e.provenance))
+                        for k, e in live.items() if parts.ssd.entry(k) is e]
+            parts.index.put_many(rows, sync=False)
+            with parts.lock:
+                for k, meta in rows:
+                    if (e := parts.ssd.entry(k)) is not None:
+                        e.row_seen_unix = max(e.row_seen_unix, meta.last_seen_unix)
+        return len(rows)
+
+    def verify(self, progress: Callable[[int], object] | None) -> VerifyReport:
+        """Re-read every SSD block; corrupt ones are counted and removed."""
+        parts = self._parts
+        with parts.lock:
+            entries = parts.ssd.items()
+        corrupt: list[tuple[StorageKey, str]] = []
+        for key, entry in entries:
+            try:
+                parts.ssd.read_file(key, entry.layer, entry.digest)
+            except CorruptBlockError as e:
+                corrupt.append((key, e.reason))
+                if parts.drop_file(key, entry, "corrupt"):
+                    parts.metrics.corrupt.labels(Tier.SSD.value).inc()
+            except FileNotFoundError:
+                corrupt.append((key, "file missing"))
+                parts.drop_file(key, entry, "row_without_file")
+            if progress is not None:
+                progress(1)
+        return VerifyReport(len(entries), tuple(corrupt))
 
 
 class Background:
     """The store's one background thread: drains write-behind batches as soon as they are queued
-    (`wake`), and runs `run_pass` every `eviction_interval_s`."""
+    (`wake`), and runs a maintenance pass every `eviction_interval_s`."""
 
-    def __init__(self, core: StoreCore, writer: Writer) -> None:
-        self._core = core
-        self._writer = writer
+    def __init__(self, parts: StoreParts, maintenance: Maintenance, write_behind: WriteBehind) -> None:
+        self._parts = parts
+        self._maintenance = maintenance
+        self._write_behind = write_behind
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvfabric-store", daemon=True)
@@ -60,9 +160,9 @@ class Background:
         self._thread.join()
 
     def _run(self) -> None:
-        core, writer = self._core, self._writer
-        lower_thread_priority(core.config.background_nice)
-        interval = core.config.eviction_interval_s
+        parts, queue = self._parts, self._write_behind
+        lower_thread_priority(parts.config.background_nice)
+        interval = parts.config.eviction_interval_s
         next_tick = time.monotonic() + interval
         while not self._stop.is_set():
             self._wake.wait(max(0.0, next_tick - time.monotonic()))
@@ -70,100 +170,13 @@ class Background:
             if self._stop.is_set():
                 return
             try:
-                while writer.flush_batch():
+                while queue.flush_batch():
                     pass
                 if time.monotonic() >= next_tick:
-                    with core.lock:
-                        core.flush_blocked = False   # a new tick retries a blocked flush
-                    run_pass(core, writer, core.clock())
+                    with parts.lock:
+                        queue.retry_locked()   # a new tick retries a blocked flush
+                    self._maintenance.run_pass(parts.clock())
                     next_tick = time.monotonic() + interval
             except Exception:   # a daemon must outlive one bad pass; the traceback is logged
                 logger.exception("store maintenance failed; retrying at the next tick")
                 next_tick = time.monotonic() + interval
-
-
-def snapshot(core: StoreCore) -> TierSnapshot:
-    """The planner's input; clears the set of SSD blocks touched since the last pass."""
-    with core.lock:
-        candidates = tuple((k, core.freq.relative(k), core.ssd_entry_locked(k).file_bytes)
-                           for k in core.touched_ssd if core.ssd.contains(k) and not core.ram.contains(k))
-        core.touched_ssd.clear()
-        return TierSnapshot(core.ram.used_bytes, core.ssd.used_bytes, core.ssd_wanted, len(core.dirty),
-                            core.ram.num_held_blocks, core.ssd.num_held_blocks, candidates)
-
-
-def evict_ssd(core: StoreCore, plan: MaintenancePlan) -> int:
-    with core.lock:
-        expired = core.ssd.expired(plan.ssd_expiry_cutoff)
-        expired_bytes = sum(core.ssd_entry_locked(k).file_bytes for k in expired)
-        extra = max(0, core.ssd.used_bytes - expired_bytes - plan.ssd_target_bytes)
-        core.ssd_wanted = 0
-        lru = core.ssd.least_recent(extra, skip=frozenset(expired), num_blocks=plan.ssd_evict_blocks) \
-            if extra or plan.ssd_evict_blocks else []
-        victims = [(k, core.ssd_entry_locked(k)) for k in expired + lru]
-    evicted = sum(core.drop_file(key, entry) for key, entry in victims)
-    with core.lock:
-        core.count_evictions_locked(Tier.SSD, evicted)
-    return evicted
-
-
-def evict_ram(core: StoreCore, plan: MaintenancePlan) -> int:
-    with core.lock:
-        victims = core.ram.evict(max(0, core.ram.used_bytes - plan.ram_target_bytes),
-                                 num_blocks=plan.ram_evict_blocks)
-        core.drop_ram_victims_locked(victims)
-    return len(victims)
-
-
-def prefetch(core: StoreCore, plan: MaintenancePlan) -> int:
-    done = 0
-    for key in plan.prefetch:
-        with core.lock:
-            entry = core.ssd.entry(StorageKey(key))
-            if entry is None or core.ram.contains(StorageKey(key)):
-                continue
-        if core.read_ssd(StorageKey(key), entry, True, time.perf_counter()) is not None:
-            done += 1
-    return done
-
-
-def persist_last_seen(core: StoreCore) -> int:
-    """Write the last-seen time and tier of blocks whose row is LAST_SEEN_RESOLUTION_S behind (no
-    sync: advisory)."""
-    with core.lock:
-        live = {k: e for k in core.touched_rows if (e := core.ssd.entry(k)) is not None}
-        core.touched_rows.clear()
-    if not live:
-        return 0
-    # Under the stripes, so a row is never written back after its block was deleted.
-    with core.stripes_of(live):
-        with core.lock:
-            rows = [(k, BlockMeta(e.model, e.layer, e.num_bytes, e.digest, e.created_unix, e.last_seen_unix,
-                                  Tier.RAM if core.ram.contains(k) else Tier.SSD, e.block_hash, e.provenance))
-                    for k, e in live.items() if core.ssd.entry(k) is e]
-        core.index.put_many(rows, sync=False)
-        with core.lock:
-            for k, meta in rows:
-                if (e := core.ssd.entry(k)) is not None:
-                    e.row_seen_unix = max(e.row_seen_unix, meta.last_seen_unix)
-    return len(rows)
-
-
-def verify(core: StoreCore, progress: Callable[[int], object] | None) -> VerifyReport:
-    """Re-read every SSD block; corrupt ones are counted and removed."""
-    with core.lock:
-        entries = core.ssd.items()
-    corrupt: list[tuple[StorageKey, str]] = []
-    for key, entry in entries:
-        try:
-            core.ssd.read_file(key, entry.layer, entry.digest)
-        except CorruptBlockError as e:
-            corrupt.append((key, e.reason))
-            if core.drop_file(key, entry, "corrupt"):
-                core.metrics.corrupt.labels(Tier.SSD.value).inc()
-        except FileNotFoundError:
-            corrupt.append((key, "file missing"))
-            core.drop_file(key, entry, "row_without_file")
-        if progress is not None:
-            progress(1)
-    return VerifyReport(len(entries), tuple(corrupt))

@@ -3,13 +3,16 @@
 The NodeActor builds its answers on this (local blocks first, then pulls for the rest), and a
 single-process engine or a test can use it directly.
 
-A block counts as held only when every layer of it is: `lookup` asks the store for all
-(block, layer) addresses of the prompt, block-major, and a block's tier is its coldest layer's.
-`load` reads the same addresses and stops at the first block with a layer that is missing or
-fails its digest (the store re-hashes anything it reads from a file), so the reply is always a
-verified leading run. A block whose record names a producer whose certificate is revoked
-(`revoked`, the node's revocation list) is not served either: it is deleted on that read, so a
-mirror of a revoked producer's block is gone once its node reads the new list, wherever it lives.
+A block counts as held only when every layer of it is: `lookup` asks the store for the leading
+run of blocks held in full (one walk over the store that stops at the first gap), and a block's
+tier is its coldest layer's. `load` reads that run in one walk (`Store.read_run`), which stops at
+the first block with a layer that is missing or fails its digest (the store re-hashes anything it
+reads from a file), so the reply is always a verified leading run. Each payload stored is hashed
+once: `write_blocks` hands the same digest to the signer and to the store.
+
+A block whose record names a producer whose certificate is revoked (`revoked`, the node's
+revocation list) is not served either: it is deleted on that read, so a mirror of a revoked
+producer's block is gone once its node reads the new list, wherever it lives.
 The same holds for a producer the cluster quarantined (`quarantined`, names; docs/security.md).
 """
 
@@ -39,8 +42,8 @@ from cluster.node.estimates import PrefillRates
 from fabric.block_ids import BlockId, block_id_hashes
 from fabric.keys import BlockAddress, BlockHash, Namespace, block_hashes
 from fabric.provenance import BlockSigner, Provenance, sign_run
-from fabric.store import Store
-from fabric.tiers.base import Tier, digest_of
+from fabric.store import Store, hash_payload
+from fabric.tiers.base import Tier
 
 WHERE_OF_TIER = {Tier.DEVICE: Where.DEVICE, Tier.RAM: Where.RAM, Tier.SSD: Where.SSD}
 MAX_PRODUCER_CERTS = 4096   # producer certificates whose serials a node remembers
@@ -83,23 +86,11 @@ class LocalFabric:
     # ---- building blocks the NodeActor reuses ------------------------------------------------------
 
     def local_tiers(self, hashes: Sequence[BlockHash], num_layers: int, *, peek: bool = False) -> list[Tier]:
-        """The tier of each leading block held in full (its coldest layer), up to the first gap.
-        `peek`: answer without counting it as an access (a routing probe, not a load)."""
-        if not hashes:
-            return []
-        # Layer 0 first: a prefix that is mostly on a peer then costs one lookup per block here,
-        # not one per (block, layer) (7,680 for a 4k-token SmolLM2 prompt). Layer 0 is always a
-        # peek: the full lookup below is the access, if any.
-        hashes = hashes[:self.local_store.peek([BlockAddress(h, 0) for h in hashes]).num_leading]
-        if not hashes:
-            return []
-        result = self.local_store.lookup(block_addresses(hashes, num_layers), peek=peek)
-        num_full = result.num_leading // num_layers
-        tiers: list[Tier] = []
-        for b in range(num_full):
-            layer_tiers = result.tiers[b * num_layers:(b + 1) * num_layers]
-            tiers.append(max((t for t in layer_tiers if t is not None), key=_COLDNESS.__getitem__))
-        return tiers
+        """The tier of each leading block held in full (its coldest layer), up to the first gap, in one
+        pass over the store that stops there. `peek`: answer without counting it as an access (a
+        routing probe, not a load)."""
+        run = self.local_store.lookup_run((block_addresses([h], num_layers) for h in hashes), peek=peek)
+        return [max(layer_tiers, key=_COLDNESS.__getitem__) for layer_tiers in run]
 
     def cache_fill(self, ns: Namespace) -> CacheFill:
         """How full this node's RAM and SSD are, in `ns`'s blocks (all layers). A tier holds as many
@@ -120,19 +111,32 @@ class LocalFabric:
     def read_block(self, block_hash: BlockHash, out: np.ndarray) -> Tier | None:
         """Copy every layer of one block into `out` (uint8, [layers, bytes]); None if any layer is
         missing, the wrong size, or fails its digest. Returns the coldest tier read."""
-        coldest = Tier.DEVICE
-        for layer in range(out.shape[0]):
-            block = self.local_store.get_block(BlockAddress(block_hash, layer))
-            if block is None or len(block.payload) != out.shape[1]:
-                return None
-            if self._of_revoked_producer(block.provenance):
-                for gone in range(out.shape[0]):
-                    self.local_store.delete(BlockAddress(block_hash, gone))
-                return None
-            out[layer] = np.frombuffer(block.payload, dtype=np.uint8)
-            if _COLDNESS[block.tier] > _COLDNESS[coldest]:
-                coldest = block.tier
-        return coldest
+        tiers = self.read_blocks([block_hash], out[np.newaxis])
+        return tiers[0] if tiers else None
+
+    def read_blocks(self, hashes: Sequence[BlockHash], out: np.ndarray) -> list[Tier]:
+        """Copy the leading run of `hashes` held here in full into `out` (uint8, [blocks, layers, bytes])
+        in one pass over the store; the coldest tier of each block copied. The run ends before the
+        first block with a layer missing, the wrong size, failing its digest, or of a revoked producer."""
+        run = self._verified_run(hashes[:out.shape[0]], out.shape[1], out.shape[2])
+        return _copy_run(run, out)
+
+    def _verified_run(self, hashes: Sequence[BlockHash], num_layers: int, layer_bytes: int
+                      ) -> list[tuple[Tier, list[memoryview]]]:
+        """The store's leading run (one read), cut before the first block with a layer of the wrong
+        size or of a revoked producer (that block is deleted: it is never served again)."""
+        run = self.local_store.read_run(block_addresses([h], num_layers) for h in hashes)
+        out: list[tuple[Tier, list[memoryview]]] = []
+        for h, layers in zip(hashes, run, strict=False):
+            if any(len(block.payload) != layer_bytes for block in layers):
+                break
+            if any(self._of_revoked_producer(block.provenance) for block in layers):
+                for gone in range(num_layers):
+                    self.local_store.delete(BlockAddress(h, gone))
+                break
+            out.append((max((block.tier for block in layers), key=_COLDNESS.__getitem__),
+                        [block.payload for block in layers]))
+        return out
 
     def write_blocks(self, ns: Namespace, hashes: Sequence[BlockHash], payloads: np.ndarray,
                      *, digests: Sequence[Sequence[bytes]] | None = None,
@@ -146,12 +150,14 @@ class LocalFabric:
         `provenance` (a mirror's) is kept verbatim, one per block.
         Neither: the blocks are unsigned and no peer accepts them."""
         num_layers = payloads.shape[1]
-        items = [(BlockAddress(h, layer), memoryview(payloads[i, layer]))
+        # Each payload is hashed once: the digest its record signs is the one the store keeps.
+        hashed = [[hash_payload(memoryview(payloads[i, layer])) for layer in range(num_layers)]
+                  for i in range(len(hashes))]
+        items = [(BlockAddress(h, layer), hashed[i][layer])
                  for i, h in enumerate(hashes) for layer in range(num_layers)]
         if signer is not None:
-            if digests is None:
-                digests = [[digest_of(payloads[i, layer]) for layer in range(num_layers)] for i in range(len(hashes))]
-            provenance = sign_run(ns.root, list(zip(hashes, digests, strict=True)), signer.node, signer.cert_der,
+            signed = [[p.digest for p in per_block] for per_block in hashed]
+            provenance = sign_run(ns.root, list(zip(hashes, signed, strict=True)), signer.node, signer.cert_der,
                                   signer.sign)
         flat_digests = None if digests is None else [d for per_block in digests for d in per_block]
         flat_provenance = None if provenance is None else [p for p in provenance for _ in range(num_layers)]
@@ -169,17 +175,13 @@ class LocalFabric:
                            self.engine_load, self.cache_fill(ns))
 
     def load_hashes(self, ns: Namespace, hashes: Sequence[BlockHash]) -> LoadReply:
-        tiers = self.local_tiers(hashes, ns.layout.num_layers)
-        out = np.empty(payload_shape(ns, len(tiers)), dtype=np.uint8)
-        sources: list[str] = []
-        for i, h in enumerate(hashes[:len(tiers)]):
-            tier = self.read_block(h, out[i])
-            if tier is None:
-                break
-            sources.append(tier.value)
-        payloads = out[:len(sources)]
-        payloads.flags.writeable = False
-        return LoadReply(ns.block_size, payloads, tuple(sources), pulled_bytes=0)
+        """The verified leading run of `hashes` held here, read from the store in one pass."""
+        _, num_layers, layer_bytes = payload_shape(ns, 0)
+        run = self._verified_run(hashes, num_layers, layer_bytes)
+        out = np.empty(payload_shape(ns, len(run)), dtype=np.uint8)
+        tiers = _copy_run(run, out)
+        out.flags.writeable = False
+        return LoadReply(ns.block_size, out, tuple(tier.value for tier in tiers), pulled_bytes=0)
 
     # ---- the Fabric protocol -----------------------------------------------------------------------
 
@@ -230,6 +232,14 @@ class LocalFabric:
         num_blocks = check_block_payloads(ns, len(block_ids), payloads, first_block)
         hashes = block_id_hashes(ns, block_ids[:first_block + num_blocks], parent)[first_block:]
         return self.write_blocks(ns, hashes, payloads)
+
+
+def _copy_run(run: Sequence[tuple[Tier, Sequence[memoryview]]], out: np.ndarray) -> list[Tier]:
+    """Copy each block's layers of `run` into `out[i]`; the blocks' tiers."""
+    for i, (_, layers) in enumerate(run):
+        for layer, payload in enumerate(layers):
+            out[i, layer] = np.frombuffer(payload, dtype=np.uint8)
+    return [tier for tier, _ in run]
 
 
 class LocalLayerStream:

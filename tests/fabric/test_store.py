@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import os
 import threading
 import time
@@ -18,7 +17,7 @@ from fabric.events import BlockEvicted, BlockStored
 from fabric.index import IndexUnavailableError
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import PutResult, Store
-from fabric.store_core import LAST_SEEN_RESOLUTION_S
+from fabric.store_holdings import LAST_SEEN_RESOLUTION_S
 from fabric.tiers.base import Tier
 from fabric.tiers.device import UnknownEventError
 from fabric.tiers.ssd_format import HEADER_SIZE
@@ -375,21 +374,6 @@ def test_concurrent_puts_gets_and_deletes_stay_consistent(tmp_path: Path) -> Non
     assert errors == []
 
 
-def test_async_wrappers_run_off_the_event_loop(tmp_path: Path) -> None:
-    cfg = kv(tmp_path, write_through=True)
-    with Store.open(cfg, background=False) as store:
-        store.put(addr(1), b"one")
-
-    async def main(store: Store) -> tuple[PutResult, bytes | None, bytes | None]:
-        put = await store.aput(addr(2), b"two")
-        first = await store.aget_block(addr(1))        # SSD: read on the store's pool
-        second = await store.aget_block(addr(2))       # RAM: answered inline
-        return put, first and bytes(first.payload), second and bytes(second.payload)
-
-    with Store.open(cfg, background=False) as store:
-        assert asyncio.run(main(store)) == (PutResult.OK, b"one", b"two")
-
-
 def test_a_second_store_on_the_same_index_is_refused(tmp_path: Path) -> None:
     with Store.open(kv(tmp_path), background=False), pytest.raises(IndexUnavailableError):
         Store.open(kv(tmp_path), background=False)
@@ -404,16 +388,16 @@ def test_an_overwrite_racing_an_ssd_read_is_refused_and_the_first_payload_stays(
         store.put(addr(1), old)
         store.flush()
     with Store.open(cfg, background=False) as store:     # RAM empty: the next get reads the file
-        real_read = store._core.ssd.read_file
+        real_read = store._parts.ssd.read_file
 
         def read_then_race(*args: Any, **kwargs: Any) -> Any:
             block = real_read(*args, **kwargs)
             assert store.put(addr(1), new) is PutResult.CONFLICT   # lands while the read is in flight
             return block
 
-        store._core.ssd.read_file = read_then_race  # type: ignore[method-assign]
+        store._parts.ssd.read_file = read_then_race  # type: ignore[method-assign]
         assert store.get(addr(1)) == old
-        store._core.ssd.read_file = real_read  # type: ignore[method-assign]
+        store._parts.ssd.read_file = real_read  # type: ignore[method-assign]
         assert store.get(addr(1)) == old
         assert store.stats()["put_rejected"]["conflict"] == 1
         assert store.flush() == 0
@@ -464,13 +448,13 @@ def test_a_delete_racing_a_read_is_a_miss_not_a_lost_file(tmp_path: Path) -> Non
     with Store.open(cfg, background=False) as store:
         store.put(addr(1), b"short-lived")
     with Store.open(cfg, background=False) as store:     # RAM empty: the get reads the file
-        real_read = store._core.ssd.read_file
+        real_read = store._parts.ssd.read_file
 
         def delete_then_read(*args: Any, **kwargs: Any) -> Any:
             assert store.delete(addr(1))                   # lands after the get found the entry
             return real_read(*args, **kwargs)
 
-        store._core.ssd.read_file = delete_then_read  # type: ignore[method-assign]
+        store._parts.ssd.read_file = delete_then_read  # type: ignore[method-assign]
         assert store.get(addr(1)) is None
         assert store.metrics.value("kvfabric_index_reconciled_total", action="row_without_file") == 0
         assert store.metrics.value("kvfabric_lookup_seconds_count", tier="none", outcome="miss") == 1

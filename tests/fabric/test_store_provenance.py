@@ -109,7 +109,7 @@ def test_a_conflicting_store_is_counted_with_both_producers_named(tmp_path: Path
                               "node-b", b"cert", lambda m: b"s" * 64)
     with Store.open(_kv(tmp_path, write_through), background=False) as store:
         _put(store, items, record)
-        with caplog.at_level("WARNING", logger="fabric.store_writes"):
+        with caplog.at_level("WARNING", logger="fabric.store_puts"):
             results = store.put_many(other, provenance=[other_record] * len(other))
         assert [r.value for r in results] == ["conflict"] * NUM_LAYERS
         assert store.metrics.value("kvfabric_store_conflicts_total", held_producer="node-a",

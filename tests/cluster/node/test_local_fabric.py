@@ -140,3 +140,53 @@ def test_a_lookup_says_how_full_the_node_is_in_the_prompts_blocks(tmp_path: Path
     with open_store(tmp_path / "bytes") as store:      # no block caps: bytes decide
         per_block = NS.layout.bytes_per_block(NS.block_size)
         assert LocalFabric(store).lookup(NS, []).fill.capacity_blocks == int(0.05 * (1 << 30)) // per_block
+
+
+def test_a_signed_store_hashes_each_payload_once_and_its_records_sign_the_stored_digests(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import blake3
+
+    from fabric.keys import BlockAddress, block_hashes
+    from fabric.tiers import base
+    from transports.core.certs import init_ca, issue_node
+    from transports.core.identity import NodeSigner
+    init_ca(tmp_path / "certs")
+    issue_node(tmp_path / "certs", "node-a")
+    signer = NodeSigner(tmp_path / "certs" / "node-a.pem", tmp_path / "certs" / "node-a.key")
+    layer_bytes = NS.layout.bytes_per_block_layer(NS.block_size)
+    hashed: list[int] = []
+
+    class CountingBlake3:   # the real BLAKE3 behind the payload digest, its payload-sized inputs counted
+        def blake3(self, data: memoryview) -> blake3.blake3:
+            hashed.extend([1] if memoryview(data).nbytes == layer_bytes else [])
+            return blake3.blake3(data)
+
+    tokens, data = list(range(16)), random_payloads(4)
+    with open_store(tmp_path) as store:
+        with monkeypatch.context() as patch:
+            patch.setattr(base, "blake3", CountingBlake3())
+            reply = LocalFabric(store).write_blocks(NS, block_hashes(NS, tokens), data, signer=signer)
+        assert reply.num_stored == 4
+        assert len(hashed) == 4 * NS.layout.num_layers          # once per (block, layer), no more
+        for h in block_hashes(NS, tokens):
+            for layer in range(NS.layout.num_layers):
+                got = store.get_block(BlockAddress(h, layer))
+                assert got is not None and got.provenance is not None
+                assert got.provenance.layer_digest(layer) == got.digest
+
+
+def test_a_load_reads_the_store_in_one_pass(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tokens, data = list(range(16)), random_payloads(4)
+    with open_store(tmp_path) as store:
+        fabric = LocalFabric(store)
+        fabric.store(NS, tokens, data)
+        visits: list[str] = []
+
+        def counted(name: str) -> object:
+            real = getattr(store, name)
+            return lambda *args, **kwargs: visits.append(name) or real(*args, **kwargs)
+
+        for name in ("read_run", "get_block", "lookup", "lookup_run", "peek"):
+            monkeypatch.setattr(store, name, counted(name))
+        loaded = fabric.load(NS, tokens)
+        assert np.array_equal(loaded.payloads, data) and visits == ["read_run"]

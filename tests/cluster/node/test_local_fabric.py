@@ -148,8 +148,8 @@ def test_a_signed_store_hashes_each_payload_once_and_its_records_sign_the_stored
 
     from fabric.keys import BlockAddress, block_hashes
     from fabric.tiers import base
-    from transports.core.certs import init_ca, issue_node
-    from transports.core.identity import NodeSigner
+    from transports.trust.certs import init_ca, issue_node
+    from transports.trust.identity import NodeSigner
     init_ca(tmp_path / "certs")
     issue_node(tmp_path / "certs", "node-a")
     signer = NodeSigner(tmp_path / "certs" / "node-a.pem", tmp_path / "certs" / "node-a.key")

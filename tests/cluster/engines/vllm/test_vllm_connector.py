@@ -1,96 +1,27 @@
-"""vLLM with kvfabric as its KV connector on a real 3-node local Ray cluster.
-
-Nodes: the head (the fabric only) and two workers, each with a real vLLM engine (CPU build) in a
-Ray actor pinned to it:
-    A  vLLM's engine core in the actor's process, prefix caching on
-    B  vLLM's default multiprocess mode (engine core and worker are child processes that join the
-       cluster themselves), prefix caching off
-B with the fabric turned off for a request (`load=False, store=False`) is the recompute every
-answer is compared with: greedy token ids, exactly. The model is a seeded random Llama saved by
-`save_checkpoint`; engines pull whatever a peer holds (`deadline_s: inf`), since recomputing this
-tiny model is faster than any pull and the node would otherwise rightly recompute.
+"""vLLM with kvfabric as its KV connector on a real 3-node local Ray cluster: the folder's shared
+`vllm_cluster` (vllm_setup.py says which engine runs where and what each answer is compared with).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import random
-import time
-from collections.abc import Callable, Iterator
 
 import pytest
 import ray
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from testkit import wait_until
+from vllm_setup import BLOCK, MODEL_ID, VOCAB, Setup
 
 from cluster.client import FabricClient
-from cluster.engines.hf.engine import save_checkpoint
-from cluster.engines.vllm.engine_actor import Completion, spawn_vllm_engines
-from cluster.engines.vllm.namespace import engine_namespace, request_namespace, weights_fingerprint
-from cluster.launch import LocalCluster, start_local_cluster
-from fabric.config import ClusterConfig, Config, KVConfig
-from fabric.keys import Namespace
-from fabric.layout import KVLayout
+from cluster.engines.vllm.engine_actor import Completion
+from cluster.engines.vllm.namespace import engine_namespace, request_namespace
 
 pytestmark = pytest.mark.vllm
-BLOCK = 32
-VOCAB = 512
-MODEL_ID = "tiny-llama"
 
 
-@dataclasses.dataclass
-class Setup:
-    local: LocalCluster
-    a: str
-    b: str
-    engines: dict[str, ray.actor.ActorHandle]
-    ns: Namespace
-
-    def answer(self, node: str, prompt: list[int], **kwargs: object) -> Completion:
-        out: Completion = ray.get(self.engines[node].generate.remote([prompt], 16, **kwargs))[0]
-        return out
-
-    def recompute(self, prompt: list[int]) -> list[int]:
-        return self.answer(self.b, prompt, load=False, store=False).tokens
-
-    def cached_blocks(self, node: str, prompt: list[int], ns: Namespace | None = None) -> int:
-        return FabricClient.connect(node_id=node).lookup(ns or self.ns, prompt).num_blocks
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout_s} s")
-        time.sleep(0.05)
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Setup]:
-    root = tmp_path_factory.mktemp("vllm-cluster")
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
-                                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
-                                         max_position_embeddings=2048))
-    checkpoint = save_checkpoint(model, root / "checkpoint")
-    config = Config(kv=KVConfig(ram_gib=0.25, ssd_gib=1.0), cluster=ClusterConfig(heartbeat_s=0.5, lease_s=5.0))
-    local = start_local_cluster(3, root / "fabric", config)
-    try:
-        head = ray.get_runtime_context().get_node_id()
-        a, b = sorted(n for n in local.node_ids() if n != head)
-        extra = {"model_id": MODEL_ID, "deadline_s": "inf"}
-        common = {"block_size": BLOCK, "extra": extra, "max_model_len": 1024}
-        engines = {**spawn_vllm_engines([a], str(checkpoint), multiprocess=False, prefix_caching=True, **common),
-                   **spawn_vllm_engines([b], str(checkpoint), multiprocess=True, prefix_caching=False, **common)}
-        ns = engine_namespace(MODEL_ID, weights_fingerprint(str(checkpoint)), KVLayout.mha(4, 2, 32, "f32"), BLOCK,
-                              "cpu:default")
-        yield Setup(local, a, b, engines, ns)
-        for engine in engines.values():   # vLLM's child processes stop with their engine; a dead one has none
-            with contextlib.suppress(ray.exceptions.RayError):
-                ray.get(engine.shutdown.remote(), timeout=60)
-    finally:
-        local.shutdown()
+@pytest.fixture
+def setup(vllm_cluster: Setup) -> Setup:
+    return vllm_cluster
 
 
 def tokens(rng: random.Random, n: int) -> list[int]:
@@ -104,7 +35,7 @@ def test_node_b_pulls_the_prefix_node_a_computed_and_answers_as_a_recompute(setu
     wrote = setup.answer(setup.a, first)
     assert wrote.num_cached_tokens == 0
     assert wrote.tokens == setup.recompute(first)
-    wait_until(lambda: setup.cached_blocks(setup.b, first) == len(first) // BLOCK, 30, "A's blocks in the directory")
+    wait_until(lambda: setup.cached_blocks(setup.b, first) == len(first) // BLOCK, "A's blocks in the directory", 30)
 
     got = setup.answer(setup.b, second)
     assert got.num_cached_tokens == len(system) // BLOCK * BLOCK      # a partial hit: the shared blocks
@@ -121,7 +52,7 @@ def test_vllm_prefix_cache_and_the_fabric_combine_in_one_request(setup: Setup) -
     setup.answer(setup.a, system + tokens(rng, 20))              # A's prefix cache: the system blocks
     longer = system + document + tokens(rng, 20)
     setup.answer(setup.b, longer)                                # the fabric: system + document blocks
-    wait_until(lambda: setup.cached_blocks(setup.a, longer) == len(longer) // BLOCK, 30, "B's blocks in the directory")
+    wait_until(lambda: setup.cached_blocks(setup.a, longer) == len(longer) // BLOCK, "B's blocks in the directory", 30)
 
     prompt = system + document + tokens(rng, 30)
     got = setup.answer(setup.a, prompt)
@@ -134,7 +65,7 @@ def test_a_different_cache_salt_gets_no_hit(setup: Setup) -> None:
     prompt = tokens(rng, 150)
     setup.answer(setup.a, prompt, cache_salt="tenant-one")
     salted = request_namespace(setup.ns, cache_salt="tenant-one", lora_name=None)
-    wait_until(lambda: setup.cached_blocks(setup.b, prompt, salted) == 4, 30, "A's salted blocks in the directory")
+    wait_until(lambda: setup.cached_blocks(setup.b, prompt, salted) == 4, "A's salted blocks in the directory", 30)
     assert setup.cached_blocks(setup.b, prompt) == 0      # the unsalted namespace holds nothing of it
     other = setup.answer(setup.b, prompt, cache_salt="tenant-two")
     assert other.num_cached_tokens == 0
@@ -163,13 +94,13 @@ def test_a_peer_killed_mid_pull_still_gives_the_recompute_answer(setup: Setup) -
     first, second = system + tokens(rng, 20), system + tokens(rng, 20)
     expected = setup.recompute(second)
     setup.answer(setup.a, first)
-    wait_until(lambda: setup.cached_blocks(setup.b, first) == len(first) // BLOCK, 30, "A's blocks in the directory")
+    wait_until(lambda: setup.cached_blocks(setup.b, first) == len(first) // BLOCK, "A's blocks in the directory", 30)
     owner = FabricClient.connect(node_id=setup.a)
     ray.get(owner.actor.set_send_rate.remote(0.05))      # 50 kB/s: the 1 MB prefix takes ~20 s
     reader = FabricClient.connect(node_id=setup.b)
     requested = reader.stats()["requested_blocks"]
     pending = setup.engines[setup.b].generate.remote([second], 16)
-    wait_until(lambda: reader.stats()["requested_blocks"] > requested, 60, "B's load to start")
+    wait_until(lambda: reader.stats()["requested_blocks"] > requested, "B's load to start", 60)
     setup.local.remove_node(setup.a)
     got: Completion = ray.get(pending, timeout=120)[0]
     assert got.tokens == expected

@@ -301,7 +301,8 @@ def quic_runs(cert_dir: Path) -> dict[str, Run] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="~32 MiB per method, no Ray (smoke test)")
-    parser.add_argument("--total-mb", type=float, default=1024.0, help="MiB per method and block size")
+    parser.add_argument("--total-mb", type=float, default=None,
+                        help="MiB per method and block size (default 1024; --quick 32)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the total is split)")
     parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per run, at most")
     parser.add_argument("--quic-time-limit", type=float, default=4.0, help="seconds per QUIC run")
@@ -324,7 +325,7 @@ def main() -> None:
             _serve_socket(cert_dir, use_tls=args.serve == "tls")
         return
     rounds = 1 if args.quick else args.rounds
-    per_run = int((32 if args.quick else args.total_mb) * (1 << 20) / rounds)
+    per_run = int((args.total_mb or (32 if args.quick else 1024)) * (1 << 20) / rounds)
     quic_limit = 1.0 if args.quick else args.quic_time_limit
     workdir = Path(tempfile.mkdtemp(prefix="kvfabric-bench-transfer-", dir=args.dir))
     try:

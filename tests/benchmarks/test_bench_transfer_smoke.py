@@ -72,7 +72,8 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
 
 def test_only_runs_the_methods_named_and_still_gives_their_ratios(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick",
-                           "--only", "tls_tcp,tls_tcp_provenance,tls_socket_blake3", "--dir", str(tmp_path)],
+                           "--only", "tls_tcp,tls_tcp_provenance,tls_socket_blake3", "--total-mb", "8",
+                           "--dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_transfer.py: `--quick` runs every method and ends with the JSON line
+"""Smoke test of benchmarks/bench_transfer.py: `--quick --total-mb 8` runs every method and ends with the JSON line
 (throughput, CPU and system calls per MiB, the crypto floor, one block's latency).
 
 Timing is not asserted (benchmarks report figures, tests do not gate on them).
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick", "--total-mb", "8",
                            "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -84,10 +84,12 @@ def test_sigkill_during_overwrites_keeps_every_acknowledged_payload(tmp_path: Pa
         child = subprocess.Popen([sys.executable, str(script), str(tmp_path), "1" if write_through else "0",
                                   str(round_)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert child.stdout is not None
-        for _ in range(rng.randrange(1, 100)):     # kill it mid-run, after a random number of puts
-            if not child.stdout.readline():
-                break
-        child.send_signal(signal.SIGKILL)
+        try:
+            for _ in range(rng.randrange(1, 100)):     # kill it mid-run, after a random number of puts
+                if not child.stdout.readline():
+                    break
+        finally:
+            child.send_signal(signal.SIGKILL)
         _, err = child.communicate()
         assert child.returncode == -signal.SIGKILL, err[-2000:]
         first: dict[int, str] = {}

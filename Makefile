@@ -54,11 +54,14 @@ test-fast: install
 demo: install
 	$(VENV)/bin/kvfabric demo
 
+# Every entry script (benchmarks/bench_*.py, soak_hostile.py) at its default size, except the network test
+# bed's two (bench_network*.py: they need root; docs/network-testbed.md).
 bench: install
 	$(PY) benchmarks/bench_hashing.py
 	$(PY) benchmarks/bench_blocks.py
 	$(PY) benchmarks/bench_tiers.py
 	$(PY) benchmarks/bench_transfer.py
+	$(PY) benchmarks/bench_quic_flood.py
 	$(PY) benchmarks/bench_directory.py
 	$(PY) benchmarks/bench_cluster.py
 	$(PY) benchmarks/bench_cluster.py --trace

@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit_json, print_table
+from benchmarks.harness import emit_json, print_table
 
 BLOCK = 16
 VOCAB = 512

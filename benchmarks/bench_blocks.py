@@ -46,7 +46,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, median, print_table
+from benchmarks.harness import emit_json, median, print_table
 from cluster.engines.reference.block_manager import BlockManager
 from cluster.engines.reference.sequence import SeqState
 from fabric.keys import Namespace

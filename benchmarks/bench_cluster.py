@@ -21,7 +21,7 @@ the two load p50s are measured side by side.
 
 `--trace` replays two multi-turn chat traces instead (one with 8 system prompts, one whose requests all
 share one system prompt), routed by the router on the nodes' own answers, against pooled and isolated
-LRUs of the same capacity on the same requests (benchmarks/trace_replay.py, which lists its keys).
+LRUs of the same capacity on the same requests (benchmarks/lib/trace_replay.py, which lists its keys).
 
 JSON keys: hit_ratio, ideal_hit_ratio, local_only_hit_ratio, hit_over_ideal, pull_mb_s, load_p50_ms,
 load_p99_ms, handoff_mb_s, object_store_mb_s, handoff_over_object_store; with `--events` also
@@ -53,7 +53,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, percentile, print_table
+from benchmarks.harness import emit_json, percentile, print_table
 from cluster.api import EngineLoad
 from cluster.client import FabricClient
 from cluster.launch import start_fabric, start_local_cluster, stop_fabric  # keeps Ray on 127.0.0.1
@@ -196,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         args.trace_requests, args.users = 60, 8
     logging.basicConfig(level=logging.WARNING)
     if args.trace:
-        from benchmarks.trace_replay import measure_trace
+        from benchmarks.lib.trace_replay import measure_trace
         with tempfile.TemporaryDirectory(prefix="kvfabric-bench-trace-") as tmp:
             result = measure_trace(Engine, args, Path(tmp))
         emit_json(result)

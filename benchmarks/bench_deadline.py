@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit_json, median, print_table
+from benchmarks.harness import emit_json, median, print_table
 
 PHASES = ("uncapped", "fast", "fast_plain", "slow")
 
@@ -49,10 +49,11 @@ def prompt_pair(num_prefix: int, seed: int, vocab: int) -> tuple[list[int], list
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="256-token prefix (smoke test)")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=None, help="repetitions per link (default 5; --quick 2)")
     parser.add_argument("--tokens", type=int, default=2048, help="prefix tokens")
     args = parser.parse_args()
-    reps, tokens = (2, 256) if args.quick else (args.reps, args.tokens)
+    reps = args.reps or (2 if args.quick else 5)
+    tokens = 256 if args.quick else args.tokens
     os.environ.setdefault("TQDM_DISABLE", "1")
 
     import ray

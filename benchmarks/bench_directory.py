@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import sys
 import time
@@ -45,7 +44,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, median, print_table
+from benchmarks.harness import emit_json, median, print_table, rss_bytes
 from cluster.directory.report import Apply, Heartbeat, Report
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import NodeAddress, NodeId, leading_runs
@@ -58,11 +57,6 @@ QUICK_SIZES = {"1e4": 10_000, "1e5": 100_000}
 NODE_IDS = [f"node-{i:04d}" for i in range(NUM_NODES)]
 ADDR = NodeAddress("127.0.0.1", 7000, "tls-tcp")
 LEASE_S = 1e9   # every node stays live: this measures lookups, not expiry
-
-
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 def prompt(seed: int, p: int) -> tuple[bytes, list[int]]:

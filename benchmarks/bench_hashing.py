@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, median, print_table
+from benchmarks.harness import emit_json, median, print_table
 from fabric.keys import Namespace, block_hashes, tokens_to_bytes
 from fabric.layout import KVLayout
 

@@ -38,14 +38,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, print_table, write_results
-from benchmarks.network_client import ServerHost
-from benchmarks.network_runs import Measures, measure_profile, profile_figures
-from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE
+from benchmarks.harness import emit_json, ensure_certs, print_table, write_results
+from benchmarks.lib.network_client import ServerHost
+from benchmarks.lib.network_runs import Measures, measure_profile, profile_figures
+from benchmarks.lib.network_serve import CLIENT_NODE, SERVER_NODE
 from cluster.netbed.bed import NetBed, NetbedUnavailable
 from cluster.netbed.plan import NetbedError, parse_profile
 from transports.quic.backend import resolve
-from transports.trust.certs import init_ca, issue_node
 
 logger = logging.getLogger("bench_network")
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,8 +54,8 @@ SERVER_READY_S = 60.0
 
 def _start_server(bed: NetBed, cert_dir: Path) -> None:
     log = bed.root / "server.log"
-    proc = bed.spawn(0, [sys.executable, str(ROOT / "benchmarks" / "network_serve.py"), "--cert-dir", str(cert_dir)],
-                     log=log)
+    serve = ROOT / "benchmarks" / "lib" / "network_serve.py"
+    proc = bed.spawn(0, [sys.executable, str(serve), "--cert-dir", str(cert_dir)], log=log)
     deadline = time.monotonic() + SERVER_READY_S
     while time.monotonic() < deadline:
         if log.exists() and "READY" in log.read_text():
@@ -72,10 +71,7 @@ def run(profiles: list[str], measures: Measures) -> dict[str, object]:
     """Measure every profile on one bed of two hosts; the bed is removed whatever happens."""
     bed = NetBed.create(2, profile=profiles[0])
     try:
-        cert_dir = bed.root / "certs"
-        init_ca(cert_dir)
-        for node in (SERVER_NODE, CLIENT_NODE):
-            issue_node(cert_dir, node, days=2)
+        cert_dir = ensure_certs(bed.root / "certs", (SERVER_NODE, CLIENT_NODE), days=2)
         _start_server(bed, cert_dir)
         server = ServerHost(bed.plan.address(0), cert_dir)
         out: dict[str, object] = {"quic_backend": resolve("auto").name, "applied": bed.applied,

@@ -43,10 +43,10 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, median, print_table, write_results
 from benchmarks.bench_deadline import prompt_pair
 from benchmarks.bench_ttft import settle
-from benchmarks.network_runs import profile_figures
+from benchmarks.harness import emit_json, median, print_table, write_results
+from benchmarks.lib.network_runs import profile_figures
 from cluster.netbed.bed import NetBed, NetbedUnavailable
 from cluster.netbed.plan import NetbedError, parse_profile
 from fabric.config import AuditConfig, ClusterConfig, Config, KVConfig

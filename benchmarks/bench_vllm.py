@@ -31,7 +31,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from benchmarks._common import emit_json, median, print_table
+from benchmarks.harness import emit_json, median, print_table
 
 SIZES = {"1k": 1024, "4k": 4096}
 SUFFIX = 32

@@ -37,15 +37,13 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks._common import emit_json, percentile, print_table
-from benchmarks.hostile_attacks import ATTACKER, SERVER_NODE
-from benchmarks.quic_flood import rss_mib
-from benchmarks.soak_node import address
-from benchmarks.transfer_baselines import process_cpu_s
+from benchmarks.harness import credentials, emit_json, ensure_certs, percentile, print_table, rss_mib
+from benchmarks.lib.hostile_attacks import ATTACKER, SERVER_NODE
+from benchmarks.lib.soak_node import address
+from benchmarks.lib.transfer_baselines import process_cpu_s
 from transports.core.base import Hit, Peer
 from transports.quic import QuicTransportClient
 from transports.tls.client import TlsTcpClient
-from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
 
 HERE = Path(__file__).resolve().parent
 GOOD = "good-1"
@@ -59,7 +57,7 @@ class Node:
 
     def __init__(self, cert_dir: Path, config: Path | None = None) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "soak_node.py"), "--cert-dir", str(cert_dir), "--node", SERVER_NODE,
+            [sys.executable, str(HERE / "lib" / "soak_node.py"), "--cert-dir", str(cert_dir), "--node", SERVER_NODE,
              "--blocks", str(NUM_BLOCKS), "--block-size", str(BLOCK_SIZE), "--big-bytes", str(BIG_BYTES),
              *(["--config", str(config)] if config is not None else [])],
             stdout=subprocess.PIPE, text=True)
@@ -97,7 +95,7 @@ class Node:
 
 class GoodClient:
     def __init__(self, cert_dir: Path, node: Node) -> None:
-        creds = NodeCredentials(CredentialFiles.for_node(cert_dir, GOOD))
+        creds = credentials(cert_dir, GOOD)
         self.clients: dict[str, QuicTransportClient | TlsTcpClient] = {
             "quic": QuicTransportClient(creds, frame_timeout_s=5.0),
             "tls-tcp": TlsTcpClient(creds, frame_timeout_s=5.0)}
@@ -182,7 +180,7 @@ async def soak(cert_dir: Path, idle_s: float, attack_s: float, rounds: int,
         for _ in range(rounds):
             await idle.run(good, node, idle_s / rounds)
             attacker = subprocess.Popen(
-                [sys.executable, str(HERE / "hostile_attacks.py"), "--cert-dir", str(cert_dir),
+                [sys.executable, str(HERE / "lib" / "hostile_attacks.py"), "--cert-dir", str(cert_dir),
                  "--quic-port", str(node.quic_port), "--tcp-port", str(node.tcp_port),
                  "--seconds", str(attack_s / rounds)],
                 stdout=subprocess.PIPE, text=True, preexec_fn=lambda: os.nice(19))
@@ -245,10 +243,7 @@ def main() -> None:
     args = parser.parse_args()
     idle_s, attack_s, rounds = (4.0, 8.0, 1) if args.quick else (args.idle_s, args.attack_s, args.rounds)
     with tempfile.TemporaryDirectory(prefix="kvfabric-soak-") as tmp:
-        cert_dir = Path(tmp)
-        init_ca(cert_dir)
-        for node in (SERVER_NODE, GOOD, ATTACKER):
-            issue_node(cert_dir, node, days=1)
+        cert_dir = ensure_certs(tmp, (SERVER_NODE, GOOD, ATTACKER), days=1)
         config = None
         if args.quick:
             # A short run on a slow or busy machine may not flood past the default PULL budget

@@ -359,7 +359,7 @@ def unbind_node(node_id: str, *, operator: TenantMinter, cluster: ClusterConfig 
 
 
 def _tokens(tokens: Tokens) -> np.ndarray:
-    """Token ids as a compact array (a Python list of 4k ints pickles ~5x larger)."""
+    """Token ids as a compact array (a Python list of ints pickles several times larger)."""
     return np.asarray(tokens, dtype=np.int64)
 
 

@@ -7,16 +7,19 @@
 
 ``make test-fast`` runs what carries none of them; ``make test`` runs everything. A module joins a tier
 here by name, so a new module that starts a cluster is listed once, beside its neighbours.
+
+Shared fixtures: `wait_until` (wait for a condition, never for a fixed time) and `make_pki` / `pki`
+(a real cluster CA and the certificates it issues); both live in tests/testkit.py.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from hypothesis import settings
+from testkit import Pki, PkiFactory, Wait, make_pki
+from testkit import wait_until as testkit_wait_until
 
 # Property tests check outcomes, not speed: hypothesis' per-example deadline (200 ms) fails them on a loaded
 # 2-core host for no fault of the code, so no example has one.
@@ -65,21 +68,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
 
 
-Wait = Callable[..., float]
-
-
-def _wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 30.0, poll_s: float = 0.05) -> float:
-    """Poll `predicate` until it is true; the seconds it took. A test waits for a condition, never for a
-    fixed time: this fails with `what` when the condition has not held within `timeout_s`."""
-    start = time.monotonic()
-    while not predicate():
-        if time.monotonic() - start > timeout_s:
-            raise AssertionError(f"not within {timeout_s:.0f} s: {what}")
-        time.sleep(poll_s)
-    return time.monotonic() - start
-
-
 @pytest.fixture(scope="session")
 def wait_until() -> Wait:
     """`wait_until(predicate, what, timeout_s=30)`: poll until true, else fail naming `what`."""
-    return _wait_until
+    return testkit_wait_until
+
+
+
+PKI_NODES = ("node-a", "node-b", "client-1")
+
+
+@pytest.fixture(name="make_pki", scope="session")
+def _make_pki() -> PkiFactory:
+    """`make_pki(dir, *nodes, extra_sans=())`: a new cluster CA in `dir` and each node's certificate."""
+    return make_pki
+
+
+@pytest.fixture
+def pki(tmp_path: Path) -> Pki:
+    """A cluster CA of this test alone (in `tmp_path/certs`) with certificates for PKI_NODES."""
+    return make_pki(tmp_path / "certs", *PKI_NODES)

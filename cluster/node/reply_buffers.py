@@ -1,8 +1,8 @@
 """Reply arrays that outlive one load, so that the next load does not pay for fresh pages.
 
-A 4k-token load of SmolLM2 fills a 189 MB array. A fresh `np.empty` of that size is a new mapping
-whose pages the kernel zeroes as they are first written: perf on the pulling node shows that page
-clearing as a clear share of its CPU per pull (docs/benchmarks.md), work a load only needs once.
+A long prompt's load fills a large array. A fresh `np.empty` of that size is a new mapping whose
+pages the kernel zeroes as they are first written: perf on the pulling node shows that page clearing
+as a clear share of its CPU per pull (docs/benchmarks.md), work a load only needs once.
 The pool keeps arrays up to `max_bytes` in all and hands one out again only when
 nothing else references it: the reply that carried it has been copied into Ray's object store and
 dropped, a mirror that copies from it has finished. An array still referenced anywhere is never

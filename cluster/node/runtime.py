@@ -64,10 +64,10 @@ class NodeRuntime:
         self.quarantine_path = f"{kv.index_dir}.quarantine.json"   # cluster/node/quarantine.py
         self._open_identity(Path(transport.cert_dir))
         # This Ray worker process runs only this actor: keep freed payload buffers in the heap, or
-        # every pull page-faults them back in, tens of MB per long prefix (buffers.tune_allocator).
+        # every pull page-faults them back in, the whole prefix each time (buffers.tune_allocator).
         tune_allocator()
-        # Likewise for the cycle collector: a 4k-token pull makes ~100k short-lived objects (results,
-        # views, addresses), and at the default threshold (700) its young-generation passes kept
+        # Likewise for the cycle collector: a long pull makes many short-lived objects (results,
+        # views, addresses), and at the default threshold its young-generation passes kept
         # re-scanning the load's live plan, a visible share of the puller's CPU in perf. Cycles are rare here
         # (reference counting frees the rest), so collect less often, and never re-scan start-up state.
         gc.freeze()

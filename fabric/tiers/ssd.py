@@ -159,7 +159,7 @@ class SsdTier(SsdCatalog):
         return results
 
     def _write_files_syncfs(self, items: Sequence[WriteItem]) -> list[OSError | None]:
-        # Unsynced writes land in the page cache (~10 us each): one thread, no hand-offs.
+        # Unsynced writes only reach the page cache, which is fast: one thread, no hand-offs.
         results: list[OSError | None] = []
         written: list[tuple[int, Path, Path]] = []
         for i, item in enumerate(items):

@@ -1,6 +1,7 @@
 """Smoke test of benchmarks/bench_cluster.py: `--quick` starts its own 3-node Ray cluster, runs the
 shared-prefix workload (every load is compared byte for byte inside the benchmark) and ends with
-the JSON line. Timing is not asserted; the hit ratio is, since it does not depend on speed."""
+the JSON line; one `--quick --events` run serves the plain and the events tests. Timing is not
+asserted; the hit ratio is, since it does not depend on speed."""
 
 from __future__ import annotations
 
@@ -14,9 +15,17 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quick_run_hits_as_an_ideal_cache_would_and_beats_local_only() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cluster.py"), "--quick"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300, check=False)
+@pytest.fixture(scope="module")
+def quick_events_run() -> subprocess.CompletedProcess[str]:
+    """One `--quick --events` run: the plain workload and the events comparison on one cluster start
+    (the events arms run after the plain measurement, on the same nodes)."""
+    return subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cluster.py"), "--quick", "--events"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+
+
+def test_quick_run_hits_as_an_ideal_cache_would_and_beats_local_only(
+        quick_events_run: subprocess.CompletedProcess[str]) -> None:
+    proc = quick_events_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert any("ideal (every repeated block)" in line for line in lines[:-1])
@@ -27,9 +36,9 @@ def test_quick_run_hits_as_an_ideal_cache_would_and_beats_local_only() -> None:
     assert result["hit_ratio"] > result["local_only_hit_ratio"]
 
 
-def test_quick_run_with_events_serves_both_fabrics_alike_and_the_subscriber_sees_blocks() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_cluster.py"), "--quick", "--events"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=400, check=False)
+def test_quick_run_with_events_serves_both_fabrics_alike_and_the_subscriber_sees_blocks(
+        quick_events_run: subprocess.CompletedProcess[str]) -> None:
+    proc = quick_events_run
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     # Both fabrics served every request, each load compared byte for byte inside the benchmark. How

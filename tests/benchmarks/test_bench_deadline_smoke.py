@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_deadline.py: `--quick` runs every link phase on a real 2-node
+"""Smoke test of benchmarks/bench_deadline.py: `--quick --reps 1` runs every link phase on a real 2-node
 cluster with SmolLM2 and ends with its JSON line. Timing is not asserted; what is: each phase
 produced answers, the fast link pulled the prefix, and the ratios are reported."""
 
@@ -13,7 +13,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_deadline_bench_reports_every_phase_and_json_last() -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_deadline.py"), "--quick"], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_deadline.py"), "--quick", "--reps", "1"],
+                          cwd=ROOT,
                           capture_output=True, text=True, timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

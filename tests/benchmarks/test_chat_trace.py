@@ -6,7 +6,7 @@ import itertools
 
 import blake3
 
-from benchmarks.chat_trace import PrefixLru, chat_trace, hit_ratio, isolated_hit_ratio
+from benchmarks.lib.chat_trace import PrefixLru, chat_trace, hit_ratio, isolated_hit_ratio
 
 
 def _h(*names: str) -> list[bytes]:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import asyncio
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import ray
 import torch
+from testkit import Wait
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.client import FabricClient
@@ -34,7 +35,6 @@ from fabric.keys import Namespace, block_hashes
 BLOCK = 16
 VOCAB = 512
 NUM_BLOCKS = 5
-Wait = Callable[..., float]
 
 
 class Bed:

@@ -6,7 +6,6 @@ it (restarts, node loss) run last and add their own nodes.
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +15,7 @@ import numpy as np
 import pytest
 import ray
 from cryptography import x509
+from testkit import PkiFactory, wait_until
 
 from cluster.api import Where, payload_shape
 from cluster.client import FabricClient, FabricUnavailableError
@@ -30,7 +30,7 @@ from fabric.keys import BlockAddress, Namespace, block_hashes
 from fabric.layout import KVLayout
 from transports.core.base import Hit, Peer
 from transports.factory import create_client
-from transports.trust.certs import CertificateError, init_ca, issue_node, issue_tenant, revoke
+from transports.trust.certs import CertificateError, issue_node, issue_tenant, revoke
 from transports.trust.identity import NodeSigner
 
 LAYOUT = KVLayout.mha(4, 2, 64, "f16")      # 8 KiB per (block, layer) at 16 tokens
@@ -69,15 +69,6 @@ def owners(config: Config, hashes: list[bytes]) -> list[set[str]]:
     return asyncio.run(ask())
 
 
-def wait_until(predicate: object, timeout_s: float, what: str) -> float:
-    start = time.monotonic()
-    while time.monotonic() - start < timeout_s:
-        if predicate():  # type: ignore[operator]
-            return time.monotonic() - start
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not within {timeout_s} s")
-
-
 def nodes(fabric: LocalCluster) -> list[str]:
     head = ray.get_runtime_context().get_node_id()
     return [head] + [n for n in fabric.node_ids() if n != head]
@@ -89,7 +80,7 @@ def test_a_prefix_stored_on_one_node_is_pulled_byte_identical_by_another(fabric:
     tokens, data = prompt(1, 24), kv_for(1, 24)
     assert client_a.store(NS, tokens, data).num_stored == 24
     hashes = block_hashes(NS, tokens)
-    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 5, "the directory lists A")
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), "the directory lists A", 5)
     found = client_b.lookup(NS, tokens)
     assert found.num_blocks == 24 and {loc.where for loc in found.locations} == {Where.PEER}
     assert {loc.node_id for loc in found.locations} == {a}
@@ -98,7 +89,7 @@ def test_a_prefix_stored_on_one_node_is_pulled_byte_identical_by_another(fabric:
     assert reply.num_blocks == 24 and np.array_equal(reply.payloads, data)
     assert set(reply.sources) == {f"peer:{a}"}
     assert client_b.stats()["pulled_bytes"] - before == data.nbytes
-    wait_until(lambda: all(o == {a, b} for o in owners(fabric.config, hashes)), 5, "the directory lists A and B")
+    wait_until(lambda: all(o == {a, b} for o in owners(fabric.config, hashes)), "the directory lists A and B", 5)
     again = client_b.load(NS, tokens)
     assert set(again.sources) == {"ram"} and np.array_equal(again.payloads, data)
 
@@ -108,7 +99,7 @@ def test_layer_wise_load_from_a_peer_delivers_every_layer_in_order(fabric: Local
     tokens, data = prompt(6, 20), kv_for(6, 20)
     FabricClient.connect(node_id=a).store(NS, tokens, data)
     client = FabricClient.connect(node_id=head)
-    wait_until(lambda: client.lookup(NS, tokens).num_blocks == 20, 5, "A's blocks visible")
+    wait_until(lambda: client.lookup(NS, tokens).num_blocks == 20, "A's blocks visible", 5)
     stream = client.load_layers(NS, tokens)
     assert stream.num_blocks == 20 and set(stream.sources) == {f"peer:{a}"}
     layers = list(stream)
@@ -124,7 +115,7 @@ def test_two_tenants_never_share_blocks(fabric: LocalCluster, tmp_path: Path) ->
     tokens = prompt(2, 8)
     FabricClient.connect(node_id=a, credential=alice).store(ns, tokens, kv_for(2, 8, ns))
     alice_b, bob_b = (FabricClient.connect(node_id=b, credential=c) for c in (alice, bob))
-    wait_until(lambda: alice_b.lookup(ns, tokens).num_blocks == 8, 5, "alice's blocks visible")
+    wait_until(lambda: alice_b.lookup(ns, tokens).num_blocks == 8, "alice's blocks visible", 5)
     assert bob_b.lookup(ns, tokens).num_blocks == 0
     assert bob_b.load(ns, tokens).num_blocks == 0
 
@@ -140,13 +131,12 @@ def test_metrics_endpoint_shows_the_pulls(fabric: LocalCluster) -> None:
     assert "kvfabric_hit_blocks_total" in text and "kvfabric_prefix_lookup_seconds_bucket" in text
 
 
-def test_a_certificate_from_a_foreign_ca_cannot_pull(fabric: LocalCluster, tmp_path: Path) -> None:
+def test_a_certificate_from_a_foreign_ca_cannot_pull(fabric: LocalCluster, tmp_path: Path,
+                                                    make_pki: PkiFactory) -> None:
     _, a, _ = nodes(fabric)[:3]
     stats = FabricClient.connect(node_id=a).stats()
     host, port = stats["address"].rsplit(":", 1)
-    foreign = tmp_path / "foreign"
-    init_ca(foreign)
-    issue_node(foreign, "intruder")
+    foreign = make_pki(tmp_path / "foreign", "intruder").dir
     hashes = block_hashes(NS, prompt(1, 24))
 
     results = pull_as(foreign, "intruder", Peer(node_name_for(a), host, int(port)), BlockAddress(hashes[0], 0))
@@ -184,7 +174,7 @@ def test_reports_forged_from_a_ray_driver_are_refused_and_counted(fabric: LocalC
     tokens = prompt(11, 16)
     client_a.store(NS, tokens, kv_for(11, 16))
     hashes = block_hashes(NS, tokens)
-    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 5, "the directory lists A")
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), "the directory lists A", 5)
     inc = client_a.stats()["incarnation"]
     host, port = client_a.stats()["address"].rsplit(":", 1)
     addr_a = NodeAddress(host, int(port), "tls-tcp", node_name_for(a))
@@ -248,14 +238,14 @@ def test_a_revoked_certificate_is_refused_by_the_transport_and_the_directory(fab
     serial = x509.load_pem_x509_certificate((cert_dir / "node-revoked.pem").read_bytes()).serial_number
     revoke(cert_dir, {serial})
     wait_until(lambda: ray.get(shard.report.remote(signer.sign(0, Heartbeat(addr))))[1] is ApplyOutcome.REFUSED,
-               10, "the directory refuses the revoked certificate")
+               "the directory refuses the revoked certificate", 10)
     assert ray.get(shard.stats.remote())[1]["refused_revoked"] >= 1
     assert not any(isinstance(r, Hit) for r in pull_as(cert_dir, "node-revoked", peer, first))
 
     def counted() -> bool:   # the server counts once its side of the handshake ends, maybe after the client's
         with urllib.request.urlopen(f"http://127.0.0.1:{stats['metrics_port']}/metrics", timeout=5) as resp:
             return 'kvfabric_auth_failures_total{reason="revoked",transport="tls-tcp"}' in resp.read().decode()
-    wait_until(counted, 10, "A counts the revoked handshake")
+    wait_until(counted, "A counts the revoked handshake", 10)
 
 
 def test_a_restarted_node_reregisters_its_ssd_blocks_under_a_new_incarnation(fabric: LocalCluster) -> None:
@@ -265,11 +255,11 @@ def test_a_restarted_node_reregisters_its_ssd_blocks_under_a_new_incarnation(fab
     client_a.store(NS, tokens, data)            # write-through: on A's SSD when acknowledged
     old = client_a.stats()["incarnation"]
     hashes = block_hashes(NS, tokens)
-    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 5, "A listed")
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), "A listed", 5)
     ray.kill(ray.get_actor(node_actor_name(a), namespace="kvfabric"), no_restart=False)
     client_a = FabricClient.connect(node_id=a, timeout_s=60)
-    wait_until(lambda: client_a.stats()["incarnation"] > old, 60, "A restarted")   # the kill is asynchronous
-    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), 10, "A re-registered")
+    wait_until(lambda: client_a.stats()["incarnation"] > old, "A restarted", 60)   # the kill is asynchronous
+    wait_until(lambda: all(o == {a} for o in owners(fabric.config, hashes)), "A re-registered", 10)
     reply = FabricClient.connect(node_id=head).load(NS, tokens)
     assert reply.num_blocks == 12 and np.array_equal(reply.payloads, data)
     assert set(reply.sources) == {f"peer:{a}"}
@@ -286,7 +276,7 @@ def test_calls_in_flight_while_a_node_actor_restarts_are_answered_by_the_restart
         calls += [pool.submit(client.stats) for _ in range(50)]
         replies = [c.result(timeout=120) for c in calls]      # raises if a call was lost to the restart
     assert all(r.num_stored == 8 for r in replies[:200])
-    wait_until(lambda: client.stats()["incarnation"] > old, 60, "B restarted")
+    wait_until(lambda: client.stats()["incarnation"] > old, "B restarted", 60)
     reply = client.load(NS, tokens)
     assert reply.num_blocks == 8 and np.array_equal(reply.payloads, data)
 
@@ -298,7 +288,7 @@ def test_a_killed_directory_shard_answers_in_full_again_within_the_bound(fabric:
     assert all(before)
     for k in range(fabric.config.cluster.directory_shards):
         ray.kill(ray.get_actor(shard_actor_name(fabric.config.cluster, k), namespace="kvfabric"), no_restart=False)
-    took = wait_until(lambda: owners(fabric.config, hashes) == before, RESYNC_BOUND_S, "full state after restart")
+    took = wait_until(lambda: owners(fabric.config, hashes) == before, "full state after restart", RESYNC_BOUND_S)
     print(f"directory rebuilt from the nodes in {took:.2f} s")
 
 
@@ -308,7 +298,7 @@ def test_a_node_added_later_gets_a_node_actor_and_serves_pulls(fabric: LocalClus
     tokens, data = prompt(4, 10), kv_for(4, 10)
     FabricClient.connect(node_id=new).store(NS, tokens, data)
     client = FabricClient.connect(node_id=head)
-    wait_until(lambda: client.lookup(NS, tokens).num_blocks == 10, 5, "new node's blocks visible")
+    wait_until(lambda: client.lookup(NS, tokens).num_blocks == 10, "new node's blocks visible", 5)
     reply = client.load(NS, tokens)
     assert np.array_equal(reply.payloads, data) and set(reply.sources) == {f"peer:{new}"}
 
@@ -319,18 +309,18 @@ def test_a_dead_owner_means_fallback_or_miss_never_wrong_data(fabric: LocalClust
     tokens, data = prompt(5, 32), kv_for(5, 32)
     FabricClient.connect(node_id=doomed).store(NS, tokens, data)
     client_b = FabricClient.connect(node_id=b)
-    wait_until(lambda: client_b.lookup(NS, tokens).num_blocks == 32, 5, "doomed node's blocks visible")
+    wait_until(lambda: client_b.lookup(NS, tokens).num_blocks == 32, "doomed node's blocks visible", 5)
     half = client_b.load(NS, tokens, max_blocks=16)             # B now owns the first half too
     assert np.array_equal(half.payloads, data[:16])
     hashes = block_hashes(NS, tokens)
-    wait_until(lambda: all(b in o for o in owners(fabric.config, hashes[:16])), 5, "B listed for the first half")
+    wait_until(lambda: all(b in o for o in owners(fabric.config, hashes[:16])), "B listed for the first half", 5)
     pending = FabricClient.connect(node_id=head).actor.load.remote(NS, tokens, None, True)
     fabric.remove_node(doomed)               # the machine dies during (or just before) the pull; its lease runs on
     reply = ray.get(pending)
     assert reply.num_blocks <= 32 and np.array_equal(reply.payloads, data[:reply.num_blocks])
     assert reply.num_blocks >= 16                                # B's copy served the first half
-    wait_until(lambda: all(doomed not in o for o in owners(fabric.config, hashes)), LEASE_S + 3,
-               "the dead node leaves the directory after its lease")
+    wait_until(lambda: all(doomed not in o for o in owners(fabric.config, hashes)),
+               "the dead node leaves the directory after its lease", LEASE_S + 3)
 
 
 def test_kvfabric_start_on_the_running_cluster_finds_every_node_and_is_idempotent(fabric: LocalCluster) -> None:

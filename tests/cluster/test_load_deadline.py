@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import ray
 import torch
+from testkit import wait_until
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.api import EngineLoad, payload_shape
@@ -49,10 +50,8 @@ def nodes(fabric: LocalCluster) -> tuple[FabricClient, FabricClient]:
 
 
 def listed(client: FabricClient, ns: Namespace, tokens: list[int], num_blocks: int) -> None:
-    deadline = time.monotonic() + 10
-    while client.lookup(ns, tokens).num_blocks < num_blocks:
-        assert time.monotonic() < deadline, "the directory never listed the owner's blocks"
-        time.sleep(0.05)
+    wait_until(lambda: client.lookup(ns, tokens).num_blocks >= num_blocks, "the directory listing the owner's blocks",
+               10)
 
 
 def test_a_pull_past_its_deadline_returns_the_leading_run_that_arrived(fabric: LocalCluster) -> None:
@@ -109,9 +108,6 @@ def test_an_engines_answer_after_a_cut_load_equals_a_full_recompute(fabric: Loca
 def test_lookups_carry_the_load_the_nodes_engine_reported(fabric: LocalCluster) -> None:
     _, puller = nodes(fabric)
     puller.report_load(EngineLoad(running_requests=1, queued_requests=2, queued_prefill_tokens=300))
-    deadline = time.monotonic() + 5
-    while puller.lookup(NS, [1] * 32).load != EngineLoad(1, 2, 300):
-        assert time.monotonic() < deadline, "the reported load never showed in a lookup"
-        time.sleep(0.02)
+    wait_until(lambda: puller.lookup(NS, [1] * 32).load == EngineLoad(1, 2, 300), "the reported load in a lookup", 5)
     assert puller.stats()["engine_load"] == {"running_requests": 1, "queued_requests": 2,
                                              "queued_prefill_tokens": 300}

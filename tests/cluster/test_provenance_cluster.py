@@ -7,15 +7,16 @@ last: it revokes a node's certificate for the rest of the module.
 from __future__ import annotations
 
 import asyncio
-import time
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import ray
 from cryptography import x509
+from testkit import wait_until
 
 from cluster.api import payload_shape
 from cluster.client import FabricClient, purge_producer
@@ -56,13 +57,8 @@ def _owners(fabric: LocalCluster, tokens: list[int]) -> list[set[str]]:
     return asyncio.run(ask())
 
 
-def _wait(predicate: object, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():  # type: ignore[operator]
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{what} not within {timeout_s} s")
+def _settled(stats: dict[str, Any]) -> bool:
+    return bool(stats["pending_mirrors"] == 0 and stats["pending_directory_ops"] == 0)
 
 
 def _nodes(fabric: LocalCluster) -> tuple[FabricClient, FabricClient, FabricClient]:
@@ -76,22 +72,22 @@ def test_a_block_pulled_from_its_producer_is_mirrored_and_purged_everywhere(fabr
     a, b, c = _nodes(fabric)
     tokens, data = _prompt(1, 8)
     assert a.store(NS, tokens, data).num_stored == 8
-    _wait(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), 10, "the directory lists A")
+    wait_until(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), "the directory lists A", 10)
     reply = b.load(NS, tokens)
     assert reply.num_blocks == 8 and np.array_equal(reply.payloads, data)
     assert not any(b.stats()["provenance_rejections"].values())
-    _wait(lambda: all(o == {a.node_id, b.node_id} for o in _owners(fabric, tokens)), 10, "B mirrored")
+    wait_until(lambda: all(o == {a.node_id, b.node_id} for o in _owners(fabric, tokens)), "B mirrored", 10)
     # C may pull from the producer or from B's mirror: both verify as A's
     reply = c.load(NS, tokens)
     assert reply.num_blocks == 8 and np.array_equal(reply.payloads, data)
     assert not any(c.stats()["provenance_rejections"].values())
     everyone = {a.node_id, b.node_id, c.node_id}
-    _wait(lambda: all(o == everyone for o in _owners(fabric, tokens)), 10, "C mirrored")
+    wait_until(lambda: all(o == everyone for o in _owners(fabric, tokens)), "C mirrored", 10)
 
     removed = purge_producer(a.stats()["node_name"])
     per_copy = 8 * LAYOUT.num_layers
     assert removed == {a.node_id: per_copy, b.node_id: per_copy, c.node_id: per_copy}
-    _wait(lambda: all(not o for o in _owners(fabric, tokens)), 10, "the directory forgets every copy")
+    wait_until(lambda: all(not o for o in _owners(fabric, tokens)), "the directory forgets every copy", 10)
     assert b.load(NS, tokens).num_blocks == 0
 
 
@@ -101,9 +97,9 @@ def test_producers_that_disagree_are_counted_by_name_and_their_tie_is_a_miss_unt
     tokens, data = _prompt(3, 4)
     other = np.bitwise_xor(data, 0x5A)   # another engine's bytes at the same addresses
     assert a.store(NS, tokens, data).num_stored == 4
-    _wait(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), 10, "the directory lists A")
+    wait_until(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), "the directory lists A", 10)
     assert b.store(NS, tokens, other).num_stored == 4
-    _wait(lambda: all(o == {a.node_id, b.node_id} for o in _owners(fabric, tokens)), 10, "the directory lists B")
+    wait_until(lambda: all(o == {a.node_id, b.node_id} for o in _owners(fabric, tokens)), "the directory lists B", 10)
     names = {client.node_id: client.stats()["node_name"] for client in (a, b)}
 
     async def versions() -> tuple[list[set[str]], list[str]]:
@@ -118,7 +114,7 @@ def test_producers_that_disagree_are_counted_by_name_and_their_tie_is_a_miss_unt
     assert b"kvfabric_producer_disagreements_total{" + pair + b"} 4.0" in metrics
     assert b"kvfabric_disputed_blocks_total 4.0" in metrics
     purge_producer(names[b.node_id])   # the operator's call settles it
-    _wait(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), 10, "the directory forgets B's")
+    wait_until(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), "the directory forgets B's", 10)
     reply = c.load(NS, tokens)
     assert reply.num_blocks == 4 and np.array_equal(reply.payloads, data)
 
@@ -127,12 +123,12 @@ def test_a_revoked_producers_blocks_are_refused_by_pullers(fabric: LocalCluster)
     a, b, _ = _nodes(fabric)
     tokens, data = _prompt(2, 6)
     assert a.store(NS, tokens, data).num_stored == 6
-    _wait(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), 10, "the directory lists A")
+    wait_until(lambda: all(o == {a.node_id} for o in _owners(fabric, tokens)), "the directory lists A", 10)
     cert_dir = Path(fabric.config.transport.cert_dir)
     (cert_dir / "crl.pem").write_text("not a revocation list")   # a node keeps what it has
     def scrape() -> bytes:
         return urllib.request.urlopen(f"http://127.0.0.1:{b.stats()['metrics_port']}/metrics", timeout=10).read()
-    _wait(lambda: b'kvfabric_crl_reloads_total{outcome="refused"} 1.0' in scrape(), 10, "B reads the bad list")
+    wait_until(lambda: b'kvfabric_crl_reloads_total{outcome="refused"} 1.0' in scrape(), "B reads the bad list", 10)
     assert b.stats()["revoked_certificates"] == 0
     metrics = scrape()
     assert b'reason="sync_error"' not in metrics   # the directory upkeep was not disturbed by it
@@ -141,11 +137,12 @@ def test_a_revoked_producers_blocks_are_refused_by_pullers(fabric: LocalCluster)
     name = a.stats()["node_name"]
     serial = x509.load_pem_x509_certificate((cert_dir / f"{name}.pem").read_bytes()).serial_number
     revoke(cert_dir, {serial})
-    _wait(lambda: b.stats()["revoked_certificates"] == 1, 10, "B reads the new revocation list")
+    wait_until(lambda: b.stats()["revoked_certificates"] == 1, "B reads the new revocation list", 10)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{b.stats()['metrics_port']}/metrics", timeout=10).read()
     left = float(metrics.split(b"\nkvfabric_crl_seconds_to_next_update ")[1].split()[0])
     assert 29 * 86400 < left <= 30 * 86400   # `revoke` signs the list for 30 days by default
     assert b.load(NS, tokens).num_blocks == 0
     assert b.stats()["provenance_rejections"]["revoked"] == 6 * LAYOUT.num_layers
-    time.sleep(1.0)   # a mirror would have been written and advertised by now
+    # a mirror would have been written and advertised once B has neither a mirror nor a report pending
+    wait_until(lambda: _settled(b.stats()), "B has no mirror or directory report pending", 10)
     assert all(o == {a.node_id} for o in _owners(fabric, tokens)), "B never mirrors nor advertises them"

@@ -12,13 +12,14 @@ import asyncio
 import dataclasses
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 from cryptography import x509
+from testkit import Pki, PkiFactory, wait_until
 
 from cluster.api import payload_shape
 from cluster.client import FabricClient, purge_producer
@@ -31,7 +32,7 @@ from fabric.layout import KVLayout
 from fabric.tenancy import TenancyPolicy
 from transports.core.base import Hit, Peer
 from transports.factory import create_client
-from transports.trust.certs import init_ca, issue_node, issue_operator, issue_tenant, revoke
+from transports.trust.certs import revoke
 from transports.trust.identity import NodeSigner
 from transports.trust.tenant_tokens import TenantToken
 
@@ -55,10 +56,10 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
 @pytest.fixture(scope="module")
 def wallet(fabric: LocalCluster, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Tenant credentials a, b, c, d, e and the operator's (ops) from the cluster's CA."""
-    out = tmp_path_factory.mktemp("tenants")
+    out, ca = tmp_path_factory.mktemp("tenants"), Pki(Path(fabric.config.transport.cert_dir))
     for name in "abcde":
-        issue_tenant(fabric.config.transport.cert_dir, name, out_dir=out)
-    issue_operator(fabric.config.transport.cert_dir, "ops", out_dir=out)
+        ca.tenant(name, out_dir=out)
+    ca.operator("ops", out_dir=out)
     return out
 
 
@@ -80,14 +81,6 @@ def _prompt(seed: int, num_blocks: int) -> tuple[list[int], np.ndarray]:
     rng = np.random.default_rng(seed)
     tokens = [int(t) for t in rng.integers(0, 50_000, num_blocks * NS.block_size)]
     return tokens, rng.integers(0, 256, payload_shape(NS, num_blocks), dtype=np.uint8)
-
-
-def _wait(predicate: Callable[[], bool], what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not within {timeout_s} s")
-        time.sleep(0.05)
 
 
 def _with_salt_of(tenant: str) -> Namespace:
@@ -112,7 +105,7 @@ def test_tenant_b_with_tenant_as_salt_can_neither_read_nor_poison_a(fabric: Loca
     assert b_there.store(claimed, tokens, poison).num_stored == 6   # lands in B's own namespace
     assert np.array_equal(b_there.load(NS, tokens, pulls=False).payloads, poison)
     assert b_there.store_blocks(claimed, ids, poison).num_stored == 6
-    _wait(lambda: a_there.lookup(NS, tokens).num_blocks == 6, "the directory lists A's blocks")
+    wait_until(lambda: a_there.lookup(NS, tokens).num_blocks == 6, "the directory lists A's blocks")
     # the credential may come from the config too
     a_by_config = FabricClient.connect(node_id=there, tenancy=TenancyConfig(credential=str(wallet / "a.tenant.pem")))
     for a in (a_here, a_there, a_by_config):   # A's own node, and a pull from it
@@ -127,7 +120,7 @@ def test_a_shared_group_sees_each_others_blocks_and_no_one_else_does(fabric: Loc
     tokens, data = _prompt(2, 4)
     assert _client(wallet, "c", here).store(NS, tokens, data).num_stored == 4
     d = _client(wallet, "d", there)
-    _wait(lambda: d.lookup(NS, tokens).num_blocks == 4, "D sees C's blocks")
+    wait_until(lambda: d.lookup(NS, tokens).num_blocks == 4, "D sees C's blocks")
     reply = d.load(NS, tokens)
     assert reply.num_blocks == 4 and np.array_equal(reply.payloads, data)
     assert _client(wallet, "e", here).load(NS, tokens).num_blocks == 0
@@ -164,16 +157,15 @@ def test_a_pull_that_names_no_namespace_gets_misses_where_tenants_are_required(f
 
 
 def test_foreign_node_and_revoked_credentials_are_refused_and_counted(fabric: LocalCluster, wallet: Path,
-                                                                      tmp_path: Path) -> None:
+                                                                      tmp_path: Path, make_pki: PkiFactory) -> None:
     here, _ = _nodes(fabric)
     tokens, data = _prompt(3, 2)
-    init_ca(tmp_path / "other")
-    foreign = FabricClient.connect(node_id=here, credential=issue_tenant(tmp_path / "other", "a")[0])
+    foreign = FabricClient.connect(node_id=here, credential=make_pki(tmp_path / "other").tenant("a")[0])
     with pytest.raises(TenantRefusedError, match="not issued by the cluster CA"):
         foreign.store(NS, tokens, data)
     cert_dir = Path(fabric.config.transport.cert_dir)
     # a node certificate made into a "tenant" token is refused (the client refuses to mint it, so forge one)
-    node_cert, node_key = issue_node(cert_dir, "not-a-tenant")
+    node_cert, node_key = Pki(cert_dir).node("not-a-tenant")
     signer = NodeSigner(node_cert, node_key)
     now_ms = int(time.time() * 1000)
     unsigned = TenantToken(signer.cert_der, now_ms, now_ms + 60_000, b"")
@@ -185,7 +177,7 @@ def test_foreign_node_and_revoked_credentials_are_refused_and_counted(fabric: Lo
     assert e.store(NS, tokens, data).num_stored == 2
     revoke(cert_dir, {x509.load_pem_x509_certificate((wallet / "e.tenant.pem").read_bytes()).serial_number})
     operator = _operator(wallet, here)
-    _wait(lambda: operator.stats()["revoked_certificates"] == 1, "the node reads the new revocation list")
+    wait_until(lambda: operator.stats()["revoked_certificates"] == 1, "the node reads the new revocation list")
     with pytest.raises(TenantRefusedError, match="revoked"):
         e.load(NS, tokens)
     metrics = urllib.request.urlopen(f"http://127.0.0.1:{operator.stats()['metrics_port']}/metrics",

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 from prometheus_client import CollectorRegistry
+from testkit import PkiFactory
 
 from cluster.tenancy import TenantGate, TenantRefusedError
 from fabric.config import TenancyConfig
 from fabric.keys import Namespace
 from fabric.layout import KVLayout
 from fabric.tenancy import TenancyPolicy
-from transports.trust.certs import init_ca, issue_node, issue_operator, issue_tenant
+from transports.trust.certs import issue_operator, issue_tenant
 from transports.trust.identity import TrustAnchor
 from transports.trust.tenant_tokens import TenantMinter
 
@@ -21,11 +22,10 @@ NS = Namespace("m", KVLayout.mha(2, 2, 8, "f16"), 16)
 
 
 @pytest.fixture
-def ca(tmp_path: Path) -> Path:
-    init_ca(tmp_path)
-    issue_node(tmp_path, "node-open")
-    issue_node(tmp_path, "node-acme", tenants=("acme",))
-    return tmp_path
+def ca(tmp_path: Path, make_pki: PkiFactory) -> Path:
+    pki = make_pki(tmp_path, "node-open")
+    pki.node("node-acme", tenants=("acme",))
+    return pki.dir
 
 
 def _gate(ca: Path, node: str = "node-open", **tenancy: object) -> tuple[TenantGate, CollectorRegistry]:

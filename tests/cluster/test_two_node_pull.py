@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from testkit import Pki
 
 from cluster.engines.reference.paged import PagedEngine
 from cluster.engines.reference.tiny_llama import TinyLlama, TinyLlamaConfig
 from examples.two_node_pull import open_store, pull_prefix, run
 from fabric.keys import BlockAddress, addresses, block_hashes
-from transports.trust.certs import init_ca, issue_node
 
 
 @pytest.mark.parametrize("kind", ["tls-tcp", "quic"])
@@ -25,11 +25,8 @@ def test_node_b_reuses_node_a_prefix(kind: str, tmp_path: Path, capsys: pytest.C
     assert len(list((tmp_path / "node-b" / "ssd").rglob("*.kvb"))) >= 4 * 4
 
 
-def test_a_corrupt_block_on_the_owner_is_recomputed_by_the_puller(tmp_path: Path) -> None:
+def test_a_corrupt_block_on_the_owner_is_recomputed_by_the_puller(tmp_path: Path, pki: Pki) -> None:
     """Bit rot on node A's SSD: A refuses to serve the block, B pulls what verifies and recomputes the rest."""
-    init_ca(tmp_path / "certs")
-    for node in ("node-a", "node-b"):
-        issue_node(tmp_path / "certs", node)
     cfg = TinyLlamaConfig(vocab_size=512, dim=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_dim=128)
     model = TinyLlama(cfg)
     rng = random.Random(5)

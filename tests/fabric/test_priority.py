@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
+from testkit import wait_until
 
 from fabric.config import KVConfig
 from fabric.priority import lower_thread_priority
@@ -28,13 +28,10 @@ def test_store_background_thread_runs_nicer_than_its_caller(tmp_path: Path) -> N
     base = nice_of(threading.get_native_id())
     want = min(19, base + 10)
     with Store.open(kv):
-        deadline = time.monotonic() + 5   # the thread lowers itself first thing once it runs
-        while True:
+        def lowered() -> bool:   # the thread lowers itself first thing once it runs
             found = [t.native_id for t in threading.enumerate() if t.name == "kvfabric-store" and t.native_id]
-            if found and nice_of(found[0]) == want:
-                break
-            assert time.monotonic() < deadline, f"store thread nice {found and nice_of(found[0])}, want {want}"
-            time.sleep(0.01)
+            return bool(found) and nice_of(found[0]) == want
+        wait_until(lowered, f"the store thread at nice {want}", 5, poll_s=0.01)
     assert nice_of(threading.get_native_id()) == base   # the caller's own priority is untouched
 
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import blake3
 import pytest
+from testkit import wait_until
 
 from fabric.config import Config, KVConfig
 from fabric.events import BlockEvicted, BlockStored
@@ -146,9 +146,7 @@ def test_write_behind_reaches_ssd_on_flush_and_survives_restart(tmp_path: Path,
 def test_background_thread_flushes_write_behind_and_stops_on_close(tmp_path: Path) -> None:
     store = Store.open(kv(tmp_path, write_through=False, eviction_interval_s=0.05))
     store.put(addr(1), b"x" * 10_000)
-    deadline = time.monotonic() + 10
-    while store.stats()["ssd"]["blocks"] == 0 and time.monotonic() < deadline:
-        time.sleep(0.01)
+    wait_until(lambda: store.stats()["ssd"]["blocks"] > 0, "the background flush", 10, poll_s=0.01)
     assert store.stats()["ssd"]["blocks"] == 1
     store.close()
     assert not any(t.name == "kvfabric-store" for t in threading.enumerate())

@@ -20,6 +20,7 @@ from typing import Any
 
 import blake3
 import pytest
+from testkit import wait_until
 
 from fabric.config import KVConfig
 from fabric.keys import BlockAddress, BlockHash
@@ -69,6 +70,7 @@ CRASH_CHILD = textwrap.dedent("""
             if store.flush() == 0:                 # on SSD now: acknowledged as durable
                 log.write(f"{pending[0]} {pending[1]}\\n")
         i += 1
+        print(i, flush=True)                       # one line per put: the parent kills after some
 """)
 
 
@@ -80,11 +82,16 @@ def test_sigkill_during_overwrites_keeps_every_acknowledged_payload(tmp_path: Pa
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     for round_ in range(6):
         child = subprocess.Popen([sys.executable, str(script), str(tmp_path), "1" if write_through else "0",
-                                  str(round_)], env=env, stderr=subprocess.PIPE)
-        time.sleep(0.9 + rng.random() * 0.5)       # imports take ~0.7 s; then kill mid-put
-        child.send_signal(signal.SIGKILL)
+                                  str(round_)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert child.stdout is not None
+        try:
+            for _ in range(rng.randrange(1, 100)):     # kill it mid-run, after a random number of puts
+                if not child.stdout.readline():
+                    break
+        finally:
+            child.send_signal(signal.SIGKILL)
         _, err = child.communicate()
-        assert child.returncode == -signal.SIGKILL, err.decode()[-2000:]
+        assert child.returncode == -signal.SIGKILL, err[-2000:]
         first: dict[int, str] = {}
         for line in (tmp_path / "acked.log").read_text().splitlines():
             key_no, key_digest = line.split()
@@ -143,7 +150,9 @@ def test_close_racing_puts_of_different_payloads_loses_and_replaces_nothing(tmp_
         threads = [threading.Thread(target=writer, args=(round_ * 10 + t,)) for t in range(4)]
         for t in threads:
             t.start()
-        time.sleep(0.15)
+        # close() once the writers are under way: some puts acknowledged
+        wait_until(lambda acked=acked, failures=failures: len(acked) >= 8 or bool(failures),
+                   "the writers' first acknowledged puts", 30, poll_s=0.005)
         start = time.monotonic()
         report = store.close()
         close_s = time.monotonic() - start

@@ -28,23 +28,20 @@ from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+from testkit import PkiFactory
 
 from fabric.keys import BlockAddress, BlockHash
-from transports.trust.certs import init_ca, issue_node
 
 NODES = ("node-a", "node-b", "client-1")
 EXPIRED_NODE = "expired-1"
 
 
 @pytest.fixture(scope="session")
-def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def cert_dir(tmp_path_factory: pytest.TempPathFactory, make_pki: PkiFactory) -> Path:
     """A cluster CA with certificates for NODES and an expired one for EXPIRED_NODE."""
-    d = tmp_path_factory.mktemp("certs")
-    init_ca(d)
-    for node in NODES:
-        issue_node(d, node)
-    issue_node(d, EXPIRED_NODE, days=1, not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
-    return d
+    pki = make_pki(tmp_path_factory.mktemp("certs"), *NODES)
+    pki.node(EXPIRED_NODE, days=1, not_before=dt.datetime.now(dt.UTC) - dt.timedelta(days=3))
+    return pki.dir
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,7 +29,7 @@ from transports.trust.provenance_check import ProvenanceVerifier
 
 SIGNED_NAMESPACE = b"s" * 32   # the namespace root of `signed_store` blocks
 TIMEOUT_S = 30.0  # no test may hang: every event-loop run is bounded by this
-NODE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "soak_node.py"
+NODE_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lib" / "soak_node.py"
 
 
 class Puller(Protocol):
@@ -115,7 +115,7 @@ async def raw_peer(cert_dir: Path, port: int, node: str = "client-1") -> AsyncIt
 
 
 class NodeProcess:
-    """`benchmarks/soak_node.py` serving node-a's blocks on both transports in its own process."""
+    """`benchmarks/lib/soak_node.py` serving node-a's blocks on both transports in its own process."""
 
     def __init__(self, cert_dir: Path, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, str(NODE_SCRIPT), "--cert-dir", str(cert_dir), *args],

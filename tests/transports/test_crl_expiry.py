@@ -14,12 +14,13 @@ from typing import Any
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from support import run, wait_until
+from testkit import Pki
 
 from transports.core.base import Hit, Peer, TransportClient, TransportServer
 from transports.quic import QuicTransportClient, QuicTransportServer
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
-from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
+from transports.trust.certs import CredentialFiles, NodeCredentials, revoke
 
 
 def _publish_expired_list(d: Path) -> None:
@@ -49,11 +50,8 @@ def _crl_refusals(end: Any, reason: str = "server_crl_expired") -> float:
 
 
 def test_an_expired_revocation_list_fails_closed_on_both_transports_until_a_fresh_one(
-        tmp_path: Path, memory_source: Any) -> None:
-    d = tmp_path / "certs"
-    init_ca(d)
-    for node in ("node-a", "client-1"):
-        issue_node(d, node)
+        pki: Pki, memory_source: Any) -> None:
+    d = pki.dir
     _publish_expired_list(d)
     source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
     outcome: dict[str, tuple[bool, float, bool]] = {}
@@ -82,11 +80,8 @@ def test_an_expired_revocation_list_fails_closed_on_both_transports_until_a_fres
 
 
 def test_a_server_whose_list_expired_refuses_a_client_whose_list_is_fresh_on_both_transports(
-        tmp_path: Path, memory_source: Any) -> None:
-    d, fresh = tmp_path / "certs", tmp_path / "client-certs"
-    init_ca(d)
-    for node in ("node-a", "client-1"):
-        issue_node(d, node)
+        tmp_path: Path, pki: Pki, memory_source: Any) -> None:
+    d, fresh = pki.dir, tmp_path / "client-certs"
     fresh.mkdir()
     for name in ("ca.pem", "ca.key", "client-1.pem", "client-1.key"):
         (fresh / name).write_bytes((d / name).read_bytes())

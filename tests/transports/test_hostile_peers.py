@@ -21,8 +21,8 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from support import closing, creds, node_process, pull_all, raw_peer, run, started, wait_until
 
-from benchmarks.hostile_attacks import hold_half_open
-from benchmarks.soak_node import address
+from benchmarks.lib.hostile_attacks import hold_half_open
+from benchmarks.lib.soak_node import address
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
 from transports.core.codec import Bye, Error, ErrorCode, Frame, FrameDecoder, Hello, Miss, MissReason, Pull, encode

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives.serialization import Encoding
+from testkit import PkiFactory
 
 from fabric.provenance import Provenance, Rejection, sign_block, sign_run
-from transports.trust.certs import init_ca, issue_node, revoke
 from transports.trust.identity import NodeSigner, TrustAnchor
 from transports.trust.provenance_check import ProvenanceVerifier
 
@@ -56,14 +56,13 @@ def test_each_way_of_lying_gets_its_reason(cert_dir: Path, openssl_foreign) -> N
     assert verifier.check(honest, b"m" * 32, BLOCK, 0, DIGESTS[0]) is Rejection.WRONG_BLOCK
 
 
-def test_a_revoked_producer_is_refused_even_after_its_record_verified(tmp_path: Path) -> None:
-    init_ca(tmp_path)
-    cert, _ = issue_node(tmp_path, "node-r")
+def test_a_revoked_producer_is_refused_even_after_its_record_verified(tmp_path: Path, make_pki: PkiFactory) -> None:
+    pki = make_pki(tmp_path, "node-r")
     record = _record(tmp_path, "node-r")
-    verifier = ProvenanceVerifier(TrustAnchor.from_files(tmp_path / "ca.pem"))
+    verifier = ProvenanceVerifier(TrustAnchor.from_files(pki.ca))
     assert verifier.check(record, NS, BLOCK, 0, DIGESTS[0]) is None
-    revoke(tmp_path, {x509.load_pem_x509_certificate(cert.read_bytes()).serial_number})
-    verifier.trust = TrustAnchor.from_files(tmp_path / "ca.pem")
+    pki.revoke("node-r")
+    verifier.trust = TrustAnchor.from_files(pki.ca)
     assert verifier.check(record, NS, BLOCK, 1, DIGESTS[1]) is Rejection.REVOKED
 
 
@@ -75,10 +74,9 @@ def test_records_survive_their_encoding(cert_dir: Path, node: str) -> None:
     assert verifier.check(again, NS, BLOCK, 2, DIGESTS[2]) is None
 
 
-def test_a_producer_restricted_to_other_tenants_is_not_authorised_for_this_namespace(tmp_path: Path) -> None:
-    init_ca(tmp_path)
-    issue_node(tmp_path, "node-acme", tenants=("acme",))
-    issue_node(tmp_path, "node-open")
+def test_a_producer_restricted_to_other_tenants_is_not_authorised_for_this_namespace(
+        tmp_path: Path, make_pki: PkiFactory) -> None:
+    make_pki(tmp_path, "node-open").node("node-acme", tenants=("acme",))
     verifier = ProvenanceVerifier(TrustAnchor.from_files(tmp_path / "ca.pem"))
     acme_only, open_node = _record(tmp_path, "node-acme"), _record(tmp_path, "node-open")
     assert verifier.check(acme_only, NS, BLOCK, 0, DIGESTS[0], tenants=frozenset({"acme"})) is None

@@ -21,14 +21,14 @@ import aioquic
 import pytest
 from aioquic.asyncio.client import connect
 from aioquic.quic.configuration import QuicConfiguration
-from cryptography import x509
 from support import run
+from testkit import Pki
 
 from transports.core.base import Hit, Peer
 from transports.core.codec import FrameDecoder, MissReason, Pull, encode
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
 from transports.quic import tls as quic_tls
-from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
+from transports.trust.certs import CredentialFiles, NodeCredentials
 
 
 def node_files(cert_dir: Path, node: str) -> CredentialFiles:
@@ -153,19 +153,16 @@ def test_cluster_signed_certificate_that_is_no_client_node_certificate_is_refuse
 
 
 def test_a_revoked_client_is_refused_once_the_revocation_list_appears(
-        tmp_path: Path, memory_source: Any, quic_backend: str) -> None:
-    d = tmp_path / "certs"
-    init_ca(d)
-    for node in ("node-a", "client-1", "client-2"):
-        issue_node(d, node)
+        pki: Pki, memory_source: Any, quic_backend: str) -> None:
+    d = pki.dir
+    pki.node("client-2")
     source = memory_source(num_blocks=2, num_layers=1, payload_size=1000)
-    serial = x509.load_pem_x509_certificate((d / "client-2.pem").read_bytes()).serial_number
 
     async def main() -> None:
         async with serving(node_files(d, "node-a"), source, quic_backend) as (server, peer):
             results, _ = await pull_with(node_files(d, "client-2"), peer, source.addresses, quic_backend)
             assert all(isinstance(r, Hit) for r in results)
-            revoke(d, {serial})
+            pki.revoke("client-2")
             results, client = await pull_with(node_files(d, "client-2"), peer, source.addresses, quic_backend)
             assert_refused(results, source.addresses)
             assert auth_failures(server, "revoked") == 1
@@ -225,12 +222,9 @@ def test_client_refuses_a_cluster_server_that_is_not_the_dialled_node(
 
 
 def test_client_refuses_a_cluster_server_whose_certificate_was_revoked(
-        tmp_path: Path, memory_source: Any, quic_backend: str) -> None:
-    d = tmp_path / "certs"
-    init_ca(d)
-    for node in ("node-a", "client-1"):
-        issue_node(d, node)
-    revoke(d, {x509.load_pem_x509_certificate((d / "node-a.pem").read_bytes()).serial_number})
+        pki: Pki, memory_source: Any, quic_backend: str) -> None:
+    d = pki.dir
+    pki.revoke("node-a")
     source = memory_source(num_blocks=1, num_layers=1, payload_size=1000)
 
     async def main() -> None:

@@ -11,10 +11,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from testkit import PkiFactory
 
 from transports.trust.certs import (
     CertificateError,
-    init_ca,
     issue_node,
     issue_operator,
     issue_tenant,
@@ -36,17 +36,13 @@ NOW = 1_800_000_000.0   # unix seconds, within the certificates' validity below
 
 
 @pytest.fixture
-def ca(tmp_path: Path) -> Path:
-    d = tmp_path / "ca"
-    init_ca(d)
-    return d
+def ca(tmp_path: Path, make_pki: PkiFactory) -> Path:
+    return make_pki(tmp_path / "ca").dir
 
 
 @pytest.fixture(scope="module")
-def module_ca(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("ca")
-    init_ca(d)
-    return d
+def module_ca(tmp_path_factory: pytest.TempPathFactory, make_pki: PkiFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("ca")).dir
 
 
 def _anchor(ca: Path) -> TrustAnchor:
@@ -92,9 +88,8 @@ def test_a_revoked_tenant_is_refused_even_with_a_cached_token(ca: Path) -> None:
     assert e.value.reason == "revoked"
 
 
-def test_a_token_from_another_ca_is_refused(ca: Path, tmp_path: Path) -> None:
-    other = tmp_path / "other"
-    init_ca(other)
+def test_a_token_from_another_ca_is_refused(ca: Path, tmp_path: Path, make_pki: PkiFactory) -> None:
+    other = make_pki(tmp_path / "other").dir
     token = _minter(other, "acme").token(NOW)
     with pytest.raises(TenantError) as e:
         TenantVerifier(_anchor(ca)).verify(token, NOW)

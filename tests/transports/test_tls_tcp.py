@@ -29,6 +29,7 @@ from support import (
     started,
     wait_until,
 )
+from testkit import Pki
 
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer, PullResult
@@ -56,7 +57,7 @@ from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
 from transports.tls.handshake import open_tls
 from transports.tls.link import READ_BUDGET, TRANSPORT
 from transports.tls.server import TlsTcpServer
-from transports.trust.certs import init_ca, issue_node, revoke
+from transports.trust.certs import issue_node
 
 Scenario = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 # Fixtures of tests/transports/conftest.py (not importable as a module: tests/ is no package).
@@ -803,21 +804,17 @@ def test_pull_on_a_connection_the_server_just_dropped_is_retried(
 
 
 def test_a_revoked_certificate_is_refused_on_both_sides_once_the_revocation_list_appears(
-        tmp_path: Path, memory_source: MemorySourceFactory) -> None:
-    d = tmp_path / "certs"
-    init_ca(d)
-    for node in ("node-a", "client-1", "client-2", "node-r"):
-        issue_node(d, node)
+        pki: Pki, memory_source: MemorySourceFactory) -> None:
+    d = pki.dir
+    for node in ("client-2", "node-r"):
+        pki.node(node)
     source = memory_source(num_blocks=2, num_layers=1)
-
-    def serial(node: str) -> int:
-        return x509.load_pem_x509_certificate((d / f"{node}.pem").read_bytes()).serial_number
 
     async def main() -> None:
         async with serving(d, source) as (server, peer):
             async with client_of(d, "client-1") as before:
                 assert_hits(await pull_all(before, peer, source.addresses), source, source.addresses)
-            revoke(d, {serial("client-1"), serial("node-r")})       # the server notices crl.pem appear
+            pki.revoke("client-1", "node-r")       # the server notices crl.pem appear
             async with client_of(d, "client-1") as revoked:
                 results = await pull_all(revoked, peer, source.addresses)
                 assert all(isinstance(r, Miss) and r.reason is MissReason.PEER_ERROR for r in results)

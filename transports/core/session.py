@@ -72,9 +72,9 @@ Fetched = SourceBlock | None | Exception   # what a store read gave: a block, no
 
 # A run of consecutive hits of one PULL goes out as one BLOCKS frame of at most GROUP_BYTES payload
 # bytes (and at most the client's payload limit): the per-frame work on both ends (header, decode,
-# buffer, event-loop hops, ~15 us) is then paid once per ~1 MiB instead of once per block, which
+# buffer, event-loop hops) is then paid once per ~1 MiB instead of once per block, which
 # matters for small blocks (a 16-token layer of a small model is 24-64 KiB). A block larger than
-# GROUP_PART_MAX goes alone, as a BLOCK frame: there the per-frame work is already a few percent.
+# GROUP_PART_MAX goes alone, as a BLOCK frame: there the per-frame work is already small beside it.
 GROUP_PART_MAX = 128 * 1024
 GROUP_BYTES = 1024 * 1024 + GROUP_PART_MAX   # one store fetch batch (1 MiB and the block crossing it)
 MAX_PARTS = 256   # keeps a BLOCKS header (~36 bytes per part) far below the 64 KiB header limit

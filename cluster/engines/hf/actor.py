@@ -5,20 +5,19 @@
                                  └─ recompute answer: the same prompt with no fabric, the baseline
 
 The actor loads a plain float checkpoint (`save_checkpoint`) so that N engines do not each spend
-~20 s dequantising a GGUF file. It keeps up to `keep_freed_mib` of freed memory in its heap: each
-request builds a KV cache the size of its prompt (189 MB at 4k tokens of SmolLM2) and drops it,
-and with glibc's defaults the next request page-faults all of it back in, zeroed by the kernel:
-tens of thousands of faults and seconds of CPU per long prompt on a small host; with the heap
-kept, almost none after the first request of a size (figures in docs/benchmarks.md). Requests run on
+long seconds dequantising a GGUF file. It keeps up to `keep_freed_mib` of freed memory in its heap:
+each request builds a KV cache the size of its prompt and drops it, and with glibc's defaults the
+next request page-faults all of it back in, zeroed by the kernel, at a CPU cost that grows with the
+prompt; with the heap kept, almost none after the first request of a size (docs/benchmarks.md). Requests run on
 the threads of a threaded actor, so the process keeps one malloc arena for all of them (an arena per
 thread would hold each request's freed cache where the next request, on another thread, cannot reuse
 it).
 
 Its OpenMP threads (torch's CPU kernels, libgomp) also spin for less time when they run out of work
-(`omp_spin_count`): by default an idle worker thread busy-waits ~300k iterations before sleeping,
+(`omp_spin_count`): by default an idle worker thread busy-waits a long while before sleeping,
 which in an engine is every wait for a layer, for the fabric and between requests, on the same
 cores as the node's NodeActor, where perf shows it as a large share of a layer-wise engine's CPU.
-A lower spin count cuts the CPU and TTFT of pulls (paired bench_ttft runs in docs/benchmarks.md).
+A lower spin count cuts the CPU and TTFT of pulls (docs/benchmarks.md).
 libgomp reads the setting when it loads, so it travels in the actor's `runtime_env`,
 not through `__init__`.
 

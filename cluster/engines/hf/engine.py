@@ -238,8 +238,8 @@ def load_smollm2() -> tuple[PreTrainedModel, PreTrainedTokenizerBase, str]:
 
 def save_checkpoint(model: PreTrainedModel, folder: str | Path) -> Path:
     """Write the model as a plain float checkpoint (config.json + model.safetensors) that
-    `load_checkpoint` reads in well under a second, where dequantising the GGUF takes ~20 s: the
-    demo dequantises once and every engine actor loads this.
+    `load_checkpoint` reads far faster than the GGUF can be dequantised: the demo dequantises once
+    and every engine actor loads this.
 
     The checkpoint is the standard Hugging Face form that other loaders (vLLM) read too: tied
     input/output embeddings are written once under the input embedding's name (a loader that ties
@@ -287,7 +287,7 @@ def load_tokenizer(folder: str | Path) -> PreTrainedTokenizerBase:
 def smollm2_checkpoint(cache_root: str | Path | None = None) -> tuple[Path, str]:
     """(folder, fingerprint): SmolLM2 dequantised once into a plain checkpoint with its tokenizer,
     kept under `cache_root` (default `$KVFABRIC_HOME/checkpoints`, the root fabric.config uses) in a
-    folder named by the GGUF file's BLAKE3, so later runs load it in ~1 s instead of ~20 s."""
+    folder named by the GGUF file's BLAKE3, so later runs load it instead of dequantising again."""
     fingerprint = fingerprint_file(smollm2_folder() / SMOLLM2_FILE)
     home = kvfabric_home()
     root = Path(cache_root) if cache_root else home / "checkpoints"

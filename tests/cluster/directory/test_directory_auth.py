@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from testkit import PkiFactory
 
 from cluster.directory.auth import DirectoryGate
 from cluster.directory.report import (
@@ -24,7 +25,6 @@ from cluster.directory.report import (
 )
 from cluster.directory.shard import DirectoryShard
 from cluster.directory.types import ApplyOutcome, NodeAddress, derived_node_name
-from transports.trust.certs import init_ca, issue_node
 from transports.trust.identity import NodeSigner, TrustAnchor
 
 H = [bytes([i]) * 32 for i in range(6)]
@@ -35,18 +35,13 @@ JOINING, OTHER = "a1b2c3d4e5f60718" + "0" * 40, "ffeeddccbbaa9988" + "1" * 40   
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("certs")
-    init_ca(d)
-    for node in ("node-a", "node-b"):
-        issue_node(d, node, extra_sans=("127.0.0.1",))
-    issue_node(d, "node-c")                # no IP SAN: may not advertise 127.0.0.1
-    for node in ("spare-1", derived_node_name(JOINING), derived_node_name(OTHER)):   # named as kvfabric names them
-        issue_node(d, node, extra_sans=("127.0.0.1",))
-    other = d / "other"
-    init_ca(other)
-    issue_node(other, "node-a", extra_sans=("127.0.0.1",))
-    return d
+def certs(tmp_path_factory: pytest.TempPathFactory, make_pki: PkiFactory) -> Path:
+    # spare-1 and the derived names are named as kvfabric names them
+    pki = make_pki(tmp_path_factory.mktemp("certs"), "node-a", "node-b", "spare-1", derived_node_name(JOINING),
+                   derived_node_name(OTHER), extra_sans=("127.0.0.1",))
+    pki.node("node-c")                     # no IP SAN: may not advertise 127.0.0.1
+    make_pki(pki.dir / "other", "node-a", extra_sans=("127.0.0.1",))
+    return pki.dir
 
 
 def signer(d: Path, node: str, node_id: str, incarnation: int = 5) -> ReportSigner:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import ray
+from testkit import wait_until
 
 from cluster.api import Where, payload_shape
 from cluster.client import FabricClient, FabricTimeoutError
@@ -71,10 +72,7 @@ def test_a_frozen_directory_answers_local_only_at_once_and_full_answers_return(f
     tokens = [int(t) for t in np.random.default_rng(1).integers(0, 50_000, 8 * 16)]
     data = np.random.default_rng(2).integers(0, 256, payload_shape(NS, 8), dtype=np.uint8)
     assert owner.store(NS, tokens, data).num_stored == 8
-    deadline = time.monotonic() + 10
-    while reader.lookup(NS, tokens).num_blocks < 8:
-        assert time.monotonic() < deadline, "the directory never listed the owner's blocks"
-        time.sleep(0.05)
+    wait_until(lambda: reader.lookup(NS, tokens).num_blocks >= 8, "the directory listing the owner's blocks", 10)
 
     shard = ray.get_actor(shard_actor_name(fabric.config.cluster, 0), namespace=fabric.config.cluster.namespace)
     pid, _ = _pid_and_node(shard)
@@ -94,13 +92,8 @@ def test_a_frozen_directory_answers_local_only_at_once_and_full_answers_return(f
         assert directory["breaker_states"] != ["closed"] and directory["lookups_answered_local_only"] >= 5
     finally:
         os.kill(pid, signal.SIGCONT)
-    deadline = time.monotonic() + 15
-    while True:
-        found = reader.lookup(NS, tokens)
-        if found.num_blocks == 8:
-            break
-        assert time.monotonic() < deadline, "full answers did not return after the directory resumed"
-        time.sleep(0.1)
+    wait_until(lambda: reader.lookup(NS, tokens).num_blocks == 8, "full answers after the directory resumed", 15)
+    found = reader.lookup(NS, tokens)
     assert {loc.where for loc in found.locations} == {Where.PEER}
     assert reader.stats()["directory"]["breaker_states"] == ["closed"]
 

@@ -10,6 +10,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import pytest
+from testkit import PkiFactory
 
 from cluster.directory.auth import DirectoryGate
 from cluster.directory.report import Report, ReportSigner
@@ -18,7 +19,6 @@ from cluster.directory.types import ApplyOutcome, NodeAddress, shard_of
 from cluster.directory.upkeep import DirectoryUpkeep, ShardUnavailable
 from cluster.node.metrics import ClusterMetrics
 from fabric.config import ClusterConfig
-from transports.trust.certs import init_ca, issue_node
 from transports.trust.identity import NodeSigner, TrustAnchor
 
 NODE = "a" * 56
@@ -66,11 +66,8 @@ class MemoryDirectory:
 
 
 @pytest.fixture(scope="module")
-def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("certs")
-    init_ca(d)
-    issue_node(d, "node-a", extra_sans=("127.0.0.1",))
-    return d
+def certs(tmp_path_factory: pytest.TempPathFactory, make_pki: PkiFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("certs"), "node-a", extra_sans=("127.0.0.1",)).dir
 
 
 def make(certs: Path, held: set[bytes], clock: Clock, directory: MemoryDirectory) -> DirectoryUpkeep:

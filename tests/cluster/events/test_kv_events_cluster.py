@@ -11,12 +11,14 @@ import sys
 import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import ray
 import zmq
 import zmq.auth
+from testkit import wait_until
 
 from cluster.api import EventKeys, Where, payload_shape
 from cluster.client import FabricClient
@@ -115,15 +117,12 @@ def test_a_store_and_a_mirrored_pull_are_announced_with_their_tokens(
     assert u64s(block_hashes(NS, tokens)) <= held[a] and not held[b]
     assert sub.hit_estimates([*tokens, 1, 2, 3], 16) == {a: 8, b: 0}
     reader = FabricClient.connect(node_id=b)
-    deadline = time.monotonic() + 15
-    while reader.lookup(NS, tokens).num_blocks < 8:   # the directory learns of A's blocks asynchronously
-        assert time.monotonic() < deadline, "the directory never listed A's blocks"
-        time.sleep(0.05)
+    # the directory learns of A's blocks asynchronously
+    wait_until(lambda: reader.lookup(NS, tokens).num_blocks >= 8, "the directory listing A's blocks", 15)
     reply = reader.load(NS, tokens)
     assert reply.num_pulled_blocks == 8 and np.array_equal(reply.payloads, kv_for(1, 8))
-    deadline = time.monotonic() + 30
-    while not u64s(block_hashes(NS, tokens)) <= views_match(local, sub)[b]:   # the mirror lands later
-        assert time.monotonic() < deadline, "B's mirror never showed"
+    # the mirror lands later
+    wait_until(lambda: u64s(block_hashes(NS, tokens)) <= views_match(local, sub)[b], "B's mirror in the view", 30)
     assert sub.hit_estimates(tokens, 16) == {a: 8, b: 8}
 
 
@@ -186,10 +185,7 @@ def test_blocks_named_by_ids_round_trip_through_the_cluster(fabric: tuple[LocalC
     data = kv_for(2, 4)
     assert FabricClient.connect(node_id=a).store_blocks(NS, ids, data, parent=7000).num_stored == 4
     client_b = FabricClient.connect(node_id=b)
-    deadline = time.monotonic() + 10
-    while client_b.lookup_blocks(NS, ids, parent=7000).num_blocks < 4:
-        assert time.monotonic() < deadline, "A's blocks never became visible to B"
-        time.sleep(0.05)
+    wait_until(lambda: client_b.lookup_blocks(NS, ids, parent=7000).num_blocks >= 4, "A's blocks visible to B", 10)
     assert {loc.where for loc in client_b.lookup_blocks(NS, ids, parent=7000).locations} == {Where.PEER}
     tail = client_b.load_blocks(NS, ids[1:], parent=ids[0])
     assert tail.num_pulled_blocks == 3 and np.array_equal(tail.payloads, data[1:])
@@ -199,6 +195,17 @@ def test_blocks_named_by_ids_round_trip_through_the_cluster(fabric: tuple[LocalC
     views_match(local, sub)
 
 
+def _incarnation(client: FabricClient) -> int:
+    try:
+        return int(client.stats()["incarnation"])
+    except ray.exceptions.RayError:   # the actor is restarting
+        return -1
+
+
+def _room(store: dict[str, Any]) -> bool:
+    return bool(store["ram"]["bytes"] <= store["ram"]["capacity_bytes"] and store["pending_writes"] == 0)
+
+
 def test_evicted_blocks_leave_the_view(fabric: tuple[LocalCluster, Subscriber]) -> None:
     local, sub = fabric
     a, _ = local.node_ids()
@@ -206,10 +213,9 @@ def test_evicted_blocks_leave_the_view(fabric: tuple[LocalCluster, Subscriber]) 
     client = FabricClient.connect(node_id=a)
     for seed in range(10, 16):           # 6 x 16 blocks through tiers of about 40 blocks each
         client.store(NS, prompt(seed, 16), kv_for(seed, 16))
-        time.sleep(0.3)                  # lets the background eviction make room between prompts
-    deadline = time.monotonic() + 30
-    while first & views_match(local, sub)[a]:
-        assert time.monotonic() < deadline, "the first prompt was never evicted from A"
+        # the background eviction makes room between prompts: RAM back within its capacity, nothing pending
+        wait_until(lambda: _room(client.stats()["store"]), "A's RAM back within its capacity", 10)
+    wait_until(lambda: not first & views_match(local, sub)[a], "the first prompt evicted from A", 30)
 
 
 FLOODER = """
@@ -263,9 +269,8 @@ def test_a_replay_flood_leaves_the_nodes_lookups_as_fast_as_idle(fabric: tuple[L
                                   secret.decode(), events["curve_public_key"]], stdout=subprocess.PIPE, text=True)
         try:
             assert flood.stdout is not None and flood.stdout.readline().strip() == "flooding"
-            deadline = time.monotonic() + 30
-            while int(client.stats()["kv_events"].get("replay_requests", "0")) < 50:
-                assert time.monotonic() < deadline, "the flood never reached the node"
+            wait_until(lambda: int(client.stats()["kv_events"].get("replay_requests", "0")) >= 50,
+                       "the flood reaching the node", 30, poll_s=0.0)
             start = int(client.stats()["kv_events"]["replay_requests"])
             flooded.append(lookup_p99(client, tokens, 150))
             served = int(client.stats()["kv_events"]["replay_requests"]) - start
@@ -286,15 +291,7 @@ def test_a_restarted_node_clears_first_then_announces_its_ssd_blocks(fabric: tup
     client = FabricClient.connect(node_id=a)
     old, resets = client.stats()["incarnation"], sub.views[a].num_resets
     ray.kill(ray.get_actor(node_actor_name(a), namespace="kvfabric"), no_restart=False)
-    deadline = time.monotonic() + 60
-    while True:
-        try:
-            if client.stats()["incarnation"] > old:
-                break
-        except ray.exceptions.RayError:
-            pass
-        assert time.monotonic() < deadline, "A never restarted"
-        time.sleep(0.2)
+    wait_until(lambda: _incarnation(client) > old, "A restarted", 60, poll_s=0.2)
     held = views_match(local, sub)
     assert held[a], "the restarted node holds its SSD blocks"
     assert sub.views[a].num_resets > resets

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import ray
+from testkit import PkiFactory, Wait
 
 from cluster.api import payload_shape
 from cluster.client import FabricClient
@@ -31,7 +31,6 @@ from fabric.layout import KVLayout
 from fabric.store import Store
 from transports.core.base import Hit, Peer
 from transports.factory import create_client, create_server
-from transports.trust.certs import init_ca, issue_node
 
 _missing = missing_capability()
 pytestmark = pytest.mark.skipif(_missing is not None, reason=f"network test bed needs {_missing}")
@@ -77,15 +76,6 @@ def owners(cfg: Config, hashes: list[bytes]) -> list[set[str]]:
     async def ask() -> list[set[str]]:
         return [set(o) for o in (await DirectoryClient(cfg.cluster).locate(hashes, exclude=())).owners]
     return asyncio.run(ask())
-
-
-def wait_until(predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"{what} not within {timeout_s} s")
 
 
 def in_host(bed: NetBed, i: int, fn: Callable[[], Any]) -> Any:
@@ -150,12 +140,10 @@ class ServerInHost:
 
 @pytest.mark.parametrize("profile", ["dc", "lossy"])
 @pytest.mark.parametrize("kind", ["tls-tcp", "quic"])
-def test_a_pull_between_two_hosts_is_byte_identical(bed: NetBed, tmp_path: Path, kind: TransportKind,
+def test_a_pull_between_two_hosts_is_byte_identical(bed: NetBed, tmp_path: Path, make_pki: PkiFactory,
+                                                    kind: TransportKind,
                                                     profile: str) -> None:
-    certs = tmp_path / "certs"
-    init_ca(certs)
-    for node in ("server", "client"):
-        issue_node(certs, node)
+    certs = make_pki(tmp_path / "certs", "server", "client").dir
     rng = np.random.default_rng(7)
     wanted = [BlockAddress(bytes(rng.integers(0, 256, 32, dtype=np.uint8)), layer) for layer in range(24)]
     sent = {a: rng.integers(0, 256, 64 << 10, dtype=np.uint8).tobytes() for a in wanted}
@@ -178,63 +166,59 @@ def test_a_pull_between_two_hosts_is_byte_identical(bed: NetBed, tmp_path: Path,
     assert all(bytes(h.payload) == sent[h.address] for h in hits)
 
 
-def test_a_prefix_stored_on_one_host_loads_byte_identical_on_another(fabric: tuple[Config, list[str]]) -> None:
+def test_a_prefix_stored_on_one_host_loads_byte_identical_on_another(fabric: tuple[Config, list[str]],
+                                                                     wait_until: Wait) -> None:
     _, (_, a, b) = fabric
     tokens, kv = prompt(1, 8), kv_for(1, 8)
     FabricClient.connect(node_id=a).store(NS, tokens, kv)
     reader = FabricClient.connect(node_id=b)
     # The owner tells the directory within a flush interval, asynchronously: wait until it lists them.
-    deadline = time.monotonic() + 15
-    while reader.lookup(NS, tokens).num_blocks < 8:
-        assert time.monotonic() < deadline, "the directory never listed the owner's blocks"
-        time.sleep(0.05)
+    wait_until(lambda: reader.lookup(NS, tokens).num_blocks >= 8, "the directory listing the owner's blocks", 15)
     reply = reader.load(NS, tokens)
     assert reply.num_blocks == 8 and set(reply.sources) == {f"peer:{a}"}
     assert np.array_equal(reply.payloads, kv)
 
 
 def test_a_certificate_from_a_foreign_ca_gets_nothing_from_another_host(
-        bed: NetBed, fabric: tuple[Config, list[str]], tmp_path: Path) -> None:
+        bed: NetBed, fabric: tuple[Config, list[str]], tmp_path: Path, make_pki: PkiFactory) -> None:
     _, (_, a, _) = fabric
     tokens, kv = prompt(2, 2), kv_for(2, 2)
     FabricClient.connect(node_id=a).store(NS, tokens, kv)
     host, port = FabricClient.connect(node_id=a).stats()["address"].rsplit(":", 1)
     assert host == bed.plan.address(1)
-    foreign = tmp_path / "foreign"
-    init_ca(foreign)
-    issue_node(foreign, "intruder")
+    foreign = make_pki(tmp_path / "foreign", "intruder").dir
     wanted = [BlockAddress(block_hashes(NS, tokens)[0], 0)]
     results = pull_from(bed, 2, foreign, "intruder", Peer(node_name_for(a), host, int(port)), wanted)
     assert results and not any(isinstance(r, Hit) for r in results)
 
 
 def test_a_partition_mid_pull_returns_the_verified_run_then_the_node_leaves_and_comes_back(
-        bed: NetBed, fabric: tuple[Config, list[str]]) -> None:
+        bed: NetBed, fabric: tuple[Config, list[str]], wait_until: Wait) -> None:
     cfg, (c, a, b) = fabric
     blocks = 64                                      # 16 MiB: about 3 s at the slow rate
     tokens, kv = prompt(3, blocks), kv_for(3, blocks)
     hashes = block_hashes(NS, tokens)
     FabricClient.connect(node_id=a).store(NS, tokens, kv)
-    wait_until(lambda: all(a in o for o in owners(cfg, hashes)), 10, "the directory listing host 1's blocks")
+    wait_until(lambda: all(a in o for o in owners(cfg, hashes)), "the directory listing host 1's blocks", 10)
     bed.shape(1, SLOW)
     tx = Path(f"/sys/class/net/{bed.plan.veth(2)}/statistics/tx_bytes")
     before = int(tx.read_text())
     puller = ray.get_actor(node_actor_name(b), namespace=cfg.cluster.namespace)
     ref = puller.load.remote(NS, np.asarray(tokens, dtype=np.uint32), None, True)
     try:
-        wait_until(lambda: int(tx.read_text()) - before > 2 << 20, 30, "the pull under way")
+        wait_until(lambda: int(tx.read_text()) - before > 2 << 20, "the pull under way", 30)
         bed.partition(1, 2)
         bed.partition(1, 0)
         # No hang: the pull is abandoned after pull_timeout_s; the margin covers Ray's call overhead.
         reply = ray.get(ref, timeout=PULL_TIMEOUT_S + 10)
         assert 0 < reply.num_blocks < blocks
         assert np.array_equal(reply.payloads, kv[:reply.num_blocks])
-        wait_until(lambda: a not in owners(cfg, hashes[-1:])[0], LEASE_S + 10, "the directory dropping host 1")
+        wait_until(lambda: a not in owners(cfg, hashes[-1:])[0], "the directory dropping host 1", LEASE_S + 10)
     finally:
         bed.heal(1, 2)
         bed.heal(1, 0)
         bed.shape(1, "dc")
-    wait_until(lambda: a in owners(cfg, hashes[-1:])[0], 30, "host 1 resynced into the directory")
+    wait_until(lambda: a in owners(cfg, hashes[-1:])[0], "host 1 resynced into the directory", 30)
     again = FabricClient.connect(node_id=c).load(NS, tokens)
     assert again.num_blocks == blocks and f"peer:{a}" in again.sources
     assert np.array_equal(again.payloads, kv)

@@ -17,6 +17,7 @@ import blake3
 import numpy as np
 import pytest
 from cryptography import x509
+from testkit import PkiFactory
 
 from cluster.api import payload_shape
 from cluster.node.local import LocalFabric
@@ -31,7 +32,7 @@ from fabric.store import Store
 from transports.core.base import Peer, PullResult
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
-from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node, revoke
+from transports.trust.certs import CredentialFiles, NodeCredentials, revoke
 from transports.trust.identity import NodeSigner, TrustAnchor
 from transports.trust.provenance_check import ProvenanceVerifier
 
@@ -44,13 +45,10 @@ NODES = ("node-honest", "node-mirror", "node-puller", "node-revoked", *(f"liar-{
 
 
 @pytest.fixture(scope="module")
-def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("certs")
-    init_ca(d)
-    for node in NODES:
-        issue_node(d, node)
-    issue_node(d, "node-acme", tenants=("acme",))
-    return d
+def cert_dir(tmp_path_factory: pytest.TempPathFactory, make_pki: PkiFactory) -> Path:
+    pki = make_pki(tmp_path_factory.mktemp("certs"), *NODES)
+    pki.node("node-acme", tenants=("acme",))
+    return pki.dir
 
 
 def _signer(cert_dir: Path, node: str) -> NodeSigner:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry
+from testkit import PkiFactory
 
 from cluster.api import LoadReply, Where, payload_shape
 from cluster.directory.client import Located
@@ -34,7 +35,7 @@ from fabric.layout import KVLayout
 from fabric.store import Store
 from transports.tls.client import TlsTcpClient
 from transports.tls.server import TlsTcpServer
-from transports.trust.certs import CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.trust.certs import CredentialFiles, NodeCredentials
 from transports.trust.identity import NodeSigner, TrustAnchor
 from transports.trust.provenance_check import ProvenanceVerifier
 
@@ -48,12 +49,8 @@ TRUTH = np.random.default_rng(7).integers(0, 256, payload_shape(NS, NUM_BLOCKS),
 
 
 @pytest.fixture(scope="module")
-def cert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    d = tmp_path_factory.mktemp("certs")
-    init_ca(d)
-    for node in ("node-a", "node-b"):
-        issue_node(d, node)
-    return d
+def cert_dir(tmp_path_factory: pytest.TempPathFactory, make_pki: PkiFactory) -> Path:
+    return make_pki(tmp_path_factory.mktemp("certs"), "node-a", "node-b").dir
 
 
 class ShardLocator:

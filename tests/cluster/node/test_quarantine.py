@@ -5,46 +5,37 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cryptography import x509
+from testkit import Pki, PkiFactory
 
 from cluster.node.quarantine import QUARANTINED, QuarantineBook, entry_problem, released_entry, signed_entry
-from transports.trust.certs import CA_CERT, CRL, init_ca, issue_node, revoke
 from transports.trust.identity import NodeSigner, TrustAnchor
 
 EVIDENCE = {"namespace": "00" * 32, "block": "11" * 32, "layer": 2, "engine_digest": "aa" * 32,
             "signed_digest": "bb" * 32, "worst": 4.5}
 
 
-def _signer(certs: Path, name: str) -> NodeSigner:
-    cert, key = issue_node(certs, name)
-    return NodeSigner(cert, key)
+def _signer(pki: Pki, name: str) -> NodeSigner:
+    return NodeSigner(*pki.node(name))
 
 
-def test_a_checkers_signed_entry_is_believed_and_anything_altered_or_untrusted_is_not(tmp_path: Path) -> None:
-    certs = tmp_path / "certs"
-    init_ca(certs)
-    checker = _signer(certs, "node-checker")
-    trust = TrustAnchor.from_files(certs / CA_CERT)
+def test_a_checkers_signed_entry_is_believed_and_anything_altered_or_untrusted_is_not(
+        tmp_path: Path, pki: Pki, make_pki: PkiFactory) -> None:
+    checker = _signer(pki, "node-checker")
+    trust = TrustAnchor.from_files(pki.ca)
     entry = signed_entry(checker, "node-liar", 100.0, {**EVIDENCE, "checker": "node-checker"})
     assert entry["state"] == QUARANTINED and entry_problem(entry, trust) is None
     assert entry_problem({**entry, "producer": "node-honest"}, trust) == "bad signature"
     assert entry_problem({**entry, "evidence": {**EVIDENCE, "checker": "node-other"}}, trust) is not None
-    other_ca = tmp_path / "other"
-    init_ca(other_ca)
-    outsider = signed_entry(_signer(other_ca, "node-checker"), "node-liar", 100.0,
+    outsider = signed_entry(_signer(make_pki(tmp_path / "other"), "node-checker"), "node-liar", 100.0,
                             {**EVIDENCE, "checker": "node-checker"})
     assert "not trusted" in str(entry_problem(outsider, trust))
-    serial = x509.load_der_x509_certificate(checker.cert_der).serial_number
-    revoke(certs, {serial})
-    revoked = TrustAnchor.from_files(certs / CA_CERT, certs / CRL)
+    revoked = TrustAnchor.from_files(pki.ca, pki.revoke("node-checker"))
     assert "revoked" in str(entry_problem(entry, revoked))
     assert "malformed" in str(entry_problem({"producer": "", "state": QUARANTINED, "at": 1.0}, trust))
 
 
-def test_the_book_keeps_the_latest_word_per_producer_across_a_restart(tmp_path: Path) -> None:
-    certs = tmp_path / "certs"
-    init_ca(certs)
-    checker = _signer(certs, "node-checker")
+def test_the_book_keeps_the_latest_word_per_producer_across_a_restart(tmp_path: Path, pki: Pki) -> None:
+    checker = _signer(pki, "node-checker")
     path = tmp_path / "index.quarantine.json"
     book = QuarantineBook(path)
     entry = signed_entry(checker, "node-liar", 100.0, {**EVIDENCE, "checker": "node-checker"})

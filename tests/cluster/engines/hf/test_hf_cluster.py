@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 import ray
 import torch
+from testkit import Wait
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from cluster.client import FabricClient
@@ -31,7 +32,6 @@ BLOCK = 16
 VOCAB = 512
 TOLERANCE = 1e-4
 Cluster = tuple[LocalCluster, dict[str, ray.actor.ActorHandle]]
-Wait = Callable[..., float]
 
 
 def tiny_llama() -> LlamaForCausalLM:

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.transfer_costs import Syscalls
+from benchmarks.lib.transfer_costs import Syscalls
 
 DISTINCT_BYTES = 64 << 20        # distinct payload bytes each server holds per block size
 BLOCK_SIZES = {"": 1 << 20, "_256k": 256 << 10, "_64k": 64 << 10}

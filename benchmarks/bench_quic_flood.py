@@ -1,6 +1,6 @@
 """An unauthenticated QUIC Initial flood against kvfabric's QUIC server: its memory and a good client's pulls.
 
-    .venv/bin/python benchmarks/quic_flood.py [--quick] [--count 8000] [--rate 600]
+    .venv/bin/python benchmarks/bench_quic_flood.py [--quick] [--count 8000] [--rate 600]
 
 A server that makes a connection for every unauthenticated Initial grows by hundreds of MiB under
 such a flood and, when the half-open connections expire, stalls its event loop for seconds (figures
@@ -40,12 +40,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 
-from benchmarks._common import emit_json, percentile, print_table
-from benchmarks.transfer_baselines import stop_process
+from benchmarks.harness import MemorySource, credentials, emit_json, ensure_certs, percentile, print_table, rss_mib
+from benchmarks.lib.transfer_baselines import stop_process
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer
-from transports.trust.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
 
 SERVER_NODE, CLIENT_NODE = "flood-server", "flood-client"
 SETTINGS = {"retry": (True, 128), "no_retry_cap": (False, 128), "no_retry_open": (False, 1 << 30)}
@@ -53,31 +52,13 @@ IDLE_TIMEOUT_S = 3.0
 BLOCK_SIZE, NUM_BLOCKS, PULL_BLOCKS, PULL_EVERY_S = 64 << 10, 16, 4, 0.05
 
 
-def creds(cert_dir: Path, node: str) -> NodeCredentials:
-    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
-
-
 def address(i: int) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"quic-flood-%d" % i).digest()), 0)
 
 
-class _Stored:
-    __slots__ = ("digest", "payload")
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload, self.digest = payload, blake3.blake3(payload).digest()
-
-
-class _Source:
-    def __init__(self) -> None:
-        self.blocks = {address(i): _Stored(os.urandom(BLOCK_SIZE)) for i in range(NUM_BLOCKS)}
-
-    def get_block(self, addr: BlockAddress) -> _Stored | None:
-        return self.blocks.get(addr)
-
-
 async def _serve(cert_dir: Path, retry: bool, cap: int) -> None:
-    server = QuicTransportServer(creds(cert_dir, SERVER_NODE), _Source(), retry=retry, max_half_open=cap,
+    source = MemorySource((address(i), os.urandom(BLOCK_SIZE)) for i in range(NUM_BLOCKS))
+    server = QuicTransportServer(credentials(cert_dir, SERVER_NODE), source, retry=retry, max_half_open=cap,
                                  idle_timeout_s=IDLE_TIMEOUT_S)
     _, port = await server.start()
     print(f"READY {port}", flush=True)
@@ -100,16 +81,6 @@ def _flood(port: int, count: int, rate: float) -> None:
     sock.close()
 
 
-def rss_mib(pid: int) -> float | None:
-    try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    except OSError:
-        pass
-    return None
-
-
 def _child(*args: str) -> subprocess.Popen[str]:
     return subprocess.Popen([sys.executable, str(Path(__file__).resolve()), *args], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -124,7 +95,7 @@ async def one_setting(cert_dir: Path, name: str, count: int, rate: float) -> dic
         if not line.startswith("READY "):
             raise RuntimeError(f"server did not start (said {line!r})")
         peer = Peer(SERVER_NODE, "127.0.0.1", int(line.split()[1]))
-        client = QuicTransportClient(creds(cert_dir, CLIENT_NODE), frame_timeout_s=5.0, connect_timeout_s=5.0)
+        client = QuicTransportClient(credentials(cert_dir, CLIENT_NODE), frame_timeout_s=5.0, connect_timeout_s=5.0)
         wanted = [address(i) for i in range(PULL_BLOCKS)]
         latencies: list[float] = []
         failed = 0
@@ -190,11 +161,7 @@ def main() -> None:
         return
     count, rate = (500, 250.0) if args.quick else (args.count, args.rate)
     with tempfile.TemporaryDirectory(prefix="kvfabric-quic-flood-") as tmp:
-        cert_dir = Path(tmp)
-        init_ca(cert_dir)
-        for node in (SERVER_NODE, CLIENT_NODE):
-            issue_node(cert_dir, node, days=1)
-        assert (cert_dir / CA_CERT).exists()
+        cert_dir = ensure_certs(tmp, (SERVER_NODE, CLIENT_NODE), days=1)
         result = {name: asyncio.run(one_setting(cert_dir, name, count, rate)) for name in SETTINGS}
     columns = ["rss_before_mib", "rss_peak_mib", "rss_end_mib", "pull_p50_ms", "pull_p99_ms", "pull_max_ms",
                "failed_pulls", "pulls", "flood_s"]

@@ -1,7 +1,7 @@
 """Hostile peers against one kvfabric node, for a bounded time: what `soak_hostile.py` runs in a
 process of its own while a good client pulls (and what the hostile-peer tests reuse).
 
-    .venv/bin/python benchmarks/hostile_attacks.py --cert-dir DIR --quic-port P --tcp-port P --seconds S
+    .venv/bin/python benchmarks/lib/hostile_attacks.py --cert-dir DIR --quic-port P --tcp-port P --seconds S
 
 The attacker holds a valid cluster certificate ("bad-1") and, all at once:
 
@@ -28,7 +28,7 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from aioquic._buffer import Buffer
 from aioquic.asyncio.client import connect
@@ -36,7 +36,7 @@ from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import QuicPacketType, pull_quic_header
 
-from benchmarks.soak_node import big_address
+from benchmarks.lib.soak_node import big_address
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Peer
 from transports.core.codec import Bye, End, Error, ErrorCode, FrameDecoder, Hello, Miss, MissReason, Pull, encode

@@ -20,8 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchmarks.network_serve import CLIENT_NODE, SERVER_NODE, address, credentials, num_blocks
-from benchmarks.stream_blocks import receive_blocks
+from benchmarks.harness import credentials
+from benchmarks.lib.network_serve import CLIENT_NODE, SERVER_NODE, address, num_blocks
+from benchmarks.lib.stream_blocks import receive_blocks
 from fabric.keys import BlockAddress
 from transports.core.base import Hit, Peer, TransportClient
 from transports.quic import QuicTransportClient, QuicTuning

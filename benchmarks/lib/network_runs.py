@@ -7,8 +7,8 @@ import dataclasses
 import statistics
 from dataclasses import dataclass
 
-from benchmarks._common import percentile
-from benchmarks.network_client import (
+from benchmarks.harness import percentile
+from benchmarks.lib.network_client import (
     ServerHost,
     get_ms,
     loaded_get_ms,
@@ -17,7 +17,7 @@ from benchmarks.network_client import (
     round_ms,
     stream_mb_s,
 )
-from benchmarks.network_serve import (
+from benchmarks.lib.network_serve import (
     BLOCK_SIZES,
     DATAGRAM,
     QUIC_PORT,

@@ -1,6 +1,6 @@
 """`bench_cluster.py --trace`: multi-turn chat traces replayed through a real 3-node cluster.
 
-Two traces (benchmarks/chat_trace.py: conversations that grow turn by turn), each on a fresh cluster:
+Two traces (benchmarks/lib/chat_trace.py: conversations that grow turn by turn), each on a fresh cluster:
 - chat: 8 Zipf-popular system prompts;
 - shared: one system prompt that every request starts with (its first blocks are shared by all), the
   shape that piles every request on one node when a router breaks ties by the first block.
@@ -37,8 +37,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from tqdm import tqdm
 
-from benchmarks._common import print_table
-from benchmarks.chat_trace import PrefixLru, TraceRequest, chat_trace, hit_ratio, isolated_hit_ratio
+from benchmarks.harness import print_table
+from benchmarks.lib.chat_trace import PrefixLru, TraceRequest, chat_trace, hit_ratio, isolated_hit_ratio
 from cluster.client import FabricClient
 from cluster.launch import start_local_cluster
 from cluster.router import NodeView, Router

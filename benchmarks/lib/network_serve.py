@@ -1,6 +1,6 @@
 """The serving end of `bench_network.py`, run inside one host of a network test bed.
 
-    python benchmarks/network_serve.py --cert-dir DIR
+    python benchmarks/lib/network_serve.py --cert-dir DIR
 
 One process, fixed ports (the host's namespace is the bed's own, so nothing else listens there):
 
@@ -31,15 +31,15 @@ from pathlib import Path
 
 import blake3
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks.stream_blocks import answer_requests
+from benchmarks.harness import MemorySource, credentials
+from benchmarks.lib.stream_blocks import answer_requests
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import TransportServer
 from transports.quic import QuicTransportServer, QuicTuning
 from transports.quic.backend import resolve
 from transports.tls.server import TlsTcpServer
-from transports.trust.certs import CredentialFiles, NodeCredentials
 
 SERVER_NODE, CLIENT_NODE = "net-server", "net-client"
 TLS_TCP_PORT, QUIC_PORT, QUIC_STOCK_PORT, TCP_PORT, TLS_PORT = 7101, 7102, 7103, 7104, 7105
@@ -55,25 +55,6 @@ def num_blocks(size: int) -> int:
 @functools.cache   # names are made once per run, not inside the timed loops
 def address(size: int, i: int) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"bench-network-%d-%d" % (size, i)).digest()), 0)
-
-
-def credentials(cert_dir: Path, node: str) -> NodeCredentials:
-    return NodeCredentials(CredentialFiles.for_node(cert_dir, node))
-
-
-class _Stored:
-    __slots__ = ("digest", "payload")
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload, self.digest = payload, blake3.blake3(payload).digest()
-
-
-class _Source:
-    def __init__(self, payloads: dict[int, list[bytes]]) -> None:
-        self.blocks = {address(size, i): _Stored(p) for size, ps in payloads.items() for i, p in enumerate(ps)}
-
-    def get_block(self, addr: BlockAddress) -> _Stored | None:
-        return self.blocks.get(addr)
 
 
 def _stream_server(port: int, ctx: ssl.SSLContext | None, payloads: dict[int, list[bytes]]) -> None:
@@ -100,7 +81,7 @@ def _stream_server(port: int, ctx: ssl.SSLContext | None, payloads: dict[int, li
 async def serve(cert_dir: Path) -> None:
     payloads = {size: [os.urandom(size) for _ in range(num_blocks(size))] for size in BLOCK_SIZES.values()}
     creds = credentials(cert_dir, SERVER_NODE)
-    source = _Source(payloads)
+    source = MemorySource((address(size, i), p) for size, ps in payloads.items() for i, p in enumerate(ps))
     servers: list[TransportServer] = [TlsTcpServer(creds, source, "0.0.0.0", TLS_TCP_PORT),
                QuicTransportServer(creds, source, host="0.0.0.0", port=QUIC_PORT,
                                    tuning=QuicTuning(DATAGRAM)),

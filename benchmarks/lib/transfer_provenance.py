@@ -27,7 +27,8 @@ from pathlib import Path
 
 import blake3
 
-from benchmarks.transfer_baselines import BLOCK_SIZES, num_distinct, random_blocks
+from benchmarks.harness import MemorySource
+from benchmarks.lib.transfer_baselines import BLOCK_SIZES, num_distinct, random_blocks
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_run
 from transports.core.codec import FrameDecoder, encode
@@ -51,16 +52,7 @@ def signed_address(block_size: int, i: int) -> BlockAddress:
     return BlockAddress(BlockHash(block), i % LAYERS_PER_BLOCK)
 
 
-class _Signed:
-    __slots__ = ("digest", "payload", "provenance")
-
-    def __init__(self, payload: bytes, digest: bytes, provenance: Provenance | None) -> None:
-        self.payload = payload
-        self.digest = digest
-        self.provenance = provenance
-
-
-class SignedSource:
+class SignedSource(MemorySource):
     """Random payloads of every benchmarked size, one producer record per block of LAYERS_PER_BLOCK.
     With `plain_address`, each payload is also served unsigned at `plain_address(size, i)`: the very
     same bytes object, so that a pull of signed blocks and a pull of plain ones from this one server
@@ -68,7 +60,7 @@ class SignedSource:
 
     def __init__(self, signer: NodeSigner,
                  plain_address: Callable[[int, int], BlockAddress] | None = None) -> None:
-        self.blocks: dict[BlockAddress, _Signed] = {}
+        super().__init__()
         for size in BLOCK_SIZES.values():
             payloads = random_blocks(size)
             digests = [blake3.blake3(p).digest() for p in payloads]
@@ -80,13 +72,10 @@ class SignedSource:
                                    signer.node, signer.cert_der, signer.sign)
                 for start, record in zip(starts, records, strict=True):
                     for i in range(start, min(len(payloads), start + LAYERS_PER_BLOCK)):
-                        self.blocks[signed_address(size, i)] = _Signed(payloads[i], digests[i], record)
+                        self.put(signed_address(size, i), payloads[i], digests[i], record)
             if plain_address is not None:
                 for i, (payload, digest) in enumerate(zip(payloads, digests, strict=True)):
-                    self.blocks[plain_address(size, i)] = _Signed(payload, digest, None)
-
-    def get_block(self, addr: BlockAddress) -> _Signed | None:
-        return self.blocks.get(addr)
+                    self.put(plain_address(size, i), payload, digest)
 
 
 def sign_verify_ms_per_mib(cert_dir: Path, node: str, layer_bytes: int = 64 << 10,

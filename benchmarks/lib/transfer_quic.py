@@ -1,6 +1,6 @@
 """QUIC pull throughput: kvfabric's tuned QUIC transport beside aioquic's default settings.
 
-    .venv/bin/python benchmarks/transfer_quic.py [--quick] [--total-mb 256] [--block-size 1048576]
+    .venv/bin/python benchmarks/lib/transfer_quic.py [--quick] [--total-mb 256] [--block-size 1048576]
 
 The server runs in a subprocess (its own interpreter and GIL) on 127.0.0.1 and serves random
 1 MiB payloads from memory; the client pulls them with full digest verification. Ours uses
@@ -27,19 +27,20 @@ from pathlib import Path
 import blake3
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from aioquic.asyncio.client import connect
 from aioquic.asyncio.server import QuicServer, serve
 from aioquic.quic.configuration import QuicConfiguration
 
-from benchmarks._common import emit_json, median, print_table
+from benchmarks import harness
+from benchmarks.harness import MemorySource, emit_json, median, print_table
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.base import Hit, Peer
 from transports.core.codec import FrameDecoder, MissReason, Pull, encode, encode_parts, payload_pieces
 from transports.core.tracker import PullTracker, answer_pull
 from transports.quic import ALPN, QuicTransportClient, QuicTransportServer, QuicTuning
-from transports.trust.certs import CA_CERT, CredentialFiles, NodeCredentials, init_ca, issue_node
+from transports.trust.certs import CA_CERT
 
 logger = logging.getLogger(__name__)
 
@@ -54,13 +55,7 @@ MB = 1_000_000
 
 def ensure_certs(cert_dir: str | os.PathLike[str]) -> Path:
     """A cluster CA and the benchmark's two node certificates in `cert_dir` (made when missing)."""
-    d = Path(cert_dir)
-    if not (d / CA_CERT).exists():
-        init_ca(d)
-    for node in (SERVER_NODE, CLIENT_NODE):
-        if not (d / f"{node}.pem").exists():
-            issue_node(d, node, days=30)
-    return d
+    return harness.ensure_certs(cert_dir, (SERVER_NODE, CLIENT_NODE))
 
 
 def num_blocks(block_size: int) -> int:
@@ -71,26 +66,9 @@ def bench_address(i: int) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"kvfabric-bench-%d" % i).digest()), 0)
 
 
-class _RandomSource:
+def random_source(num_blocks: int, block_size: int) -> MemorySource:
     """The served blocks: random (incompressible) payloads with their digests."""
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
-        self.blocks: dict[BlockAddress, tuple[bytes, bytes]] = {}
-        for i in range(num_blocks):
-            payload = os.urandom(block_size)
-            self.blocks[bench_address(i)] = (payload, blake3.blake3(payload).digest())
-
-    def get_block(self, address: BlockAddress) -> _Served | None:
-        found = self.blocks.get(address)
-        return None if found is None else _Served(*found)
-
-
-class _Served:
-    __slots__ = ("digest", "payload")
-
-    def __init__(self, payload: bytes, digest: bytes) -> None:
-        self.payload = payload
-        self.digest = digest
+    return MemorySource((bench_address(i), os.urandom(block_size)) for i in range(num_blocks))
 
 
 def _tuning(max_datagram_size: int) -> QuicTuning:
@@ -101,7 +79,7 @@ def _tuning(max_datagram_size: int) -> QuicTuning:
 #    QuicConfiguration), carrying the same codec frames and digest checks --------------------
 
 
-async def _stock_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: _RandomSource,
+async def _stock_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, source: MemorySource,
                         max_payload: int) -> None:
     decoder = FrameDecoder(max_payload=0)
     pull: Pull | None = None
@@ -122,7 +100,7 @@ async def _stock_answer(reader: asyncio.StreamReader, writer: asyncio.StreamWrit
     writer.write_eof()
 
 
-async def _stock_serve(cert_dir: Path, source: _RandomSource, max_payload: int) -> tuple[QuicServer, int]:
+async def _stock_serve(cert_dir: Path, source: MemorySource, max_payload: int) -> tuple[QuicServer, int]:
     config = QuicConfiguration(is_client=False, alpn_protocols=[ALPN])
     config.load_cert_chain(cert_dir / f"{SERVER_NODE}.pem", cert_dir / f"{SERVER_NODE}.key")
     tasks: set[asyncio.Task[None]] = set()
@@ -171,12 +149,12 @@ async def _stock_pull_throughput(port: int, cert_dir: Path, total_bytes: int, bl
 
 async def _serve(cert_dir: Path, block_size: int, max_datagram_size: int | None, backend: str = "aioquic") -> None:
     """max_datagram_size: ours with that size, 0 ours with stock settings, None stock aioquic."""
-    source = _RandomSource(num_blocks(block_size), block_size)
+    source = random_source(num_blocks(block_size), block_size)
     max_payload = max(block_size, 1 << 20)
     if max_datagram_size is None:
         stock, port = await _stock_serve(cert_dir, source, max_payload)
     else:
-        creds = NodeCredentials(CredentialFiles.for_node(cert_dir, SERVER_NODE))
+        creds = harness.credentials(cert_dir, SERVER_NODE)
         server = QuicTransportServer(creds, source, tuning=_tuning(max_datagram_size), max_payload=max_payload,
                                      backend=backend)
         _, port = await server.start()
@@ -242,7 +220,7 @@ async def _drive(one_pull: Callable[[Sequence[BlockAddress]], Awaitable[None]], 
 
 async def _pull_throughput(port: int, cert_dir: Path, total_bytes: int, block_size: int,
                            max_datagram_size: int, time_limit_s: float, backend: str = "aioquic") -> float:
-    creds = NodeCredentials(CredentialFiles.for_node(cert_dir, CLIENT_NODE))
+    creds = harness.credentials(cert_dir, CLIENT_NODE)
     client = QuicTransportClient(creds, tuning=_tuning(max_datagram_size), max_payload=max(block_size, 1 << 20),
                                  max_inflight=CONCURRENT_PULLS, backend=backend)
     peer = Peer(SERVER_NODE, "127.0.0.1", port)

@@ -2,7 +2,7 @@
 in-memory block source, stopped cleanly by SIGTERM. The soak benchmark and the hostile-peer tests
 run it, so that a server hung by a peer shows as a process that stops answering.
 
-    .venv/bin/python benchmarks/soak_node.py --cert-dir DIR [--node NAME] [--config node.toml]
+    .venv/bin/python benchmarks/lib/soak_node.py --cert-dir DIR [--node NAME] [--config node.toml]
 
 stdout: `READY <quic port> <tcp port>` once both listen; then once a second `LAG <max ms> <p99 ms>`
 (how late a 10 ms timer on the event loop fired, over the last second); `STOPPED` after SIGTERM.
@@ -20,14 +20,13 @@ from pathlib import Path
 
 import blake3
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmarks._common import percentile
+from benchmarks.harness import MemorySource, credentials, percentile
 from fabric.config import Config
 from fabric.keys import BlockAddress, BlockHash
 from transports.quic import QuicTransportServer
 from transports.tls.server import TlsTcpServer
-from transports.trust.certs import CredentialFiles, NodeCredentials
 
 LAG_TICK_S = 0.01
 
@@ -38,23 +37,6 @@ def address(i: int) -> BlockAddress:
 
 def big_address() -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"soak-node-big").digest()), 0)
-
-
-class _Stored:
-    __slots__ = ("digest", "payload")
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload, self.digest = payload, blake3.blake3(payload).digest()
-
-
-class _Source:
-    def __init__(self, num_blocks: int, block_size: int, big_bytes: int) -> None:
-        self.blocks = {address(i): _Stored(os.urandom(block_size)) for i in range(num_blocks)}
-        if big_bytes:
-            self.blocks[big_address()] = _Stored(os.urandom(big_bytes))
-
-    def get_block(self, addr: BlockAddress) -> _Stored | None:
-        return self.blocks.get(addr)
 
 
 async def _report_lag(stop: asyncio.Event) -> None:
@@ -73,8 +55,10 @@ async def _report_lag(stop: asyncio.Event) -> None:
 
 async def serve(args: argparse.Namespace) -> None:
     config = Config.load(args.config) if args.config else Config()
-    creds = NodeCredentials(CredentialFiles.for_node(Path(args.cert_dir), args.node))
-    source = _Source(args.blocks, args.block_size, args.big_bytes)
+    creds = credentials(args.cert_dir, args.node)
+    source = MemorySource((address(i), os.urandom(args.block_size)) for i in range(args.blocks))
+    if args.big_bytes:
+        source.put(big_address(), os.urandom(args.big_bytes))
     quic = QuicTransportServer.from_config(config.transport, creds, source)
     tls = TlsTcpServer.from_config(config.transport, creds, source)
     _, quic_port = await quic.start()

@@ -30,44 +30,18 @@ import logging
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import msgpack
 import zmq
 
 from cluster.events.log import KvEventLog
+from transports.core.budget import TokenBucket
 
 logger = logging.getLogger(__name__)
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 GAP_SEQ = (-2).to_bytes(8, "big", signed=True)
 MAX_REQUESTERS = 4096          # per-requester buckets kept (least recently seen dropped first)
-
-
-@dataclass(slots=True)
-class TokenBucket:
-    """`rate` tokens per second, at most `burst` saved. Pure: the caller passes `now`."""
-
-    rate: float
-    burst: float
-    tokens: float
-    stamp: float
-
-    @classmethod
-    def full(cls, rate: float, burst: float, now: float) -> TokenBucket:
-        return cls(rate, burst, burst, now)
-
-    def available(self, now: float) -> float:
-        self.tokens = min(self.burst, self.tokens + (now - self.stamp) * self.rate)
-        self.stamp = now
-        return self.tokens
-
-    def charge(self, n: float) -> None:
-        self.tokens -= n
-
-    def wait_s(self, need: float) -> float:
-        """Seconds until `need` tokens are there (0 when they are)."""
-        return max(0.0, (need - self.tokens) / self.rate)
 
 
 def marker(reason: str, first: int, last: int) -> bytes:
@@ -122,7 +96,7 @@ class ReplayServer:
     def _throttle(self) -> None:
         """Wait (this thread only) until the global budget has a token for one more request."""
         while self._total.available(time.monotonic()) < 1 and not self._stop.is_set():
-            time.sleep(min(0.05, self._total.wait_s(1)))
+            time.sleep(min(0.05, self._total.wait_s(1, time.monotonic())))
 
     def _bucket(self, identity: bytes, now: float) -> TokenBucket:
         bucket = self._requesters.pop(identity, None)
@@ -139,7 +113,7 @@ class ReplayServer:
             # A subscriber's mistake: say so in the log and end its replay, keep serving others.
             self.num_bad_requests += 1
             logger.warning("malformed KV event replay request (%d frames); want [b'', 8-byte seq]", len(frames))
-            self._total.charge(1)
+            self._total.charge(1, time.monotonic())
             if len(frames) >= 2:
                 self._send([frames[0], b"", b"", END_SEQ, b""])
             return
@@ -164,8 +138,8 @@ class ReplayServer:
             if batches and batches[-1].seq < newest:
                 out.append(self._marker(identity, "more", batches[-1].seq + 1, newest))
         if sent or allowed > 0:
-            mine.charge(sent + 1)       # a refused request costs its requester nothing more: it waits
-        self._total.charge(sent + 1)
+            mine.charge(sent + 1, now)       # a refused request costs its requester nothing more: it waits
+        self._total.charge(sent + 1, now)
         for i, message in enumerate(out):
             sent_ok = self._send(message)
             if sent_ok is None:            # it disconnected: nothing to cut for it

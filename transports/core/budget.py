@@ -99,6 +99,11 @@ class TokenBucket:
         self._refill(now)
         return self.tokens < 0
 
+    def available(self, now: float) -> float:
+        """The tokens there are at `now` (negative while in debt)."""
+        self._refill(now)
+        return self.tokens
+
     def wait_s(self, amount: float, now: float) -> float:
         """Seconds until the bucket holds `amount` tokens (0: it does now)."""
         self._refill(now)

@@ -215,32 +215,32 @@ class TlsLink(LinkBase):
                     raise ssl.SSLEOFError("peer sent close_notify")
                 if dry and not self._feed():
                     break
-        except ssl.SSLEOFError:   # close_notify, or TCP closed without one: end of stream
-            self._deliver(frames)
-            try:
-                decoder.close()
-            except ProtocolError as e:
-                self.protocol_error(e)
-                return
-            self.close(MissReason.PEER_GONE, "peer closed the connection")
-            return
-        except ssl.SSLError as e:
-            self._deliver(frames)
-            self._tls_failed(e)
-            return
-        except OSError as e:
-            self._deliver(frames)
-            self.close(MissReason.PEER_GONE, f"read failed: {e}")
-            return
-        except ProtocolError as e:
-            self._deliver(frames)
-            self.protocol_error(e)
+        except (ssl.SSLError, OSError, ProtocolError) as e:
+            self._read_ended(frames, e)
             return
         if got_any:
             self.last_rx = self._loop.time()   # once per callback: a callback reads at most READ_BUDGET
         self._deliver(frames)
         if self._channel.outgoing.pending and not self.closed:   # a reply OpenSSL made while reading
             self._flush()
+
+    def _read_ended(self, frames: list[Frame], e: BaseException) -> None:
+        """A read path stopped on `e`: hand over what was decoded before it, then end as `e` says
+        (close_notify or TCP closed without one: the end of the stream)."""
+        self._deliver(frames)
+        if isinstance(e, ssl.SSLEOFError):
+            try:
+                self._decoder.close()
+            except ProtocolError as err:
+                self.protocol_error(err)
+                return
+            self.close(MissReason.PEER_GONE, "peer closed the connection")
+        elif isinstance(e, ssl.SSLError):
+            self._tls_failed(e)
+        elif isinstance(e, ProtocolError):
+            self.protocol_error(e)
+        else:
+            self.close(MissReason.PEER_GONE, f"read failed: {e}")
 
     def _deliver(self, frames: list[Frame]) -> None:
         """Hand over the frames of a read (none, when it only carried part of a frame: the owner
@@ -311,26 +311,8 @@ class TlsLink(LinkBase):
                     raise records.failure
                 if records.peer_closed:
                     raise ssl.SSLEOFError("peer sent close_notify")
-        except ssl.SSLEOFError:   # close_notify, or TCP closed without one: end of stream
-            self._deliver(frames)
-            try:
-                decoder.close()
-            except ProtocolError as e:
-                self.protocol_error(e)
-                return
-            self.close(MissReason.PEER_GONE, "peer closed the connection")
-            return
-        except ssl.SSLError as e:
-            self._deliver(frames)
-            self._tls_failed(e)
-            return
-        except OSError as e:
-            self._deliver(frames)
-            self.close(MissReason.PEER_GONE, f"read failed: {e}")
-            return
-        except ProtocolError as e:
-            self._deliver(frames)
-            self.protocol_error(e)
+        except (ssl.SSLError, OSError, ProtocolError) as e:
+            self._read_ended(frames, e)
             return
         if got_any:
             self.last_rx = self._loop.time()

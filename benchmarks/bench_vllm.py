@@ -14,9 +14,10 @@ recompute's (`answers_identical`). The default run uses SmolLM2-135M-Instruct; `
 random Llama, one sample per size (a smoke run, not figures to quote).
 Last line of stdout: JSON with `<case>_p50_s_<size>` and the ratios `fabric_local_over_vllm_offload_<size>`,
 `fabric_local_over_vllm_prefix_cache_<size>`, `fabric_pull_over_recompute_<size>`,
-`fabric_local_over_recompute_<size>`. vLLM 0.32's CPU build cannot start its SimpleCPUOffloadConnector
-(it asks for CUDA stream priorities); the offload case is then left out, its figures null and
-`offload_error` says why.
+`fabric_local_over_recompute_<size>`. vLLM 0.32's CPU build cannot run its CPU offload connectors:
+SimpleCPUOffloadConnector copies blocks with CUDA's batched memcpy (`cuMemcpyBatchAsync`, after asking
+for CUDA stream priorities) and OffloadingConnector requires CUDA or XPU KV tensors. Without CUDA the
+offload case is then left out, its figures null and `offload_error` says why.
 """
 
 from __future__ import annotations

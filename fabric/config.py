@@ -79,6 +79,8 @@ NODE_BYTES_BURST: Final = 8.0 * (1 << 30)      # ... and at once after being idl
 NODE_HANDSHAKES_PER_S: Final = 200.0           # TLS / QUIC handshakes begun, all sources, shared fairly ...
 NODE_HANDSHAKE_BURST: Final = 400.0            # ... and at once after being idle
 IO_THREADS: Final = 4                          # threads for slow (disk) reads, in the store and the servers
+LEASE_S: Final = 10.0                          # a node silent this long is never returned as an owner
+DIRECTORY_PROBE_S: Final = 0.5                 # after a shard timed out, probe it this often (lookups skip it)
 
 TransportKind = Literal["quic", "tls-tcp", "rdma"]
 QuicBackendName = Literal["auto", "aioquic", "qh3"]
@@ -155,7 +157,7 @@ class ClusterConfig:
     directory_name: str = "kvfabric-directory"   # shard k's actor is named f"{directory_name}-{k}"
     namespace: str = "kvfabric"                  # Ray namespace of every fabric actor
     heartbeat_s: float = 2.0
-    lease_s: float = 10.0                        # a node silent this long is never returned as an owner
+    lease_s: float = LEASE_S
     num_nodes: int = 2                           # `kvfabric up` default
     directory_shards: int = 1                    # the directory is split by block hash over this many actors
     metrics_port: int = 9108                     # each NodeActor serves /metrics here (0: any free port)
@@ -167,7 +169,7 @@ class ClusterConfig:
     pull_timeout_s: float = 10.0                 # a pull from one owner is abandoned after this
     directory_lookup_timeout_s: float = 0.5      # a lookup waits this long for a shard, then answers local-only
     directory_call_timeout_s: float = 5.0        # batches, heartbeats, resyncs and probes wait this long
-    directory_probe_s: float = 0.5               # after a shard timed out, probe it this often (lookups skip it)
+    directory_probe_s: float = DIRECTORY_PROBE_S
     directory_resource: str = "node:__internal_head__"   # Ray resource the shards are placed by ("": anywhere)
     client_timeout_s: float = 120.0              # a FabricClient call waits this long for its NodeActor
 

@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from fabric import config as defaults
+
 
 class BreakerState(enum.Enum):
     CLOSED = 0     # calls go through
@@ -25,7 +27,7 @@ class BreakerState(enum.Enum):
 
 @dataclass(slots=True)
 class CircuitBreaker:
-    probe_s: float = 0.5               # how long after a failure the next probe may go
+    probe_s: float = defaults.DIRECTORY_PROBE_S   # how long after a failure the next probe may go
     state: BreakerState = BreakerState.CLOSED
     num_opened: int = 0                # times a failure opened the breaker
     _probe_at: float = 0.0

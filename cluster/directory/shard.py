@@ -52,6 +52,7 @@ from cluster.directory.types import (
     leading_runs,
     shard_of,
 )
+from fabric import config as defaults
 
 DIGESTS_KEPT = 16   # per node: content digests of its last applied batches, to tell a retry from a conflict
 
@@ -81,7 +82,7 @@ class _Resync:
 class DirectoryShard:
     """Owner map of the block hashes with `shard_of(hash, num_shards) == shard`."""
 
-    def __init__(self, shard: int = 0, num_shards: int = 1, *, lease_s: float = 10.0) -> None:
+    def __init__(self, shard: int = 0, num_shards: int = 1, *, lease_s: float = defaults.LEASE_S) -> None:
         if not 0 <= shard < num_shards:
             raise ValueError(f"shard {shard} is not in 0..{num_shards - 1}")
         if lease_s <= 0:

@@ -33,7 +33,7 @@ class DType(enum.StrEnum):
     @property
     def torch_dtype(self) -> torch.dtype:
         # torch is imported here, not at module level: keys and transports need layouts but not
-        # torch, and importing it costs ~1 s per process.
+        # torch, and importing it is slow.
         import torch
 
         return {

@@ -108,12 +108,6 @@ class LocalFabric:
             capacity, held = max(capacity, cap), max(held, int(tier["held_blocks"]), by_bytes)
         return CacheFill(min(capacity, held), capacity)
 
-    def read_block(self, block_hash: BlockHash, out: np.ndarray) -> Tier | None:
-        """Copy every layer of one block into `out` (uint8, [layers, bytes]); None if any layer is
-        missing, the wrong size, or fails its digest. Returns the coldest tier read."""
-        tiers = self.read_blocks([block_hash], out[np.newaxis])
-        return tiers[0] if tiers else None
-
     def read_blocks(self, hashes: Sequence[BlockHash], out: np.ndarray) -> list[Tier]:
         """Copy the leading run of `hashes` held here in full into `out` (uint8, [blocks, layers, bytes])
         in one pass over the store; the coldest tier of each block copied. The run ends before the

@@ -127,6 +127,7 @@ class ClientSession(SessionBase):
         self._init_session(decoder or FrameDecoder(max_payload=max_payload), now)
         self.decoder.payload_target = self._payload_target
         self.decoder.request_known = self._issued
+        self.decoder.hash_payloads = True   # payloads hashed as they land, not after (tracker.py)
 
     def _issued(self, request_id: int) -> bool:
         """Whether `request_id` was ever sent on this connection (answers to a cancelled one may still come)."""

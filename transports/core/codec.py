@@ -68,6 +68,7 @@ from transports.core.frames import (
     Payload,
     Pull,
 )
+from transports.core.receipt_digests import ReceiptDigests
 from transports.trust.provenance_tables import StreamRecords
 
 # The frames (frames.py) and the encoder (encoder.py) are part of the codec's interface.
@@ -155,6 +156,10 @@ class FrameDecoder:
         # client's). A frame for any other id is refused from its header, before its payload is
         # received or its provenance records are decoded.
         self.request_known: Callable[[int], bool] | None = None
+        # True on a puller's stream: BLOCK / BLOCKS payloads are hashed as their bytes land, and
+        # each frame carries those digests as its `receipt` (receipt_digests.py).
+        self.hash_payloads = False
+        self._receipt: ReceiptDigests | None = None
         self._payload_filled = 0
         self._header: dict[Any, Any] = {}
         self._error: ProtocolError | None = None
@@ -203,6 +208,8 @@ class FrameDecoder:
         if not self.receiving_payload:
             return self.feed(memoryview(self._staging)[:nbytes])
         self._payload_filled += nbytes
+        if self._receipt is not None:
+            self._receipt.advance(self._payload_view, self._payload_filled)
         if self._payload_filled != self._payload_len:
             return []
         try:
@@ -236,6 +243,8 @@ class FrameDecoder:
                 self._payload_view[filled:filled + take] = data[pos:pos + take]
                 self._payload_filled = filled = filled + take
                 pos += take
+                if self._receipt is not None:
+                    self._receipt.advance(self._payload_view, filled)
                 if filled == self._payload_len:
                     frames.append(self._finish_frame())
                 continue
@@ -313,6 +322,8 @@ class FrameDecoder:
         self._state = _State.PAYLOAD
         if self._payload_len:
             self._place_payload(header)
+            if self.hash_payloads and self._ftype in _ANSWER_TYPES:
+                self._receipt = _receipt(self._ftype, header, self._payload_len)
         return not self._payload_len
 
     def detach_payload(self) -> None:
@@ -323,13 +334,26 @@ class FrameDecoder:
         own = self._allocate(self._payload_len)
         own[:self._payload_filled] = self._payload_view[:self._payload_filled]
         self._payload, self._payload_view, self.placed_rid = own, memoryview(own), None
+        self._receipt = None   # its bytes were hashed where they landed: the frame is hashed whole
 
     def _finish_frame(self) -> Frame:
+        receipt, self._receipt = self._receipt, None
         frame = build_frame(self._ftype, self._header, self._payload if self._payload_len else bytearray(),
-                            self._records)
+                            self._records, b"" if receipt is None else receipt.digests())
         self._state = _State.PREAMBLE
         self._header = {}
         # The payload is the frame's now: keep no reference (nor an export that would pin its size).
         self._payload, self._payload_view, self._payload_len = _NO_PAYLOAD, _NO_PAYLOAD_VIEW, 0
         self.placed_rid = None
         return frame
+
+
+def _receipt(ftype: FrameType, header: dict[Any, Any], payload_len: int) -> ReceiptDigests | None:
+    """Digests to take of an answer's payload as it lands: one part for a BLOCK, the announced
+    parts of a BLOCKS (None when they do not add up: building the frame refuses it)."""
+    if ftype is FrameType.BLOCK:
+        return ReceiptDigests((payload_len,))
+    sizes = header.get("sizes")
+    if type(sizes) is not list or any(type(n) is not int or n < 0 for n in sizes) or sum(sizes) != payload_len:
+        return None
+    return ReceiptDigests(sizes)

@@ -92,7 +92,7 @@ def _records(header: dict[Any, Any], num_parts: int, ftype: FrameType,
 
 
 def build_frame(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
-           stream: StreamRecords | None = None) -> Frame:
+                stream: StreamRecords | None = None, receipt: bytes = b"") -> Frame:
     # The data path, a BLOCK unsigned (4 fields) or signed (its record fields as well), is checked
     # in one expression; anything else, or a BLOCK with something wrong, is built (and what is
     # wrong named) by _build_checked.
@@ -102,13 +102,13 @@ def build_frame(ftype: FrameType, header: dict[Any, Any], payload: bytearray | m
                 and type(layer) is int and 0 <= layer < 2**32 and type(digest) is bytes and len(digest) == DIGEST_SIZE):
             address = BlockAddress(BlockHash(hash_), layer)
             if fields == 4:
-                return Block(rid, address, digest, payload)
-            return Block(rid, address, digest, payload, _records(header, 1, ftype, stream)[0])
-    return _build_checked(ftype, header, payload, stream)
+                return Block(rid, address, digest, payload, None, receipt)
+            return Block(rid, address, digest, payload, _records(header, 1, ftype, stream)[0], receipt)
+    return _build_checked(ftype, header, payload, stream, receipt)
 
 
 def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray | memoryview,
-                   stream: StreamRecords | None = None) -> Frame:
+                   stream: StreamRecords | None = None, receipt: bytes = b"") -> Frame:
     if ftype not in PAYLOAD_TYPES and payload:
         raise ProtocolError(f"{ftype.name} frame must not carry a payload ({len(payload)} bytes)")
     if ftype is FrameType.HELLO:
@@ -132,7 +132,7 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
             raise ProtocolError(f"BLOCK digest must be {DIGEST_SIZE} bytes, got {len(digest)}")
         addr = _address(header.get("hash"), header.get("layer"), ftype)
         provs = _records(header, 1, ftype, stream)
-        return Block(_u64(header, "rid", ftype), addr, digest, payload, provs[0] if provs else None)
+        return Block(_u64(header, "rid", ftype), addr, digest, payload, provs[0] if provs else None, receipt)
     if ftype is FrameType.BLOCKS:
         rid, first = _u64(header, "rid", ftype), _u64(header, "first", ftype)
         digests, sizes = header.get("digests"), header.get("sizes")
@@ -140,7 +140,7 @@ def _build_checked(ftype: FrameType, header: dict[Any, Any], payload: bytearray 
         provs = _records(header, num_parts, ftype, stream)
         if not any(p is not None for p in provs):
             provs = ()
-        return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload, provs)
+        return Blocks(rid, first, cast(bytes, digests), tuple(cast(list[int], sizes)), payload, provs, receipt)
     if ftype is FrameType.MISS:
         addr = _address(header.get("hash"), header.get("layer"), ftype)
         reason = _enum(MissReason, _field(header, "reason", str, ftype), ftype)

@@ -82,6 +82,9 @@ class Block:
     digest: bytes
     payload: bytes | bytearray | memoryview = field(repr=False)
     provenance: Provenance | None = None   # the producer's record, kept verbatim by every holder
+    # The receiver's own BLAKE3 of the payload, taken as its bytes landed (receipt_digests.py);
+    # b"" when it did not take one. Never sent: the peer only announces `digest`.
+    receipt: bytes = field(default=b"", repr=False, compare=False)
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,7 @@ class Blocks:
     sizes: tuple[int, ...]
     payload: Payload | tuple[Payload, ...] = field(repr=False)
     provenances: tuple[Provenance | None, ...] = ()   # one per part, or () when no part is signed
+    receipt: bytes = field(default=b"", repr=False, compare=False)   # as Block's, a digest per part
 
     @property
     def num_parts(self) -> int:

@@ -5,7 +5,8 @@ END, lazily (kept for callers that answer from a source directly; sessions use
 `ServerSession.answer`).
 
 Client side, `PullTracker` follows one request: it accepts the frames of that request id,
-checks every payload against its announced BLAKE3 digest and turns a mismatch into a
+checks every payload against its announced BLAKE3 digest (the digest the decoder took as the
+payload landed, its `receipt`, or else one taken here) and turns a mismatch into a
 `Miss(DIGEST_MISMATCH)`, and on END, ERROR, a timeout or a lost peer reports every address not
 yet answered as a miss. Answers come in the order asked, so the pending addresses are a cursor
 into the request: O(1) per frame, no hashing, and an answer out of turn is a ProtocolError.
@@ -143,7 +144,7 @@ class PullTracker:
             raise self._out_of_turn(address, "BLOCK")
         self._next = i + 1
         payload = frame.payload
-        if blake3.blake3(payload).digest() != frame.digest:
+        if (frame.receipt or blake3.blake3(payload).digest()) != frame.digest:
             self.num_digest_mismatches += 1
             return Miss(self.request_id, address, MissReason.DIGEST_MISMATCH)
         self.num_bytes += payload.nbytes if isinstance(payload, memoryview) else len(payload)
@@ -163,13 +164,13 @@ class PullTracker:
         view = memoryview(pieces[0] if len(pieces) == 1 else b"".join(pieces)).cast("B")
         digests, provs = frame.digests, frame.provenances
         out: list[PullResult] = []
-        rid, hasher = self.request_id, blake3.blake3
+        rid, hasher, receipt = self.request_id, blake3.blake3, frame.receipt
         offset = 0
         for i, size in enumerate(frame.sizes):
             part = view[offset:offset + size]
             digest = digests[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE]
             offset += size
-            if hasher(part).digest() == digest:
+            if (receipt[i * DIGEST_SIZE:(i + 1) * DIGEST_SIZE] if receipt else hasher(part).digest()) == digest:
                 out.append(Hit(addresses[first + i], part, digest, provs[i] if provs else None))
                 self.num_bytes += size
             else:

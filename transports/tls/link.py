@@ -8,9 +8,11 @@
     send(frame) ─► plaintext queue: [head][payload pieces: views] …
            ─SSL_write, FEED_SIZE at a time─► outgoing BIO ─read()─► ciphertext ─sendmsg─► socket
 
-One socket read takes up to READ_SIZE bytes, many TLS records, and one `sendmsg` sends FEED_SIZE
-of them (WRITE_BATCH once the socket is full): a few system calls per MiB, where OpenSSL on the
-socket itself makes two reads and one write per 16 KiB record. A payload is decrypted straight
+One socket read takes up to READ_SIZE bytes, many TLS records, and one `sendmsg` sends a batch of
+them: the answer to a request starts with FIRST_BATCH, so that the peer opens its first records
+while this side seals the next, goes on FEED_SIZE at a time, and after BURST_HEAD (or once the
+socket is full) WRITE_BATCH at a time: a few system calls per MiB, where OpenSSL on the socket
+itself makes two reads and one write per 16 KiB record. A payload is decrypted straight
 into its own buffer (the decoder's or the caller's slot): its plaintext is never copied.
 Ciphertext is copied into and out of the BIOs, FEED_SIZE at a time so that it stays in cache.
 
@@ -72,7 +74,9 @@ TRANSPORT = "tls-tcp"   # the metrics label of TLS-TCP (server and client)
 READ_BUDGET = 4 * 1024 * 1024   # bytes read per loop callback before other tasks get a turn
 READ_SIZE = 1024 * 1024         # one socket read: up to 64 full TLS records
 FEED_SIZE = 256 * 1024          # ciphertext moved into the BIO, or encrypted out of it, at a time
-WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once the link is busy
+FIRST_BATCH = 64 * 1024         # ciphertext of the first sendmsg of a burst: the peer starts opening it soonest
+BURST_HEAD = 1024 * 1024        # bytes of a burst sent FEED_SIZE at a time, then WRITE_BATCH at a time
+WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once a burst is long, or the socket full
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
 SMALL = 4 * 1024                # queued pieces under this are joined into one record
 SEND_BUFFER = FEED_SIZE + 2 * MAX_RECORD   # one batch of sealed records (own record layer)
@@ -122,7 +126,8 @@ class TlsLink(LinkBase):
         self._cipher: deque[memoryview] = deque()   # encrypted, not yet taken by the socket
         self._cipher_bytes = 0
         self._sent = SentRecords()   # records this stream carried: later frames name them by number
-        self._batch = FEED_SIZE      # ciphertext to have ready before a sendmsg (see _flush)
+        self._batch = FIRST_BATCH    # ciphertext to have ready before a sendmsg (see _flush)
+        self._burst = 0              # bytes sent since the queue was last empty
         self._writer_on = False
         self._reading = False
         self._got_bytes = False
@@ -352,8 +357,10 @@ class TlsLink(LinkBase):
         """Queue `frames`, then send what the socket takes."""
         if self.closed or not frames:
             return
-        if not self._plain and not self._cipher:   # the send-stall timer runs from the moment something waits
-            self.last_tx = self._loop.time()
+        if not self._plain and not self._cipher:
+            if self.last_rx >= self.last_tx:   # the peer spoke since: an answer, a burst of its own
+                self._batch, self._burst = FIRST_BATCH, 0
+            self.last_tx = self._loop.time()   # the send-stall timer runs from the moment something waits
         self._empty.clear()
         for frame in frames:
             self._queue(frame)
@@ -377,16 +384,16 @@ class TlsLink(LinkBase):
     def _queued_bytes(self) -> int:
         return self._plain_bytes + self._cipher_bytes
 
-    def _encrypt(self) -> None:
-        """Encrypt about FEED_SIZE bytes of queued pieces and queue their ciphertext (with anything
-        else OpenSSL wrote) for the socket."""
+    def _encrypt(self, limit: int) -> None:
+        """Encrypt about `limit` (at most FEED_SIZE) bytes of queued pieces and queue their
+        ciphertext (with anything else OpenSSL wrote) for the socket."""
         if self._records is not None:
-            self._seal(self._records)
+            self._seal(self._records, limit)
             return
         plain, write = self._plain, self._write
         done = 0
         small = bytearray()
-        while plain and done < FEED_SIZE:
+        while plain and done < limit:
             piece = plain[0]
             if piece.nbytes < SMALL:
                 plain.popleft()
@@ -396,9 +403,9 @@ class TlsLink(LinkBase):
             if small:
                 write(memoryview(small))
                 small = bytearray()
-            # A large payload goes in steps of whole records, about FEED_SIZE at a time: the BIO stays
+            # A large payload goes in steps of whole records, about `limit` at a time: the BIO stays
             # cache-sized and every record but a payload's last is full.
-            step = max((FEED_SIZE - done) // TLS_RECORD * TLS_RECORD, TLS_RECORD)
+            step = max((limit - done) // TLS_RECORD * TLS_RECORD, TLS_RECORD)
             if piece.nbytes > step:
                 plain[0] = piece[step:]
                 piece = piece[:step]
@@ -413,8 +420,8 @@ class TlsLink(LinkBase):
             write(memoryview(small))
         self._take_outgoing()
 
-    def _seal(self, records: RecordLayer) -> None:
-        """Seal about FEED_SIZE bytes of queued pieces into send buffers, in records as `_encrypt`
+    def _seal(self, records: RecordLayer, limit: int) -> None:
+        """Seal about `limit` bytes of queued pieces into send buffers, in records as `_encrypt`
         makes them: small pieces in a row joined, a large one in full records from its first
         byte (so that the peer opens a payload straight into its buffer), a run of them per call."""
         plain = self._plain
@@ -422,7 +429,7 @@ class TlsLink(LinkBase):
         done = 0
         small: list[memoryview] = []
         small_bytes = 0
-        while plain and done < FEED_SIZE:
+        while plain and done < limit:
             piece = plain[0]
             size = piece.nbytes
             if size < SMALL and small_bytes + size <= MAX_CONTENT:
@@ -437,8 +444,8 @@ class TlsLink(LinkBase):
                 continue
             if not records.records_before_update():
                 self._place(records.update_keys())
-            # whole records up to FEED_SIZE (at least one), within the records left before a KeyUpdate
-            step = min(max((FEED_SIZE - done) // MAX_CONTENT, 1), records.records_before_update()) * MAX_CONTENT
+            # whole records up to `limit` (at least one), within the records left before a KeyUpdate
+            step = min(max((limit - done) // MAX_CONTENT, 1), records.records_before_update()) * MAX_CONTENT
             if size > step:
                 plain[0] = piece[step:]
                 piece, size = piece[:step], step
@@ -495,15 +502,17 @@ class TlsLink(LinkBase):
             self._cipher_bytes += data.nbytes
 
     def _flush(self) -> None:
-        """Encrypt and send until the socket is full or nothing waits. While the socket keeps up,
-        each FEED_SIZE step is sent as soon as it is encrypted, so the peer decrypts one while this
-        side encrypts the next; once the socket is full, WRITE_BATCH waits for it at a time."""
+        """Encrypt and send until the socket is full or nothing waits, a batch per sendmsg. A burst
+        (what is sent after the peer last spoke: the answer to a request) starts with a small
+        batch (FIRST_BATCH), so that the peer opens its first records while this side seals the
+        next, goes on FEED_SIZE at a time, and once BURST_HEAD is sent or the socket is full, in
+        WRITE_BATCH batches: a few system calls per MiB of a long transfer, little wait for a short one."""
         cipher = self._cipher
         while not self.closed:
             try:
                 self._take_outgoing()
                 while self._plain and self._cipher_bytes < self._batch:
-                    self._encrypt()
+                    self._encrypt(min(FEED_SIZE, self._batch - self._cipher_bytes))
             except ssl.SSLError as e:
                 self._tls_failed(e)
                 return
@@ -518,6 +527,7 @@ class TlsLink(LinkBase):
                 return
             self.last_tx = self._loop.time()
             self._cipher_bytes -= n
+            self._burst += n
             while n:
                 head = cipher[0]
                 if n >= head.nbytes:
@@ -533,8 +543,7 @@ class TlsLink(LinkBase):
             if cipher:   # the socket is full: the writer callback goes on, in larger batches
                 self._batch = WRITE_BATCH
                 break
-            if not self._plain:
-                self._batch = FEED_SIZE
+            self._batch = WRITE_BATCH if self._burst >= BURST_HEAD else FEED_SIZE
         if self._queued_bytes() <= self.write_high:
             self._drained.set()
         if not self._plain and not self._cipher:

@@ -47,6 +47,8 @@ SEQ_LIMIT = (1 << 64) - 1
 APPLICATION_DATA, ALERT, HANDSHAKE, CHANGE_CIPHER_SPEC = 23, 21, 22, 20
 NEW_SESSION_TICKET, KEY_UPDATE = 4, 24
 _APP_HEADER = struct.Struct(">BHH")
+_FULL_LENGTH = MAX_CONTENT + 1 + TAG
+_FULL_HEADER = _APP_HEADER.pack(APPLICATION_DATA, 0x0303, _FULL_LENGTH)   # every full record's
 
 # suite name (SSLObject.cipher()[0]) -> (AEAD class, key length, HKDF hash)
 SUITES: dict[str, tuple[type[AESGCM] | type[ChaCha20Poly1305], int, type[hashes.HashAlgorithm]]] = {
@@ -144,6 +146,7 @@ class RecordLayer:
         self._scratch = memoryview(bytearray(MAX_CIPHERTEXT))
         self._stage = bytearray(MAX_CONTENT + 1)
         self._stage_view = memoryview(self._stage)
+        self._full_inner = self._stage_view[:MAX_CONTENT + 1]
 
     # -- opening
     @staticmethod
@@ -299,23 +302,26 @@ class RecordLayer:
         """Seal `data` as records of MAX_CONTENT bytes (the last one shorter) at `out[at:]` (room
         for `run_size(data.nbytes)` bytes, and no KeyUpdate due within `records_before_update()`
         records); returns where they end. One pass per record: a copy into the cache-warm
-        staging area with the content type after it, then AES-GCM from there into `out`."""
+        staging area, whose last byte is the content type, then AES-GCM from there into `out`.
+        Full records, all but maybe the last, share one header (their additional data)."""
         tx = self.tx
         encrypt, iv, seq = tx.aead.encrypt_into, tx.iv, tx.seq
-        stage, stage_view, pack = self._stage, self._stage_view, _APP_HEADER.pack_into
-        size, off = data.nbytes, 0
-        while off < size:
-            n = min(MAX_CONTENT, size - off)
-            stage[:n] = data[off:off + n]
-            stage[n] = APPLICATION_DATA
-            length = n + 1 + TAG
-            pack(out, at, APPLICATION_DATA, 0x0303, length)
+        stage, full, header = self._stage, self._full_inner, _FULL_HEADER
+        size = data.nbytes
+        stage[MAX_CONTENT] = APPLICATION_DATA
+        for off in range(0, size - MAX_CONTENT + 1, MAX_CONTENT):
+            stage[:MAX_CONTENT] = data[off:off + MAX_CONTENT]
             body = at + HEADER
-            encrypt((iv ^ seq).to_bytes(12, "big"), stage_view[:n + 1], out[at:body], out[body:body + length])
+            at = body + _FULL_LENGTH
+            out[body - HEADER:body] = header
+            encrypt((iv ^ seq).to_bytes(12, "big"), full, header, out[body:at])
             seq += 1
-            at = body + length
-            off += n
         tx.seq = seq
+        rest = size % MAX_CONTENT
+        if rest:
+            stage[:rest] = data[size - rest:]
+            stage[rest] = APPLICATION_DATA
+            at = self._seal(self._stage_view[:rest + 1], out, at)
         return at
 
     def records_before_update(self) -> int:

@@ -20,6 +20,7 @@ import ipaddress
 import logging
 import os
 import ssl
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -217,11 +218,9 @@ def revoke(cert_dir: str | os.PathLike[str], serials: set[int], days: int = 30) 
     return crl_path
 
 
-def crl_next_update(crl_path: Path) -> float | None:
-    """The nextUpdate (unix s) of the revocation list at `crl_path`; None without a list or a nextUpdate."""
-    if not crl_path.is_file():
-        return None
-    next_update = x509.load_pem_x509_crl(crl_path.read_bytes()).next_update_utc
+def _next_update(crl_pem: bytes) -> float | None:
+    """The nextUpdate (unix s) of a revocation list; None where it names none."""
+    next_update = x509.load_pem_x509_crl(crl_pem).next_update_utc
     return None if next_update is None else next_update.timestamp()
 
 
@@ -309,6 +308,7 @@ class NodeCredentials:
         self._contexts: dict[bool, ssl.SSLContext] = {}
         self.revoked: frozenset[int] = frozenset()
         self.crl_next_update: float | None = None   # unix s: the revocation list's nextUpdate (None: no list)
+        self._crl_pem: bytes | None = None          # the list in use (kept when its file disappears)
         self.generation = 0
         self.refresh()
 
@@ -335,16 +335,16 @@ class NodeCredentials:
             return False
         # Validate the new material before switching to it: a half-written rotation keeps the old one.
         try:
-            for server in (True, False):
-                self._build(server)
-            revoked = self._load_revoked()
-            next_update = crl_next_update(self.files.crl)
+            crl_pem, revoked = self._read_crl()
+            contexts = {server: self._build(server, crl_pem) for server in (True, False)}
+            next_update = None if crl_pem is None else _next_update(crl_pem)
         except (ssl.SSLError, OSError, ValueError, CertificateError) as e:
             if not self._stamp:
                 raise CertificateError(f"cannot load node credentials {self.files}: {e}") from None
             logger.warning("ignoring unreadable rotated credentials (%s); keeping the previous ones", e)
             return False
-        self._contexts = {server: self._build(server) for server in (True, False)}
+        self._contexts = contexts
+        self._crl_pem = crl_pem
         self.revoked = revoked
         self.crl_next_update = next_update
         self._stamp = stamp
@@ -353,25 +353,46 @@ class NodeCredentials:
             logger.info("reloaded node credentials from %s (generation %d)", self.files.cert, self.generation)
         return True
 
-    def _load_revoked(self) -> frozenset[int]:
-        if not self.files.crl.is_file():
-            return frozenset()
+    def _read_crl(self) -> tuple[bytes | None, frozenset[int]]:
+        """The revocation list to use and its serials: the file's, once checked as signed by the CA;
+        the one in use when the file is gone (a list never un-revokes by disappearing, as
+        `revocation.RevocationFile` holds for every other reader); none when there never was one."""
+        try:
+            pem = self.files.crl.read_bytes()
+        except FileNotFoundError:
+            if self._crl_pem is None:
+                return None, frozenset()
+            logger.warning("revocation list %s is gone; keeping the one in use (%d revoked)",
+                           self.files.crl, len(self.revoked))
+            return self._crl_pem, self.revoked
         ca = x509.load_pem_x509_certificate(self.files.ca.read_bytes())
-        return revoked_serials(self.files.crl.read_bytes(), ca, str(self.files.crl))
+        return pem, revoked_serials(pem, ca, str(self.files.crl))
 
     def ssl_context(self, server: bool) -> ssl.SSLContext:
         self.refresh()
         return self._contexts[server]
 
-    def _build(self, server: bool) -> ssl.SSLContext:
+    def _build(self, server: bool, crl_pem: bytes | None) -> ssl.SSLContext:
         ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
         ctx.load_cert_chain(self.files.cert, self.files.key)
         ctx.load_verify_locations(cafile=str(self.files.ca))
-        if self.files.crl.is_file():
-            ctx.load_verify_locations(cafile=str(self.files.crl))
+        if crl_pem is not None:
+            _load_crl(ctx, crl_pem)
             ctx.verify_flags |= ssl.VERIFY_CRL_CHECK_LEAF   # a revoked peer fails the handshake
         ctx.verify_mode = ssl.CERT_REQUIRED  # mTLS: the server demands a client certificate too
         if not server:
             ctx.check_hostname = True  # the dialled node name must be in the server's SAN
         return ctx
+
+
+def _load_crl(ctx: ssl.SSLContext, crl_pem: bytes) -> None:
+    """Load the revocation list `crl_pem` into `ctx` (the bytes checked, not whatever the file holds
+    by now): OpenSSL reads lists only from files, so through a private one, removed once read."""
+    fd, name = tempfile.mkstemp(prefix="kvfabric-crl-", suffix=".pem")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(crl_pem)
+        ctx.load_verify_locations(cafile=name)
+    finally:
+        os.unlink(name)

@@ -20,9 +20,10 @@ import os
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from rich.console import Console
 from rich.table import Table
@@ -47,6 +48,7 @@ QUESTIONS = (
 # on a CPU, so the router prefers a pull from a peer to queueing a second request on the owner.
 LOAD_WEIGHT = 20.0
 TOLERANCE = 1e-3
+T = TypeVar("T")
 
 
 def register(sub: Any) -> None:
@@ -102,14 +104,28 @@ def run(args: argparse.Namespace) -> int:
         return run_vllm(args)
     args.block_size = args.block_size or 16
     console = Console(width=150)
-    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="kvfabric-demo-")
-    workdir = Path(args.workdir or tmp.name)  # type: ignore[union-attr]
-    try:
-        served, totals = _serve(args, workdir, console)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    served, totals = in_workdir(args, lambda workdir: _serve(args, workdir, console))
     return _report(served, totals, args, console)
+
+
+def in_workdir(args: argparse.Namespace, serve: Callable[[Path], T]) -> T:
+    """`serve(workdir)` in `--workdir`, or in a temporary folder removed afterwards."""
+    if args.workdir:
+        return serve(Path(args.workdir))
+    with tempfile.TemporaryDirectory(prefix="kvfabric-demo-") as tmp:
+        return serve(Path(tmp))
+
+
+def route(router: Any, clients: dict[str, Any], ns: Any, tokens: list[int]) -> tuple[str, Any]:
+    """The node `router` picks for `tokens`, and that node's lookup reply. Each node's lookup carries
+    the load its engine reported: the router weighs that against the cached prefix (a busy node
+    holding the prefix may lose to an idle one)."""
+    from cluster.router import NodeView
+    from fabric.keys import block_hashes
+
+    replies = {n: c.lookup(ns, tokens) for n, c in clients.items()}
+    node = router.choose(block_hashes(ns, tokens), [NodeView.of(n, r) for n, r in replies.items()]).node_id
+    return node, replies[node]
 
 
 def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[list[Served], dict[str, Any]]:
@@ -122,9 +138,8 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     from cluster.engines.hf.actor import spawn_engines
     from cluster.engines.hf.engine import SMOLLM2_ID, chat_tokens, load_tokenizer, smollm2_checkpoint
     from cluster.launch import start_local_cluster
-    from cluster.router import NodeView, Router
+    from cluster.router import Router
     from fabric.config import AuditConfig, Config, KVConfig
-    from fabric.keys import block_hashes
 
     hf_logging.set_verbosity_error()  # type: ignore[no-untyped-call]
     hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
@@ -154,14 +169,10 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
             for wave in waves(len(prompts), args.wave):
                 pending = []
                 for i in wave:
-                    # Each node's lookup carries the load its engine reported: the router weighs that
-                    # against the cached prefix (a busy node holding the prefix may lose to an idle one).
-                    replies = {n: clients[n].lookup(ns, prompts[i]) for n in nodes}
-                    views = [NodeView.of(n, replies[n]) for n in nodes]
-                    node = router.choose(block_hashes(ns, prompts[i]), views).node_id
+                    node, reply = route(router, clients, ns, prompts[i])
                     pending.append((i, node, engines[node].serve.remote(
                         prompts[i], args.max_new_tokens, eos_token_id=eos, mode=args.mode)))
-                    _await_report(clients[node], ns, prompts[i], replies[node].load.requests)
+                    await_report(clients[node], ns, prompts[i], reply.load.requests)
                 for i, node, ref in pending:
                     fabric, recompute = ray.get(ref)
                     router.record(len(prompts[i]) // args.block_size, fabric.num_reused_tokens // args.block_size)
@@ -178,7 +189,7 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
                     "system_tokens": len(tokenizer(system)["input_ids"])}
 
 
-def _await_report(client: Any, ns: Any, tokens: list[int], before: int, timeout_s: float = 5.0) -> None:
+def await_report(client: Any, ns: Any, tokens: list[int], before: int, timeout_s: float = 5.0) -> None:
     """Wait until the node's engine has reported the request just sent (its load grew), so the next
     routing decision sees it."""
     deadline = time.monotonic() + timeout_s
@@ -186,7 +197,7 @@ def _await_report(client: Any, ns: Any, tokens: list[int], before: int, timeout_
         time.sleep(0.01)
 
 
-def _short(text: str, words: int = 8) -> str:
+def short(text: str, words: int = 8) -> str:
     parts = text.split()
     return " ".join(parts[:words]) + (" …" if len(parts) > words else "")
 
@@ -205,7 +216,7 @@ def _report(served: list[Served], totals: dict[str, Any], args: argparse.Namespa
         f = s.fabric
         table.add_row(str(s.index + 1), node_names[s.node_id], str(f.num_tokens),
                       str(f.num_reused_tokens - f.num_pulled_tokens), str(f.num_pulled_tokens),
-                      f"{f.ttft_s:.2f} s", f"{s.recompute.ttft_s:.2f} s", _short(totals["answers"][s.index]),
+                      f"{f.ttft_s:.2f} s", f"{s.recompute.ttft_s:.2f} s", short(totals["answers"][s.index]),
                       "✓" if s.identical else "✗")
     console.print(table)
     fabric_p50 = statistics.median(s.fabric.ttft_s for s in served)

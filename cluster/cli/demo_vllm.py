@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
-from cluster.cli.demo import LOAD_WEIGHT, MANUAL, QUESTIONS, _short, waves
+from cluster.cli.demo import LOAD_WEIGHT, MANUAL, QUESTIONS, await_report, in_workdir, route, short, waves
 
 if TYPE_CHECKING:
     from cluster.engines.vllm.engine_actor import Completion
@@ -56,13 +55,7 @@ def run_vllm(args: argparse.Namespace) -> int:
     if args.block_size % 32:
         raise CLIError("--block-size must be a multiple of 32 for vLLM's CPU attention")
     console = Console(width=150)
-    tmp = None if args.workdir else tempfile.TemporaryDirectory(prefix="kvfabric-demo-")
-    workdir = Path(args.workdir or tmp.name)  # type: ignore[union-attr]
-    try:
-        served, totals = _serve(args, workdir, console)
-    finally:
-        if tmp is not None:
-            tmp.cleanup()
+    served, totals = in_workdir(args, lambda workdir: _serve(args, workdir, console))
     return _report(served, totals, args, console)
 
 
@@ -74,9 +67,8 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
     from cluster.engines.vllm.engine_actor import spawn_vllm_engines
     from cluster.engines.vllm.namespace import engine_namespace
     from cluster.launch import start_local_cluster
-    from cluster.router import NodeView, Router
+    from cluster.router import Router
     from fabric.config import Config, KVConfig
-    from fabric.keys import block_hashes
     from fabric.layout import KVLayout
 
     os.environ.setdefault("TQDM_DISABLE", "1")
@@ -101,12 +93,10 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
         for wave in waves(len(prompts), args.wave):
             pending = []
             for i in wave:
-                replies = {n: clients[n].lookup(ns, prompts[i]) for n in nodes}
-                views = [NodeView.of(n, replies[n]) for n in nodes]
-                node = router.choose(block_hashes(ns, prompts[i]), views).node_id
-                pulled = sum(1 for loc in replies[node].locations if loc.where.value == "peer")
+                node, reply = route(router, clients, ns, prompts[i])
+                pulled = sum(1 for loc in reply.locations if loc.where.value == "peer")
                 pending.append((i, node, pulled, engines[node].serve.remote(prompts[i], args.max_new_tokens)))
-                _await_queued(clients[node], ns, prompts[i], replies[node].load.requests)
+                await_report(clients[node], ns, prompts[i], reply.load.requests)
             for i, node, pulled, ref in pending:
                 fabric, recompute = ray.get(ref)
                 reused = fabric.num_cached_tokens // args.block_size
@@ -122,15 +112,6 @@ def _serve(args: argparse.Namespace, workdir: Path, console: Console) -> tuple[l
                     "answers": answers, "nodes": nodes, "system_tokens": len(tokenizer(system)["input_ids"])}
 
 
-def _await_queued(client: Any, ns: Any, tokens: list[int], before: int, timeout_s: float = 5.0) -> None:
-    """Wait until the node's engine reports the request just sent, so the next routing decision sees it."""
-    import time
-
-    deadline = time.monotonic() + timeout_s
-    while client.lookup(ns, tokens).load.requests <= before and time.monotonic() < deadline:
-        time.sleep(0.01)
-
-
 def _report(served: list[Served], totals: dict[str, Any], args: argparse.Namespace, console: Console) -> int:
     names = {n: f"node {k + 1}" for k, n in enumerate(totals["nodes"])}
     table = Table(title=f"kvfabric demo: vLLM (SmolLM2-135M-Instruct) with the kvfabric connector on "
@@ -142,7 +123,7 @@ def _report(served: list[Served], totals: dict[str, Any], args: argparse.Namespa
     for s in sorted(served, key=lambda s: s.index):
         table.add_row(str(s.index + 1), names[s.node_id], str(s.num_tokens),
                       str(s.fabric.num_cached_tokens // args.block_size), str(s.num_pulled_blocks),
-                      f"{s.fabric.seconds:.2f} s", f"{s.recompute.seconds:.2f} s", _short(totals["answers"][s.index]),
+                      f"{s.fabric.seconds:.2f} s", f"{s.recompute.seconds:.2f} s", short(totals["answers"][s.index]),
                       "✓" if s.identical else "✗")
     console.print(table)
     fabric_p50 = statistics.median(s.fabric.seconds for s in served)

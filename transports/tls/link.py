@@ -127,7 +127,8 @@ class TlsLink(LinkBase):
         self._cipher_bytes = 0
         self._sent = SentRecords()   # records this stream carried: later frames name them by number
         self._batch = FIRST_BATCH    # ciphertext to have ready before a sendmsg (see _flush)
-        self._burst = 0              # bytes sent since the queue was last empty
+        self._burst = 0              # bytes sent in this burst (see _flush)
+        self._heard = False          # frames came from the peer since this burst began
         self._writer_on = False
         self._reading = False
         self._got_bytes = False
@@ -253,6 +254,7 @@ class TlsLink(LinkBase):
         if (not frames and not self._got_bytes) or self.closed:
             return
         self._got_bytes = False
+        self._heard = self._heard or bool(frames)
         try:
             self._on_frames(frames)
         except ProtocolError as e:
@@ -358,8 +360,8 @@ class TlsLink(LinkBase):
         if self.closed or not frames:
             return
         if not self._plain and not self._cipher:
-            if self.last_rx >= self.last_tx:   # the peer spoke since: an answer, a burst of its own
-                self._batch, self._burst = FIRST_BATCH, 0
+            if self._heard:   # the peer spoke since the last burst began: this is an answer, a burst of its own
+                self._batch, self._burst, self._heard = FIRST_BATCH, 0, False
             self.last_tx = self._loop.time()   # the send-stall timer runs from the moment something waits
         self._empty.clear()
         for frame in frames:

@@ -7,7 +7,9 @@ the latency of one block.
                      wrapper in the measured code; the switch itself costs a few calls). Two
                      figures: every system call, and those that move bytes through a socket
                      (read, write, readv, writev, recvfrom, sendto, recvmsg, sendmsg and their
-                     mmsg forms). None where perf or its syscall tracepoint is unavailable.
+                     mmsg forms). None where perf or its syscall tracepoint is unavailable. The
+                     same perf also counts the process's CPU time (task-clock, in nanoseconds:
+                     /proc counts another process's CPU in 10 ms ticks).
     crypto_ms_per_mib  in this process: AES-256-GCM seal and open of random payloads in 16 KiB
                      records (cryptography's AESGCM, OpenSSL underneath, as TLS 1.3 uses), and
                      BLAKE3 of each payload: with the plain TCP method's CPU per MiB of the same
@@ -18,6 +20,7 @@ the latency of one block.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import platform
@@ -67,15 +70,15 @@ def syscalls_countable() -> bool:
 
 
 class SyscallCounter:
-    """System calls of process `pid` between `enable()` and `disable()`; `close()` returns
-    (all calls, socket-data calls), either None if perf could not count them."""
+    """System calls and CPU time of process `pid` between `enable()` and `disable()`; `close()`
+    returns (all calls, socket-data calls, CPU seconds), each None if perf could not count it."""
 
     def __init__(self, pid: int) -> None:
         self._dir = Path(tempfile.mkdtemp(prefix="kvfabric-perf-"))
         ctl, ack = self._dir / "ctl", self._dir / "ack"
         os.mkfifo(ctl)
         os.mkfifo(ack)
-        events = ["-e", "raw_syscalls:sys_enter"]
+        events = ["-e", "task-clock", "-e", "raw_syscalls:sys_enter"]
         if platform.machine() == "x86_64":
             ids = " || ".join(f"id == {n}" for n in _DATA_SYSCALLS_X86_64)
             events += ["-e", "raw_syscalls:sys_enter", "--filter", ids]
@@ -96,7 +99,7 @@ class SyscallCounter:
     def disable(self) -> None:
         self._command("disable")
 
-    def close(self) -> tuple[int | None, int | None]:
+    def close(self) -> tuple[int | None, int | None, float | None]:
         self._ctl.close()
         self._ack.close()
         self._proc.send_signal(2)
@@ -107,13 +110,17 @@ class SyscallCounter:
             _, err = self._proc.communicate()
         shutil.rmtree(self._dir, ignore_errors=True)
         counts: list[int | None] = []
+        cpu_s: float | None = None
         for line in err.splitlines():
             fields = line.split(",")
             if len(fields) > 2 and fields[2] == "raw_syscalls:sys_enter":
                 counts.append(int(fields[0]) if fields[0].isdigit() else None)
+            elif len(fields) > 2 and fields[2] == "task-clock":
+                with contextlib.suppress(ValueError):   # "<not counted>"
+                    cpu_s = float(fields[0]) / 1e3      # perf reports milliseconds
         while len(counts) < 2:
             counts.append(None)
-        return counts[0], counts[1]
+        return counts[0], counts[1], cpu_s
 
 
 class Syscalls:
@@ -125,6 +132,7 @@ class Syscalls:
             self.counters["server"] = SyscallCounter(server_pid)
         self.all: dict[str, int | None] = {}
         self.data: dict[str, int | None] = {}
+        self.cpu_s: dict[str, float | None] = {}   # CPU seconds of each end over the window
 
     def enable(self) -> None:
         for counter in self.counters.values():
@@ -136,7 +144,7 @@ class Syscalls:
 
     def close(self) -> None:
         for end, counter in self.counters.items():
-            self.all[end], self.data[end] = counter.close()
+            self.all[end], self.data[end], self.cpu_s[end] = counter.close()
 
     def total(self, data: bool) -> int | None:
         """Both ends' calls (None unless both were counted)."""

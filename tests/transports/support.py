@@ -22,6 +22,7 @@ from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block
 from fabric.store import Store
 from transports.core.base import Hit, Peer, PullResult
+from transports.core.codec import Frame, FrameDecoder
 from transports.quic.base import ALPN
 from transports.trust.certs import CredentialFiles, NodeCredentials, issue_node
 from transports.trust.identity import NodeSigner, TrustAnchor
@@ -66,6 +67,20 @@ async def closing(client: C) -> AsyncIterator[C]:
         yield client
     finally:
         await client.close()
+
+
+def receive_buffered(decoder: FrameDecoder, wire: bytes, chunk: int) -> list[Frame]:
+    """Decode `wire` through the buffered-protocol path a socket reader uses (get_buffer /
+    buffer_updated), at most `chunk` bytes a read."""
+    frames: list[Frame] = []
+    pos = 0
+    while pos < len(wire):
+        buf = decoder.get_buffer()
+        n = min(len(buf), chunk, len(wire) - pos)
+        buf[:n] = wire[pos:pos + n]
+        pos += n
+        frames += decoder.buffer_updated(n)
+    return frames
 
 
 def creds(cert_dir: Path, node: str) -> NodeCredentials:

@@ -10,6 +10,7 @@ import msgpack
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from support import receive_buffered
 
 from fabric.keys import BlockAddress, BlockHash
 from fabric.provenance import Provenance, sign_block, sign_run
@@ -88,16 +89,7 @@ def test_round_trip_at_random_splits(fs: list[Frame], data: st.DataObject) -> No
 @given(st.lists(frames, min_size=1, max_size=5), st.integers(1, 70000))
 def test_buffered_protocol_path(fs: list[Frame], chunk: int) -> None:
     """get_buffer/buffer_updated (recv_into style) decodes the same frames."""
-    wire = encode_many(fs)
-    dec = FrameDecoder()
-    out: list[Frame] = []
-    pos = 0
-    while pos < len(wire):
-        buf = dec.get_buffer()
-        n = min(len(buf), chunk, len(wire) - pos)
-        buf[:n] = wire[pos:pos + n]
-        pos += n
-        out += dec.buffer_updated(n)
+    out = receive_buffered(FrameDecoder(), encode_many(fs), chunk)
     assert all(_same(a, b) for a, b in zip(fs, out, strict=True)) and len(out) == len(fs)
 
 
@@ -116,26 +108,13 @@ def test_large_payload_lands_in_its_own_buffer() -> None:
     assert isinstance(frame, Block) and bytes(frame.payload) == payload
 
 
-def _received(wire: bytes, dec: FrameDecoder) -> list[Frame]:
-    """`wire` through get_buffer / buffer_updated, as a socket would deliver it."""
-    frames: list[Frame] = []
-    pos = 0
-    while pos < len(wire):
-        buf = dec.get_buffer()
-        n = min(len(buf), len(wire) - pos)
-        buf[:n] = wire[pos:pos + n]
-        pos += n
-        frames += dec.buffer_updated(n)
-    return frames
-
-
 def test_a_returned_payload_is_the_callers_alone() -> None:
     """The decoder keeps no view of a payload it handed out (its own view is how it fills one), so
     the caller may resize it: a bytearray with a live memoryview raises BufferError. Both ways of
     driving the decoder."""
     addr = BlockAddress(BlockHash(os.urandom(32)), 1)
     wire = encode(Block(7, addr, os.urandom(32), os.urandom(64 * 1024)))
-    for decode in (lambda: FrameDecoder().feed(wire), lambda: _received(wire, FrameDecoder())):
+    for decode in (lambda: FrameDecoder().feed(wire), lambda: receive_buffered(FrameDecoder(), wire, len(wire))):
         (frame,) = decode()
         assert isinstance(frame, Block) and isinstance(frame.payload, bytearray)
         frame.payload.extend(b"x")

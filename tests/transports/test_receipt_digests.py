@@ -8,6 +8,7 @@ import os
 import blake3
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from support import receive_buffered
 
 from fabric.keys import BlockAddress, BlockHash
 from transports.core.codec import Block, Blocks, FrameDecoder, FrameType, encode
@@ -49,19 +50,6 @@ def _address(i: int) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"%d" % i).digest()), i)
 
 
-def _receive(wire: bytes, chunk: int, decoder: FrameDecoder) -> list[object]:
-    """Through the buffered-protocol path a socket reader uses, `chunk` bytes a read."""
-    frames: list[object] = []
-    pos = 0
-    while pos < len(wire):
-        buf = decoder.get_buffer()
-        n = min(len(buf), chunk, len(wire) - pos)
-        buf[:n] = wire[pos:pos + n]
-        pos += n
-        frames += decoder.buffer_updated(n)
-    return frames
-
-
 @settings(max_examples=25, deadline=None)
 @given(chunk=st.integers(1_000, 300_000))
 def test_a_pullers_decoder_hands_each_payload_over_with_its_digests(chunk: int) -> None:
@@ -71,7 +59,7 @@ def test_a_pullers_decoder_hands_each_payload_over_with_its_digests(chunk: int) 
         Blocks(1, 1, b"".join(_digest(p) for p in parts), tuple(len(p) for p in parts), tuple(parts)))
     decoder = FrameDecoder()
     decoder.hash_payloads = True
-    block, blocks = _receive(wire, chunk, decoder)
+    block, blocks = receive_buffered(decoder, wire, chunk)
     assert isinstance(block, Block) and block.receipt == block.digest == _digest(one)
     assert isinstance(blocks, Blocks) and blocks.receipt == blocks.digests
 
@@ -80,13 +68,13 @@ def test_a_lying_payload_gets_the_digest_of_what_landed() -> None:
     payload = os.urandom(200_000)
     decoder = FrameDecoder()
     decoder.hash_payloads = True
-    [frame] = _receive(encode(Block(1, _address(0), _digest(b"something else"), payload)), 65_536, decoder)
+    [frame] = receive_buffered(decoder, encode(Block(1, _address(0), _digest(b"something else"), payload)), 65_536)
     assert isinstance(frame, Block) and frame.receipt == _digest(payload) != frame.digest
 
 
 def test_other_decoders_take_no_digest() -> None:
     payload = os.urandom(100_000)
-    [frame] = _receive(encode(Block(1, _address(0), _digest(payload), payload)), 65_536, FrameDecoder())
+    [frame] = receive_buffered(FrameDecoder(), encode(Block(1, _address(0), _digest(payload), payload)), 65_536)
     assert isinstance(frame, Block) and frame.receipt == b""
 
 
@@ -100,7 +88,7 @@ def test_a_payload_moved_to_its_own_buffer_is_hashed_whole_later() -> None:
     decoder.payload_target = lambda ftype, header, size: slot if ftype is FrameType.BLOCK else None
     wire = encode(Block(7, _address(0), _digest(payload), payload))
     half = len(wire) // 2
-    assert _receive(wire[:half], 65_536, decoder) == []
+    assert receive_buffered(decoder, wire[:half], 65_536) == []
     decoder.detach_payload()
-    [frame] = _receive(wire[half:], 65_536, decoder)
+    [frame] = receive_buffered(decoder, wire[half:], 65_536)
     assert isinstance(frame, Block) and frame.receipt == b"" and bytes(frame.payload) == payload

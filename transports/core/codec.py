@@ -39,6 +39,7 @@ from transports.core.encoder import (
     MAGIC,
     PREAMBLE,
     PREAMBLE_SIZE,
+    check_parts,
     encode,
     encode_many,
     encode_parts,
@@ -353,7 +354,8 @@ def _receipt(ftype: FrameType, header: dict[Any, Any], payload_len: int) -> Rece
     parts of a BLOCKS (None when they do not add up: building the frame refuses it)."""
     if ftype is FrameType.BLOCK:
         return ReceiptDigests((payload_len,))
-    sizes = header.get("sizes")
-    if type(sizes) is not list or any(type(n) is not int or n < 0 for n in sizes) or sum(sizes) != payload_len:
+    try:
+        check_parts(header.get("digests"), header.get("sizes"), payload_len, ValueError)
+    except ValueError:
         return None
-    return ReceiptDigests(sizes)
+    return ReceiptDigests(header["sizes"])

@@ -55,9 +55,11 @@ Costs beside time (benchmarks/lib/transfer_costs.py), for every method whose ser
 block size: CPU ms per MiB of each end (*_client_cpu_ms_per_mib*, *_server_cpu_ms_per_mib*), system
 calls per MiB of both ends counted by the kernel with `perf stat` (*_syscalls_per_mib*: socket reads and
 writes; *_all_syscalls_per_mib*: every call; null where perf cannot count them), and the floor of the
-same run: the plain TCP method's CPU per MiB plus AES-256-GCM seal + open of the bytes in 16 KiB
-records and BLAKE3 of each block, timed in this process (floor_cpu_ms_per_mib*, with its parts
-floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*), and each method's CPU over it (*_cpu_over_floor*).
+same round: the plain TCP method's CPU per MiB plus AES-256-GCM seal + open of the bytes in 16 KiB
+records and BLAKE3 of each block, timed in this process after each round (floor_cpu_ms_per_mib*, with
+its parts floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*: medians over rounds), and each method's
+CPU over it (*_cpu_over_floor*: the median over rounds of each round's CPU over that round's floor,
+which a burst of other work on the machine moves less than a ratio of totals).
 Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
 TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The headline keys:
 syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket,
@@ -188,23 +190,28 @@ class Server:
 
 def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = False) -> Run:
     """Blocks received one after another into one reused buffer; `hash_blocks`: BLAKE3 each one as it
-    lands (what verifying costs a transport that has nothing else to do)."""
+    lands (what verifying costs a transport that has nothing else to do). Requests go through all
+    the server's distinct blocks in turn, as the kvfabric pulls do: both read their payloads from
+    the same amount of memory, more than the last-level cache holds."""
     raw = socket.create_connection(("127.0.0.1", port))
     raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     conn = credentials(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(
         raw, server_hostname=SERVER_NODE) if use_tls else raw
 
-    def receive(block_size: int, count: int, buf: memoryview) -> int:
+    def receive(block_size: int, first: int, count: int, buf: memoryview) -> int:
         return receive_blocks(conn, block_size, count, buf,
-                              (lambda b: blake3.blake3(b).digest()) if hash_blocks else None)
+                              (lambda b: blake3.blake3(b).digest()) if hash_blocks else None,
+                              first=first % num_distinct(block_size))
 
     def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         buf = memoryview(bytearray(block_size))
-        receive(block_size, 4, buf)  # warm-up
-        moved, step = 0, batch_blocks(block_size)
+        receive(block_size, 0, 4, buf)  # warm-up
+        moved, step, first = 0, batch_blocks(block_size), 0
         window.begin()
         while moved < total and window.elapsed() < time_limit_s:
-            moved += receive(block_size, min(step, -(-(total - moved) // block_size)), buf)
+            count = min(step, -(-(total - moved) // block_size))
+            moved += receive(block_size, first, count, buf)
+            first += count
         window.end()
         return moved
 
@@ -388,6 +395,13 @@ def _sum(a: float | None, b: float | None) -> float | None:
     return a + b if a is not None and b is not None else None
 
 
+def _median(values: list[float | None], digits: int = 3) -> float | None:
+    """The median of `values`, None when empty or when any is None (a figure not measured every round)."""
+    if not values or any(v is None for v in values):
+        return None
+    return round(statistics.median(v for v in values if v is not None), digits)
+
+
 def blake3_ms_per_mib() -> float:
     """What the client's digest check costs on this machine: BLAKE3 of distinct 1 MiB payloads (median of 5)."""
     payloads = [os.urandom(1 << 20) for _ in range(32)]
@@ -408,6 +422,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     cert_dir = ensure_certs(workdir / "certs")
     totals: dict[str, Totals] = {}
     per_round: dict[str, list[float]] = {}   # MB/s of each run, in order: rounds pair up by index
+    round_cpu: dict[str, list[float | None]] = {}   # both ends' CPU ms per MiB of each run, by round
+    round_crypto: dict[str, list[tuple[float, float]]] = {}   # the floor's in-process parts, by round
     notes: list[str] = []
     progress = tqdm(desc="transfer", file=sys.stderr)
     latency: tuple[float, float] | None = None
@@ -420,9 +436,13 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         finally:
             if syscalls is not None:
                 syscalls.close()
+        run_totals = Totals()
+        run_totals.add(moved, window)
         totals.setdefault(name + suffix, Totals()).add(moved, window)
         if window.seconds:
             per_round.setdefault(name + suffix, []).append(moved / MB / window.seconds)
+        round_cpu.setdefault(name + suffix, []).append(_sum(run_totals.cpu_ms_per_mib(run_totals.client_cpu_s),
+                                                            run_totals.cpu_ms_per_mib(run_totals.server_cpu_s)))
         progress.update()
 
     with progress:
@@ -464,9 +484,12 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
             quic_names = [name for name in METHODS if name.startswith("quic") and name in only]
             progress.total = len(BLOCK_SIZES) * (rounds * (len(runs) + with_ray) + len(quic_names)) + 1
             for suffix, size in BLOCK_SIZES.items():
+                blocks = random_blocks(size)[:((16 if quick else 64) << 20) // size] if "tcp_socket" in runs else []
                 for r in range(rounds):   # every other round in reverse: neither of a pair always goes first
                     for name, (run, pid) in (runs.items() if r % 2 == 0 else reversed(runs.items())):
                         timed(name, run, suffix, size, limit, pid)
+                    if blocks:   # the floor's crypto, beside this round's runs
+                        round_crypto.setdefault(suffix, []).append(crypto_ms_per_mib(blocks))
             if kvfabric_server is not None and "tls_tcp" in only:
                 latency = one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 60)
                 progress.update()
@@ -497,20 +520,26 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         for name in METHODS:
             t = totals.get(name + suffix)
             out[f"{name}_mb_s{suffix}"] = round(t.moved / MB / t.seconds, 1) if t and t.seconds else None
-    for suffix, size in BLOCK_SIZES.items():
+    for suffix in BLOCK_SIZES:
         for name in CPU_METHODS:
             t = totals.get(name + suffix)
             out[f"{name}_client_cpu_ms_per_mib{suffix}"] = t.cpu_ms_per_mib(t.client_cpu_s) if t else None
             out[f"{name}_server_cpu_ms_per_mib{suffix}"] = t.cpu_ms_per_mib(t.server_cpu_s) if t else None
             out[f"{name}_syscalls_per_mib{suffix}"] = t.per_mib(t.syscalls_data) if t else None
             out[f"{name}_all_syscalls_per_mib{suffix}"] = t.per_mib(t.syscalls_all) if t else None
-        # The floor: moving the bytes at all (plain TCP, both ends, this run) + encrypting and
-        # decrypting them + hashing them once, the last two timed in this process.
-        aes, hashing = crypto_ms_per_mib(size, total=(16 if quick else 64) << 20)
-        tcp = _sum(out[f"tcp_socket_client_cpu_ms_per_mib{suffix}"], out[f"tcp_socket_server_cpu_ms_per_mib{suffix}"])
-        out[f"floor_aes_gcm_ms_per_mib{suffix}"], out[f"floor_blake3_ms_per_mib{suffix}"] = aes, hashing
-        out[f"floor_tcp_cpu_ms_per_mib{suffix}"] = None if tcp is None else round(tcp, 3)
-        out[f"floor_cpu_ms_per_mib{suffix}"] = None if tcp is None else round(tcp + aes + hashing, 3)
+        # The floor of each round: moving the bytes at all (plain TCP, both ends) + encrypting and
+        # decrypting them + hashing them once, the last two timed in this process after the round.
+        crypto = round_crypto.get(suffix, [])
+        tcp = round_cpu.get("tcp_socket" + suffix, [])
+        floors = [None if t is None else t + aes + hashing for t, (aes, hashing) in zip(tcp, crypto, strict=False)]
+        out[f"floor_aes_gcm_ms_per_mib{suffix}"] = _median([aes for aes, _ in crypto], 4)
+        out[f"floor_blake3_ms_per_mib{suffix}"] = _median([hashing for _, hashing in crypto], 4)
+        out[f"floor_tcp_cpu_ms_per_mib{suffix}"] = _median(tcp[:len(crypto)])
+        out[f"floor_cpu_ms_per_mib{suffix}"] = _median(floors)
+        for name in CPU_METHODS:
+            out[f"{name}_cpu_over_floor{suffix}"] = _median(
+                [None if cpu is None or not floor else cpu / floor
+                 for cpu, floor in zip(round_cpu.get(name + suffix, []), floors, strict=False)])
     out["get_1m_p50_ms"], out["tls_socket_get_1m_p50_ms"] = latency if latency is not None else (None, None)
     for suffix in BLOCK_SIZES:  # each round's run against its pair's run just before it
         for key, (after, before) in (("tls_tcp_provenance_over_plain_median", ("tls_tcp_provenance", "tls_tcp")),
@@ -588,7 +617,8 @@ def print_costs(out: dict[str, object], labels: dict[str, str]) -> None:
     rows.append(["floor: plain TCP CPU + AES-256-GCM seal/open + BLAKE3", cell("floor_cpu_ms_per_mib"), 1.0,
                  cell("floor_cpu_ms_per_mib_64k"), 1.0, "-", "-", "-"])
     print_table(f"Costs per MiB pulled, client + server (floor = TCP {cell('floor_tcp_cpu_ms_per_mib')} + AES-GCM "
-                f"{cell('floor_aes_gcm_ms_per_mib')} + BLAKE3 {cell('floor_blake3_ms_per_mib')} ms at 1 MiB); "
+                f"{cell('floor_aes_gcm_ms_per_mib')} + BLAKE3 {cell('floor_blake3_ms_per_mib')} ms at 1 MiB, medians "
+                "of the rounds; ÷ floor: the median of each round's CPU over that round's floor); "
                 f"one 1 MiB get, p50: kvfabric {cell('get_1m_p50_ms')} ms, bare TLS socket "
                 f"{cell('tls_socket_get_1m_p50_ms')} ms",
                 ["method", "CPU ms, 1 MiB", "÷ floor", "CPU ms, 64 KiB", "÷ floor", "socket calls, 1 MiB",
@@ -645,11 +675,6 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
         out[f"quic_qh3_vs_aioquic_8952{suffix}"] = _ratio(result[f"quic_qh3_mb_s{suffix}"],
                                                           result[f"quic_mb_s{suffix}"])
         out[f"quic_qh3_vs_tls_tcp_1452{suffix}"] = _ratio(qh3_1452, tls_tcp)
-    for suffix in BLOCK_SIZES:
-        for name in CPU_METHODS:
-            both = _sum(result[f"{name}_client_cpu_ms_per_mib{suffix}"],
-                        result[f"{name}_server_cpu_ms_per_mib{suffix}"])
-            out[f"{name}_cpu_over_floor{suffix}"] = _ratio(both, result[f"floor_cpu_ms_per_mib{suffix}"])
     out["syscalls_per_mib_1m"] = result["tls_tcp_syscalls_per_mib"]
     out["all_syscalls_per_mib_1m"] = result["tls_tcp_all_syscalls_per_mib"]
     out["cpu_over_floor_1m"] = out["tls_tcp_cpu_over_floor"]

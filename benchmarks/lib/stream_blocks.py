@@ -1,5 +1,6 @@
-"""The bare stream baseline of the transfer benchmarks: a client asks for `count` blocks of one size
-with a 16-byte request, the server sends them back to back over plain TCP or TLS (no framing, no
+"""The bare stream baseline of the transfer benchmarks: a client asks for `count` blocks of one size,
+starting at block `first` of the server's distinct blocks of that size, with a 24-byte request;
+the server sends them back to back over plain TCP or TLS (no framing, no
 verification). `bench_transfer.py` runs it over loopback, `bench_network.py` between bed hosts.
 """
 
@@ -10,7 +11,7 @@ import ssl
 import struct
 from collections.abc import Callable, Mapping, Sequence
 
-REQUEST = struct.Struct("<QQ")   # (block size, count)
+REQUEST = struct.Struct("<QQQ")   # (block size, first block, count)
 
 Conn = socket.socket | ssl.SSLSocket
 
@@ -27,20 +28,20 @@ def recv_exactly(conn: Conn, size: int) -> bytes:
 
 
 def answer_requests(conn: Conn, payloads: Mapping[int, Sequence[bytes]]) -> None:
-    """Serve one connection until the client closes it: each request gets its blocks, cycling
-    through `payloads[block size]`."""
+    """Serve one connection until the client closes it: each request gets its blocks, from its
+    first on, cycling through `payloads[block size]`."""
     while header := recv_exactly(conn, REQUEST.size):
-        size, count = REQUEST.unpack(header)
+        size, first, count = REQUEST.unpack(header)
         blocks = payloads[size]
-        for i in range(count):
+        for i in range(first, first + count):
             conn.sendall(blocks[i % len(blocks)])
 
 
 def receive_blocks(conn: Conn, size: int, count: int, buf: memoryview,
-                   on_block: Callable[[memoryview], object] | None = None) -> int:
-    """Ask for `count` blocks of `size` bytes and receive each into `buf` (reused), calling
-    `on_block(buf)` as each lands; bytes moved."""
-    conn.sendall(REQUEST.pack(size, count))
+                   on_block: Callable[[memoryview], object] | None = None, first: int = 0) -> int:
+    """Ask for `count` blocks of `size` bytes from block `first` on and receive each into `buf`
+    (reused), calling `on_block(buf)` as each lands; bytes moved."""
+    conn.sendall(REQUEST.pack(size, first, count))
     for _ in range(count):
         got = 0
         while got < size:

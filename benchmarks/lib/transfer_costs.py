@@ -13,7 +13,8 @@ the latency of one block.
     crypto_ms_per_mib  in this process: AES-256-GCM seal and open of random payloads in 16 KiB
                      records (cryptography's AESGCM, OpenSSL underneath, as TLS 1.3 uses), and
                      BLAKE3 of each payload: with the plain TCP method's CPU per MiB of the same
-                     run, the floor of an encrypted, verified pull.
+                     round, the floor of an encrypted, verified pull (measured again each round, so
+                     that a method's CPU is set against a floor taken beside it).
     get_latencies    one block at a time on a warm connection: a kvfabric pull against the same
                      bytes asked of a bare TLS socket server, interleaved.
 """
@@ -28,7 +29,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import blake3
@@ -154,10 +155,10 @@ class Syscalls:
         return sum(c for c in counts.values() if c is not None)
 
 
-def crypto_ms_per_mib(block_size: int, total: int = 64 << 20, passes: int = 5) -> tuple[float, float]:
+def crypto_ms_per_mib(blocks: Sequence[bytes], passes: int = 1) -> tuple[float, float]:
     """(AES-256-GCM seal + open in TLS-sized records, BLAKE3 of each block): CPU ms per MiB in
-    this process, the fastest of `passes` passes over `total` bytes of distinct random blocks."""
-    blocks = [os.urandom(block_size) for _ in range(max(1, total // block_size))]
+    this process, the fastest of `passes` passes over `blocks` (distinct random payloads of one size)."""
+    block_size = len(blocks[0])
     mib = len(blocks) * block_size / (1 << 20)
     aead, nonce = AESGCM(os.urandom(32)), os.urandom(12)
     seal_open, hashing = [], []

@@ -11,6 +11,7 @@ import socket
 import ssl
 import struct
 import threading
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -74,6 +75,25 @@ def test_records_follow_rfc8446_nonces_and_keys_across_many_records(suite: str) 
         plain += inner[:-1]
         pos, seq = pos + 5 + length, seq + 1
     assert plain == data and seq == 301
+
+
+def test_sealing_a_run_copies_each_record_once_without_temporary_buffers() -> None:
+    """Sealing 1 MiB allocates nothing per record: each record's plaintext is copied once into the
+    layer's staging area (a bytearray's slice assignment from a view would first copy it into a
+    temporary bytearray of 16 KiB, one per record), and the records still open to the same bytes."""
+    server, client = _layers()
+    data = memoryview(os.urandom(64 * MAX_CONTENT + 5))
+    out = memoryview(bytearray(RecordLayer.run_size(data.nbytes)))
+    server.seal_run(data[:MAX_CONTENT], out, 0)   # warm: first calls may allocate caches of their own
+    server, client = _layers()
+    tracemalloc.start()
+    try:
+        end = server.seal_run(data, out, 0)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < MAX_CONTENT // 4, f"sealing allocated {peak} bytes at its peak"
+    assert _open_all(client, bytes(out[:end])) == bytes(data)
 
 
 def test_a_tampered_record_is_refused_and_nothing_of_it_is_delivered() -> None:

@@ -144,9 +144,10 @@ class RecordLayer:
         self.failure: RecordError | None = None   # raised by the owner once the bytes before it are used
         self._handshake = bytearray()     # a post-handshake message split over records
         self._scratch = memoryview(bytearray(MAX_CIPHERTEXT))
-        self._stage = bytearray(MAX_CONTENT + 1)
-        self._stage_view = memoryview(self._stage)
-        self._full_inner = self._stage_view[:MAX_CONTENT + 1]
+        # Written through a memoryview only: a bytearray's slice assignment from another buffer
+        # copies that buffer into a temporary bytearray first.
+        self._stage = memoryview(bytearray(MAX_CONTENT + 1))
+        self._full_inner = self._stage[:MAX_CONTENT + 1]
 
     # -- opening
     @staticmethod
@@ -276,7 +277,7 @@ class RecordLayer:
         out = bytearray(HEADER + len(body) + 1 + TAG)
         self._stage[:len(body)] = body
         self._stage[len(body)] = ctype
-        self._seal(self._stage_view[:len(body) + 1], memoryview(out), 0)
+        self._seal(self._stage[:len(body) + 1], memoryview(out), 0)
         return bytes(out)
 
     def _seal(self, inner: memoryview, out: memoryview, at: int) -> int:
@@ -296,7 +297,7 @@ class RecordLayer:
             stage[n:n + piece.nbytes] = piece
             n += piece.nbytes
         stage[n] = APPLICATION_DATA
-        return self._seal(self._stage_view[:n + 1], out, at)
+        return self._seal(stage[:n + 1], out, at)
 
     def seal_run(self, data: memoryview, out: memoryview, at: int) -> int:
         """Seal `data` as records of MAX_CONTENT bytes (the last one shorter) at `out[at:]` (room
@@ -321,7 +322,7 @@ class RecordLayer:
         if rest:
             stage[:rest] = data[size - rest:]
             stage[rest] = APPLICATION_DATA
-            at = self._seal(self._stage_view[:rest + 1], out, at)
+            at = self._seal(stage[:rest + 1], out, at)
         return at
 
     def records_before_update(self) -> int:

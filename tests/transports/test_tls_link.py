@@ -140,6 +140,54 @@ def _assert_same(got: list[Frame], want: list[Frame]) -> None:
             assert g == w
 
 
+class _CountingDecoder(FrameDecoder):
+    """A decoder that counts the bytes handed to it through its staging area (`feed`)."""
+
+    def __init__(self, **kwargs: int) -> None:
+        super().__init__(**kwargs)
+        self.staged = 0
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        self.staged += memoryview(data).nbytes
+        return super().feed(data)
+
+
+def test_payload_records_are_opened_into_the_payload_not_staged_after_its_head(cert_dir: Path) -> None:
+    """Blocks that arrive together with their heads in one socket read: only the heads go through
+    the decoder's staging area; the records of each payload are opened into (or, the last one,
+    whose content-type byte needs a byte more, copied into) the payload's own buffer."""
+    sent = [Block(i, BlockAddress(BlockHash(os.urandom(32)), i), os.urandom(32), os.urandom(1 << 20))
+            for i in range(8)]
+    received: list[Frame] = []
+    decoder = _CountingDecoder(max_payload=2 << 20)
+
+    async def main() -> None:
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.setblocking(False)
+        loop = asyncio.get_running_loop()
+        dial = asyncio.ensure_future(open_tls(Peer("node-a", "127.0.0.1", listener.getsockname()[1]),
+                                              creds(cert_dir, "client-1"), 5))
+        raw, _ = await loop.sock_accept(listener)
+        server_sock = await accept_tls(raw, creds(cert_dir, "node-a"), 5)
+        client_sock = await dial
+        metrics = TransportMetrics()
+        sender = TlsLink(server_sock, FrameDecoder(), lambda frames: None, lambda reason: None, 5.0, metrics, "test")
+        receiver = TlsLink(client_sock, decoder, received.extend, lambda reason: None, 5.0, metrics, "test")
+        try:
+            sender.start()
+            sender.send_many(sent)   # queued before the receiver reads: heads and payloads share reads
+            receiver.start()
+            await wait_until(lambda: len(received) == len(sent), 10)
+        finally:
+            sender.close(MissReason.PEER_GONE, "test over")
+            receiver.close(MissReason.PEER_GONE, "test over")
+            listener.close()
+
+    asyncio.run(main())
+    assert [bytes(f.payload) for f in received if isinstance(f, Block)] == [bytes(f.payload) for f in sent]
+    assert decoder.staged <= len(sent) * 1024, f"{decoder.staged} bytes staged for {len(sent)} blocks"
+
+
 @pytest.mark.parametrize("read_size,sizes", [(4096, [1, 5, 4, 16384 + 22, 7, 100_000]), (1 << 20, [3000, 17, 1])],
                          ids=["reads-shorter-than-a-record", "records-cut-by-the-sender"])
 def test_records_split_across_socket_reads_arrive_whole(cert_dir: Path, read_size: int, sizes: list[int]) -> None:

@@ -79,6 +79,7 @@ BURST_HEAD = 1024 * 1024        # bytes of a burst sent FEED_SIZE at a time, the
 WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once a burst is long, or the socket full
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
 SMALL = 4 * 1024                # queued pieces under this are joined into one record
+STAGE_SPAN = 4 * 1024           # ciphertext opened into the decoder's staging area beyond its next record
 SEND_BUFFER = FEED_SIZE + 2 * MAX_RECORD   # one batch of sealed records (own record layer)
 SPARE_SEND_BUFFERS = 8          # send buffers kept for reuse once the socket took them
 
@@ -294,9 +295,17 @@ class TlsLink(LinkBase):
                 if budget <= 0:   # the buffer may hold records that the fd will not signal
                     self._loop.call_soon(self._on_readable)
                     break
-                start = self._rpos
+                start, end = self._rpos, self._rend
                 buf = decoder.get_buffer()
-                pos, n = open_into(src, start, self._rend, buf)
+                if not decoder.receiving_payload:
+                    # The decoder's staging area: the next record, and more only within STAGE_SPAN
+                    # bytes, so that the records of a payload after a frame's head are opened into
+                    # the payload's own buffer once the head is parsed, not into staging and copied
+                    # from there (a run of small records still goes in one call).
+                    first = records.record_end(src, start, end)
+                    if first >= 0:
+                        end = min(end, max(first, start + STAGE_SPAN))
+                pos, n = open_into(src, start, end, buf)
                 self._rpos = pos
                 budget -= pos - start   # ciphertext: records without data (tickets, empty ones) count too
                 if n:

@@ -162,17 +162,10 @@ def test_payload_records_are_opened_into_the_payload_not_staged_after_its_head(c
     decoder = _CountingDecoder(max_payload=2 << 20)
 
     async def main() -> None:
-        listener = socket.create_server(("127.0.0.1", 0))
-        listener.setblocking(False)
-        loop = asyncio.get_running_loop()
-        dial = asyncio.ensure_future(open_tls(Peer("node-a", "127.0.0.1", listener.getsockname()[1]),
-                                              creds(cert_dir, "client-1"), 5))
-        raw, _ = await loop.sock_accept(listener)
-        server_sock = await accept_tls(raw, creds(cert_dir, "node-a"), 5)
-        client_sock = await dial
+        server, client = await _pair(cert_dir)
         metrics = TransportMetrics()
-        sender = TlsLink(server_sock, FrameDecoder(), lambda frames: None, lambda reason: None, 5.0, metrics, "test")
-        receiver = TlsLink(client_sock, decoder, received.extend, lambda reason: None, 5.0, metrics, "test")
+        sender = TlsLink(server, FrameDecoder(), lambda frames: None, lambda reason: None, 5.0, metrics, "test")
+        receiver = TlsLink(client, decoder, received.extend, lambda reason: None, 5.0, metrics, "test")
         try:
             sender.start()
             sender.send_many(sent)   # queued before the receiver reads: heads and payloads share reads
@@ -181,7 +174,6 @@ def test_payload_records_are_opened_into_the_payload_not_staged_after_its_head(c
         finally:
             sender.close(MissReason.PEER_GONE, "test over")
             receiver.close(MissReason.PEER_GONE, "test over")
-            listener.close()
 
     asyncio.run(main())
     assert [bytes(f.payload) for f in received if isinstance(f, Block)] == [bytes(f.payload) for f in sent]

@@ -12,7 +12,8 @@ This module is the server; client.py the client.
 This module only moves bytes and runs timers: every protocol rule (HELLO, request ids, the
 in-flight window, the total frame deadline, idle and send timeouts, what an oversize or unreadable
 block becomes) is the sessions'. Frames move over `link.TlsLink` (decryption into payload
-buffers, payloads sent without copies); RDMA reuses both connection classes over its own link.
+buffers, payloads queued as views and copied once, record by record, on their way to AES-GCM); RDMA
+reuses both connection classes over its own link.
 
 Server: one pump per connection answers its pulls round-robin, BATCH_BYTES at a time, fetching the
 next batch only once under SERVER_WRITE_HIGH waits to be sent: a peer that does not read costs at most

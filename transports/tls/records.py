@@ -146,8 +146,7 @@ class RecordLayer:
         self._scratch = memoryview(bytearray(MAX_CIPHERTEXT))
         # Written through a memoryview only: a bytearray's slice assignment from another buffer
         # copies that buffer into a temporary bytearray first.
-        self._stage = memoryview(bytearray(MAX_CONTENT + 1))
-        self._full_inner = self._stage[:MAX_CONTENT + 1]
+        self._stage = memoryview(bytearray(MAX_CONTENT + 1))   # a full record's content and type
 
     # -- opening
     @staticmethod
@@ -307,7 +306,7 @@ class RecordLayer:
         Full records, all but maybe the last, share one header (their additional data)."""
         tx = self.tx
         encrypt, iv, seq = tx.aead.encrypt_into, tx.iv, tx.seq
-        stage, full, header = self._stage, self._full_inner, _FULL_HEADER
+        stage, header = self._stage, _FULL_HEADER
         size = data.nbytes
         stage[MAX_CONTENT] = APPLICATION_DATA
         for off in range(0, size - MAX_CONTENT + 1, MAX_CONTENT):
@@ -315,7 +314,7 @@ class RecordLayer:
             body = at + HEADER
             at = body + _FULL_LENGTH
             out[body - HEADER:body] = header
-            encrypt((iv ^ seq).to_bytes(12, "big"), full, header, out[body:at])
+            encrypt((iv ^ seq).to_bytes(12, "big"), stage, header, out[body:at])
             seq += 1
         tx.seq = seq
         rest = size % MAX_CONTENT

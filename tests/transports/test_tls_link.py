@@ -20,7 +20,7 @@ from transports.core.codec import Block, End, Frame, FrameDecoder, Hello, Miss, 
 from transports.core.metrics import TransportMetrics
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, open_tls
-from transports.tls.link import TLS_RECORD, TlsLink
+from transports.tls.link import FEED_SIZE, TLS_RECORD, TlsLink
 
 
 def _frames() -> list[Frame]:
@@ -178,6 +178,43 @@ def test_payload_records_are_opened_into_the_payload_not_staged_after_its_head(c
     asyncio.run(main())
     assert [bytes(f.payload) for f in received if isinstance(f, Block)] == [bytes(f.payload) for f in sent]
     assert decoder.staged <= len(sent) * 1024, f"{decoder.staged} bytes staged for {len(sent)} blocks"
+
+
+def test_a_long_answer_is_sealed_a_send_batch_at_a_time(cert_dir: Path) -> None:
+    """Past the head of a burst, records are sealed a whole send batch (up to WRITE_BATCH) per call
+    into one send buffer, not FEED_SIZE at a time: fewer passes through the sealing code per MiB."""
+    sent = [Block(i, BlockAddress(BlockHash(os.urandom(32)), i), os.urandom(32), os.urandom(1 << 20))
+            for i in range(16)]
+    received: list[Frame] = []
+    runs: list[int] = []
+
+    async def main() -> None:
+        server, client = await _pair(cert_dir)
+        metrics = TransportMetrics()
+        sender = TlsLink(server, FrameDecoder(), lambda frames: None, lambda reason: None, 5.0, metrics, "test")
+        receiver = TlsLink(client, FrameDecoder(max_payload=2 << 20), received.extend, lambda reason: None, 5.0,
+                           metrics, "test")
+        records = sender._records
+        assert records is not None, "the link seals its own records"
+        seal_run = records.seal_run
+
+        def counted(data: memoryview, out: memoryview, at: int) -> int:
+            runs.append(data.nbytes)
+            return seal_run(data, out, at)
+
+        records.seal_run = counted   # type: ignore[method-assign]
+        try:
+            receiver.start()
+            sender.start()
+            sender.send_many(sent)
+            await wait_until(lambda: len(received) == len(sent), 10)
+        finally:
+            sender.close(MissReason.PEER_GONE, "test over")
+            receiver.close(MissReason.PEER_GONE, "test over")
+
+    asyncio.run(main())
+    assert [bytes(f.payload) for f in received if isinstance(f, Block)] == [bytes(f.payload) for f in sent]
+    assert max(runs) > FEED_SIZE, f"the largest run sealed in one call was {max(runs)} bytes"
 
 
 @pytest.mark.parametrize("read_size,sizes", [(4096, [1, 5, 4, 16384 + 22, 7, 100_000]), (1 << 20, [3000, 17, 1])],

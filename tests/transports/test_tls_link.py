@@ -9,6 +9,7 @@ import fcntl
 import os
 import socket
 import termios
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -140,6 +141,36 @@ def _assert_same(got: list[Frame], want: list[Frame]) -> None:
             assert g == w
 
 
+def _through_a_link(cert_dir: Path, sent: list[Frame], decoder: FrameDecoder, *, read_late: bool,
+                    watch: Callable[[TlsLink], None] | None = None) -> list[Frame]:
+    """Send `sent` from one TlsLink to another over a real mutual-TLS loopback connection: what the
+    receiving link (reading with `decoder`) handed over. `read_late`: everything is queued before the
+    receiver starts reading; `watch` sees the sending link before it starts."""
+    received: list[Frame] = []
+
+    async def main() -> None:
+        server, client = await _pair(cert_dir)
+        metrics = TransportMetrics()
+        sender = TlsLink(server, FrameDecoder(), lambda frames: None, lambda reason: None, 5.0, metrics, "test")
+        receiver = TlsLink(client, decoder, received.extend, lambda reason: None, 5.0, metrics, "test")
+        if watch is not None:
+            watch(sender)
+        try:
+            sender.start()
+            if not read_late:
+                receiver.start()
+            sender.send_many(sent)
+            if read_late:
+                receiver.start()
+            await wait_until(lambda: len(received) == len(sent), 10)
+        finally:
+            sender.close(MissReason.PEER_GONE, "test over")
+            receiver.close(MissReason.PEER_GONE, "test over")
+
+    asyncio.run(main())
+    return received
+
+
 class _CountingDecoder(FrameDecoder):
     """A decoder that counts the bytes handed to it through its staging area (`feed`)."""
 
@@ -158,24 +189,9 @@ def test_payload_records_are_opened_into_the_payload_not_staged_after_its_head(c
     whose content-type byte needs a byte more, copied into) the payload's own buffer."""
     sent = [Block(i, BlockAddress(BlockHash(os.urandom(32)), i), os.urandom(32), os.urandom(1 << 20))
             for i in range(8)]
-    received: list[Frame] = []
     decoder = _CountingDecoder(max_payload=2 << 20)
-
-    async def main() -> None:
-        server, client = await _pair(cert_dir)
-        metrics = TransportMetrics()
-        sender = TlsLink(server, FrameDecoder(), lambda frames: None, lambda reason: None, 5.0, metrics, "test")
-        receiver = TlsLink(client, decoder, received.extend, lambda reason: None, 5.0, metrics, "test")
-        try:
-            sender.start()
-            sender.send_many(sent)   # queued before the receiver reads: heads and payloads share reads
-            receiver.start()
-            await wait_until(lambda: len(received) == len(sent), 10)
-        finally:
-            sender.close(MissReason.PEER_GONE, "test over")
-            receiver.close(MissReason.PEER_GONE, "test over")
-
-    asyncio.run(main())
+    # queued before the receiver reads: heads and payloads share reads
+    received = _through_a_link(cert_dir, sent, decoder, read_late=True)
     assert [bytes(f.payload) for f in received if isinstance(f, Block)] == [bytes(f.payload) for f in sent]
     assert decoder.staged <= len(sent) * 1024, f"{decoder.staged} bytes staged for {len(sent)} blocks"
 
@@ -185,15 +201,9 @@ def test_a_long_answer_is_sealed_a_send_batch_at_a_time(cert_dir: Path) -> None:
     into one send buffer, not FEED_SIZE at a time: fewer passes through the sealing code per MiB."""
     sent = [Block(i, BlockAddress(BlockHash(os.urandom(32)), i), os.urandom(32), os.urandom(1 << 20))
             for i in range(16)]
-    received: list[Frame] = []
     runs: list[int] = []
 
-    async def main() -> None:
-        server, client = await _pair(cert_dir)
-        metrics = TransportMetrics()
-        sender = TlsLink(server, FrameDecoder(), lambda frames: None, lambda reason: None, 5.0, metrics, "test")
-        receiver = TlsLink(client, FrameDecoder(max_payload=2 << 20), received.extend, lambda reason: None, 5.0,
-                           metrics, "test")
+    def count_runs(sender: TlsLink) -> None:
         records = sender._records
         assert records is not None, "the link seals its own records"
         seal_run = records.seal_run
@@ -203,16 +213,8 @@ def test_a_long_answer_is_sealed_a_send_batch_at_a_time(cert_dir: Path) -> None:
             return seal_run(data, out, at)
 
         records.seal_run = counted   # type: ignore[method-assign]
-        try:
-            receiver.start()
-            sender.start()
-            sender.send_many(sent)
-            await wait_until(lambda: len(received) == len(sent), 10)
-        finally:
-            sender.close(MissReason.PEER_GONE, "test over")
-            receiver.close(MissReason.PEER_GONE, "test over")
 
-    asyncio.run(main())
+    received = _through_a_link(cert_dir, sent, FrameDecoder(max_payload=2 << 20), read_late=False, watch=count_runs)
     assert [bytes(f.payload) for f in received if isinstance(f, Block)] == [bytes(f.payload) for f in sent]
     assert max(runs) > FEED_SIZE, f"the largest run sealed in one call was {max(runs)} bytes"
 

@@ -202,21 +202,11 @@ class Server:
 
 
 
-def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = False) -> Run:
-    """Blocks received one after another into one reused buffer; `hash_blocks`: BLAKE3 each one as it
-    lands (what verifying costs a transport that has nothing else to do). Requests go through all
-    the server's distinct blocks in turn, as the kvfabric pulls do: both read their payloads from
-    the same amount of memory, more than the last-level cache holds."""
-    raw = socket.create_connection(("127.0.0.1", port))
-    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    conn = credentials(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(
-        raw, server_hostname=SERVER_NODE) if use_tls else raw
-
-    def receive(block_size: int, first: int, count: int, buf: memoryview) -> int:
-        return receive_blocks(conn, block_size, count, buf,
-                              (lambda b: blake3.blake3(b).digest()) if hash_blocks else None,
-                              first=first % num_distinct(block_size))
-
+def _stream_run(receive: Callable[[int, int, int, memoryview], int]) -> Run:
+    """Blocks received one after another into one reused buffer by `receive(block size, first, count,
+    buffer)` (bytes moved). Requests go through all the server's distinct blocks in turn, as the
+    kvfabric pulls do: both read their payloads from the same amount of memory, more than the
+    last-level cache holds."""
     def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
         buf = memoryview(bytearray(block_size))
         receive(block_size, 0, 4, buf)  # warm-up
@@ -224,34 +214,31 @@ def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = Fal
         window.begin()
         while moved < total and window.elapsed() < time_limit_s:
             count = min(step, -(-(total - moved) // block_size))
-            moved += receive(block_size, first, count, buf)
+            moved += receive(block_size, first % num_distinct(block_size), count, buf)
             first += count
         window.end()
         return moved
 
     return run
+
+
+def socket_run(port: int, cert_dir: Path, use_tls: bool, hash_blocks: bool = False) -> Run:
+    """The bare stream over TCP or TLS; `hash_blocks`: BLAKE3 each block as it lands (what verifying
+    costs a transport that has nothing else to do)."""
+    raw = socket.create_connection(("127.0.0.1", port))
+    raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    conn = credentials(cert_dir, CLIENT_NODE).ssl_context(server=False).wrap_socket(
+        raw, server_hostname=SERVER_NODE) if use_tls else raw
+    on_block = (lambda b: blake3.blake3(b).digest()) if hash_blocks else None
+    return _stream_run(lambda size, first, count, buf: receive_blocks(conn, size, count, buf, on_block, first=first))
 
 
 def records_run(port: int, cert_dir: Path) -> Run:
-    """`tls_records`: blocks received one after another into one reused buffer over kvfabric's record
-    layer alone (benchmarks/lib/stream_records.py), each hashed as it lands; through all the server's
-    distinct blocks in turn, as the pulls and the socket methods go."""
+    """`tls_records`: the bare stream over kvfabric's record layer alone (benchmarks/lib/
+    stream_records.py), each block hashed as it lands."""
     stream = stream_records.dial(port, credentials(cert_dir, CLIENT_NODE), SERVER_NODE)
-
-    def run(block_size: int, total: int, time_limit_s: float, window: Window) -> int:
-        buf = memoryview(bytearray(block_size))
-        stream_records.receive_blocks(stream, block_size, 4, buf)  # warm-up
-        moved, step, first = 0, batch_blocks(block_size), 0
-        window.begin()
-        while moved < total and window.elapsed() < time_limit_s:
-            count = min(step, -(-(total - moved) // block_size))
-            moved += stream_records.receive_blocks(stream, block_size, count, buf,
-                                                   first=first % num_distinct(block_size))
-            first += count
-        window.end()
-        return moved
-
-    return run
+    return _stream_run(lambda size, first, count, buf: stream_records.receive_blocks(stream, size, count, buf,
+                                                                                     first=first))
 
 
 def kvfabric_run(port: int, cert_dir: Path, signed: bool = False, dest: str | None = None,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import ssl
 from collections.abc import Mapping, Sequence
 
 import blake3
@@ -119,7 +118,7 @@ def serve(listener: socket.socket, credentials: NodeCredentials, payloads: Mappi
             return
         try:
             stream = RecordStream(asyncio.run(accept_tls(raw, credentials, HANDSHAKE_TIMEOUT_S)))
-        except (OSError, ssl.SSLError, TimeoutError):   # accept_tls closed the socket
+        except OSError:   # the handshake failed or timed out (SSLError, TimeoutError): accept_tls closed the socket
             continue
         try:
             while stream.read_into(request):

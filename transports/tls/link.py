@@ -34,8 +34,7 @@ path and records are opened and sealed in this process (records.py):
            ─sendmsg─► socket      (send buffers are reused once the socket took them)
 
 A batch is sealed in one pass into one send buffer (WRITE_BATCH of a long transfer at once, not
-FEED_SIZE at a time as through OpenSSL's BIO): fewer passes through the sealing code per MiB, and
-one buffer per sendmsg.
+FEED_SIZE at a time as through OpenSSL's BIO): fewer passes through the sealing code per MiB.
 
 A payload's records are decrypted straight into its buffer, each record's plaintext exactly once
 (the last record of a payload ending on a record boundary goes through a scratch record: its

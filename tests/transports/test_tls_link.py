@@ -219,6 +219,38 @@ def test_a_long_answer_is_sealed_a_send_batch_at_a_time(cert_dir: Path) -> None:
     assert max(runs) > FEED_SIZE, f"the largest run sealed in one call was {max(runs)} bytes"
 
 
+class _SendCounter:
+    """A link's socket, passed through, that remembers the bytes of each `sendmsg`."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self.sends: list[int] = []
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._sock, name)
+
+    def sendmsg(self, buffers: list[memoryview]) -> int:
+        n = self._sock.sendmsg(buffers)
+        self.sends.append(n)
+        return n
+
+
+def test_an_answers_end_leaves_with_its_last_block(cert_dir: Path) -> None:
+    """A 64 KiB block fills the first send batch of an answer; the END after it goes in that same
+    send, not in one of its own (which would wake the reader once more before its answer is whole)."""
+    sent: list[Frame] = [Block(1, BlockAddress(BlockHash(os.urandom(32)), 0), os.urandom(32), os.urandom(64 << 10)),
+                         End(1)]
+    counter: list[_SendCounter] = []
+
+    def count_sends(sender: TlsLink) -> None:
+        counter.append(_SendCounter(sender._sock))
+        sender._sock = counter[0]   # type: ignore[assignment]
+
+    received = _through_a_link(cert_dir, sent, FrameDecoder(max_payload=1 << 20), read_late=False, watch=count_sends)
+    assert [type(f) for f in received] == [Block, End]
+    assert len(counter[0].sends) == 1, f"the answer left in sends of {counter[0].sends} bytes"
+
+
 @pytest.mark.parametrize("read_size,sizes", [(4096, [1, 5, 4, 16384 + 22, 7, 100_000]), (1 << 20, [3000, 17, 1])],
                          ids=["reads-shorter-than-a-record", "records-cut-by-the-sender"])
 def test_records_split_across_socket_reads_arrive_whole(cert_dir: Path, read_size: int, sizes: list[int]) -> None:

@@ -53,6 +53,7 @@ from transports.core.encoder import MAGIC, PREAMBLE
 from transports.core.metrics import TransportMetrics
 from transports.core.serving import SLOW_STREAK
 from transports.tls import client as tls_client
+from transports.tls import server as tls_server
 from transports.tls.client import ADDRESSES_PER_PULL, TlsTcpClient
 from transports.tls.handshake import open_tls
 from transports.tls.link import READ_BUDGET, TRANSPORT
@@ -764,6 +765,33 @@ def test_slow_source_is_read_off_the_event_loop(cert_dir: Path, memory_source: M
         on_loop = [t == loop_thread for t in slow.threads]
         # the first SLOW_STREAK slow reads blocked the loop; every later one ran in the pool
         assert on_loop == [True] * SLOW_STREAK + [False] * (len(inner.addresses) - SLOW_STREAK)
+
+    run(main())
+
+
+def test_a_get_from_ram_is_answered_in_the_read_that_brought_its_pull(
+        cert_dir: Path, memory_source: MemorySourceFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A PULL whose blocks fit one batch is answered by the read callback that received it, with no
+    pump task (a loop turn later); a longer one starts the pump for what is left after its first
+    batch. Every answer is whole either way."""
+    source = memory_source(num_blocks=6, num_layers=1, payload_size=512 * 1024)
+    pumps: list[int] = []
+    pump = tls_server.ServerConnection._pump
+
+    async def counted(conn: tls_server.ServerConnection) -> None:
+        pumps.append(len(conn.session.active))
+        await pump(conn)
+
+    monkeypatch.setattr(tls_server.ServerConnection, "_pump", counted)
+
+    async def main() -> None:
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            one = source.addresses[:1]
+            for _ in range(3):
+                assert_hits(await pull_all(client, peer, one), source, one)
+            assert pumps == [], "a one-batch get from RAM went through the pump"
+            assert_hits(await pull_all(client, peer, source.addresses), source, source.addresses)
+            assert len(pumps) == 1, "the rest of a six-block pull (3 MiB) is the pump's"
 
     run(main())
 

@@ -18,6 +18,9 @@ reuses both connection classes over its own link.
 Server: one pump per connection answers its pulls round-robin, BATCH_BYTES at a time, fetching the
 next batch only once under SERVER_WRITE_HIGH waits to be sent: a peer that does not read costs at most
 SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_per_peer` connections.
+The first batch of a PULL that finds nothing waiting to be sent is answered in the read callback that
+received it, when store reads run on the loop and no egress cap is set: a get from RAM waits for no
+loop turn, and the pump only starts for what is left.
 PULLs and payload bytes per second are budgeted per node (`budget`): a PULL over them is answered
 ERROR overloaded and the connection is not read until the budget admits a PULL again.
 Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
@@ -86,6 +89,7 @@ class ServerConnection:
                                      require_namespace=server.require_pull_namespace,
                                      authorise=server.authoriser(tenants))
         self.pump: asyncio.Task[None] | None = None
+        self._in_turn = False   # a batch is being answered from the read path (`_answer_turn`)
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
         self.timer = DeadlineTimer(self._expire)
 
@@ -113,8 +117,6 @@ class ServerConnection:
             self._loop.call_later(server.throttle_s(self.node, now), self._unthrottle)
         link.send_many(out)
         self.server.peak_inflight = max(self.server.peak_inflight, len(session.active))
-        if self.pump is None and session.answering:
-            self.pump = self._loop.create_task(self._pump())
         if session.closing:
             self._close_session()
         elif session.reading and not self.throttled:
@@ -122,6 +124,35 @@ class ServerConnection:
         else:
             link.pause_reading()
         self.timer.at_most(session.next_deadline(self._blocked_since()))
+        if self.pump is None and session.answering and not link.closed:
+            if self._answers_now():
+                self._answer_turn()   # its own _carry_out starts the pump if more is left
+            else:
+                self.pump = self._loop.create_task(self._pump())
+
+    def _answers_now(self) -> bool:
+        """May the next batch be answered right here, not by the pump a loop turn later? Only
+        from the read path (not from an answer being carried out), with nothing waiting to be
+        sent, no egress cap, and reads from the store that run on the loop."""
+        server = self.server
+        return (not self._in_turn and not self.link.write_pending and server.pacer is None
+                and server.fetches_inline(self._loop.time()))
+
+    def _answer_turn(self) -> None:
+        """Answer the session's next batch now, from a store read on the loop."""
+        server, session = self.server, self.session
+        turn = session.next_batch()
+        if turn is None:
+            return
+        rid, rest = turn
+        self._in_turn = True
+        try:
+            fetched = server.fetch_inline(rest, BATCH_BYTES)
+            now = self._loop.time()
+            self._carry_out(session.answer(rid, rest[:len(fetched)], fetched, now))
+        finally:
+            self._in_turn = False
+        server.count_served(session, now)
 
     def _unthrottle(self) -> None:
         self.throttled = False

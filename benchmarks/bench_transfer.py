@@ -65,7 +65,9 @@ its parts floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*: medians over rounds)
 CPU over it (*_cpu_over_floor*: the median over rounds of each round's CPU over that round's floor,
 which a burst of other work on the machine moves less than a ratio of totals).
 Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
-TLS socket server, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms). The headline keys:
+TLS socket server and from the record layer alone, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms,
+tls_records_get_1m_p50_ms; tls_records_get_1m_p50_over_tls_socket: what the records alone take of a
+get, the rest of get_1m_p50_over_tls_socket is the framework's). The headline keys:
 syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket,
 and the record layer's pair: tls_tcp_cpu_over_openssl / _64k (client + server CPU per MiB, tls_tcp ÷
 tls_tcp_openssl) and tls_tcp_over_openssl_median / _64k (MB/s, median of the rounds' pairs);
@@ -145,7 +147,6 @@ def address(block_size: int, i: int) -> BlockAddress:
     return BlockAddress(BlockHash(blake3.blake3(b"bench-transfer-%d-%d" % (block_size, i)).digest()), 0)
 
 
-
 # -- servers (run as `bench_transfer.py --serve KIND` subprocesses) ------------------------------
 
 
@@ -174,7 +175,6 @@ def _serve_socket(cert_dir: Path, use_tls: bool) -> None:
             answer_requests(conn, payloads)
 
 
-
 def _serve_records(cert_dir: Path) -> None:
     payloads = {size: random_blocks(size) for size in BLOCK_SIZES.values()}
     listener = socket.create_server(("127.0.0.1", 0))
@@ -199,7 +199,6 @@ class Server:
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         stop_process(self.proc)
-
 
 
 def _stream_run(receive: Callable[[int, int, int, memoryview], int]) -> Run:
@@ -452,7 +451,7 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     round_crypto: dict[str, list[tuple[float, float]]] = {}   # the floor's in-process parts, by round
     notes: list[str] = []
     progress = tqdm(desc="transfer", file=sys.stderr)
-    latency: tuple[float, float] | None = None
+    latency: tuple[float, float, float] | None = None
 
     def timed(name: str, run: Run, suffix: str, size: int, run_limit: float, server_pid: int | None) -> None:
         syscalls = Syscalls(os.getpid(), server_pid) if server_pid and syscalls_countable() else None
@@ -519,7 +518,7 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                     if blocks:   # the floor's crypto, beside this round's runs
                         round_crypto.setdefault(suffix, []).append(crypto_ms_per_mib(blocks))
             if kvfabric_server is not None and "tls_tcp" in only:
-                latency = one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 60)
+                latency = one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 400)
                 progress.update()
         finally:
             for stop in reversed(stoppers):
@@ -573,7 +572,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
             [None if ours is None or not theirs else ours / theirs
              for ours, theirs in zip(round_cpu.get("tls_tcp" + suffix, []), round_cpu.get("tls_records" + suffix, []),
                                      strict=False)])
-    out["get_1m_p50_ms"], out["tls_socket_get_1m_p50_ms"] = latency if latency is not None else (None, None)
+    out["get_1m_p50_ms"], out["tls_socket_get_1m_p50_ms"], out["tls_records_get_1m_p50_ms"] = (
+        latency if latency is not None else (None, None, None))
     for suffix in BLOCK_SIZES:  # each round's run against its pair's run just before it
         for key, (after, before) in (("tls_tcp_provenance_over_plain_median", ("tls_tcp_provenance", "tls_tcp")),
                                      ("tls_tcp_into_over_copy_median", ("tls_tcp_into", "tls_tcp_copy")),
@@ -590,28 +590,34 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     return out
 
 
-def one_block_latencies(kv_port: int, cert_dir: Path, samples: int) -> tuple[float, float]:
+def one_block_latencies(kv_port: int, cert_dir: Path, samples: int) -> tuple[float, float, float]:
     """p50 ms of getting one 1 MiB block on a warm connection: a kvfabric pull (digest checked,
-    timed as a caller on the running event loop sees it) and the same bytes asked of a bare TLS
-    socket server (a process of its own), interleaved. Both servers answer with one block, again
-    and again (the bare server always sends its first): the comparison is of the paths, not of
-    where the bytes sit in memory."""
+    timed as a caller on the running event loop sees it), the same bytes asked of a bare TLS socket
+    server, and of the record layer alone (stream_records.py, BLAKE3 of the block: a pull without
+    frames, sessions or event loop), each server a process of its own, interleaved. Every server
+    answers with one block, again and again (the socket servers always send their first): the
+    comparison is of the paths, not of where the bytes sit in memory."""
     size = BLOCK_SIZES[""]
-    server = Server("tls", cert_dir)
     peer = Peer(SERVER_NODE, "127.0.0.1", kv_port)
     block = address(size, 0)
-    conn = None
+    servers: list[Server] = []
+    conn = stream = None
     try:
-        raw = socket.create_connection(("127.0.0.1", server.port))
+        servers = [Server("tls", cert_dir), Server("records", cert_dir)]
+        raw = socket.create_connection(("127.0.0.1", servers[0].port))
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         ctx = credentials(cert_dir, CLIENT_NODE).ssl_context(server=False)
         conn = ctx.wrap_socket(raw, server_hostname=SERVER_NODE)
+        stream = stream_records.dial(servers[1].port, credentials(cert_dir, CLIENT_NODE), SERVER_NODE)
         buf = memoryview(bytearray(size))
 
         def socket_get() -> None:
             receive_blocks(conn, size, 1, buf)
 
-        async def measure() -> tuple[list[float], list[float]]:
+        def records_get() -> None:
+            stream_records.receive_blocks(stream, size, 1, buf)
+
+        async def measure() -> tuple[list[float], list[list[float]]]:
             client = TlsTcpClient(credentials(cert_dir, CLIENT_NODE), tune_malloc=True)
 
             async def pull_one() -> None:
@@ -620,16 +626,20 @@ def one_block_latencies(kv_port: int, cert_dir: Path, samples: int) -> tuple[flo
                         raise RuntimeError(f"a kvfabric get missed: {result}")
 
             try:
-                return await get_latencies(pull_one, socket_get, samples)
+                return await get_latencies(pull_one, [socket_get, records_get], samples)
             finally:
                 await client.close()
 
-        ours, theirs = asyncio.run(measure())
+        ours, (bare, records) = asyncio.run(measure())
     finally:
         if conn is not None:
             conn.close()
-        server.stop()
-    return round(statistics.median(ours) * 1e3, 3), round(statistics.median(theirs) * 1e3, 3)
+        if stream is not None:
+            stream.close()
+        for server in servers:
+            server.stop()
+    ours_ms, bare_ms, records_ms = (round(statistics.median(times) * 1e3, 3) for times in (ours, bare, records))
+    return ours_ms, bare_ms, records_ms
 
 
 def print_costs(out: dict[str, object], labels: dict[str, str]) -> None:
@@ -653,7 +663,7 @@ def print_costs(out: dict[str, object], labels: dict[str, str]) -> None:
                 f"{cell('floor_aes_gcm_ms_per_mib')} + BLAKE3 {cell('floor_blake3_ms_per_mib')} ms at 1 MiB, medians "
                 "of the rounds; ÷ floor: the median of each round's CPU over that round's floor); "
                 f"one 1 MiB get, p50: kvfabric {cell('get_1m_p50_ms')} ms, bare TLS socket "
-                f"{cell('tls_socket_get_1m_p50_ms')} ms",
+                f"{cell('tls_socket_get_1m_p50_ms')} ms, record layer alone {cell('tls_records_get_1m_p50_ms')} ms",
                 ["method", "CPU ms, 1 MiB", "÷ floor", "CPU ms, 64 KiB", "÷ floor", "socket calls, 1 MiB",
                  "all calls, 1 MiB", "socket calls, 64 KiB"], rows)
 
@@ -714,6 +724,8 @@ def report(result: dict[str, float | None], quick: bool, rounds: int, per_run: i
     out["cpu_over_floor_1m"] = out["tls_tcp_cpu_over_floor"]
     out["cpu_over_floor_64k"] = out["tls_tcp_cpu_over_floor_64k"]
     out["get_1m_p50_over_tls_socket"] = _ratio(result["get_1m_p50_ms"], result["tls_socket_get_1m_p50_ms"])
+    out["tls_records_get_1m_p50_over_tls_socket"] = _ratio(result["tls_records_get_1m_p50_ms"],
+                                                           result["tls_socket_get_1m_p50_ms"])
     for suffix in ("", "_64k"):
         ours, theirs = (_sum(result[f"{n}_client_cpu_ms_per_mib{suffix}"], result[f"{n}_server_cpu_ms_per_mib{suffix}"])
                         for n in ("tls_tcp", "tls_tcp_openssl"))

@@ -16,7 +16,8 @@ the latency of one block.
                      round, the floor of an encrypted, verified pull (measured again each round, so
                      that a method's CPU is set against a floor taken beside it).
     get_latencies    one block at a time on a warm connection: a kvfabric pull against the same
-                     bytes asked of a bare TLS socket server, interleaved.
+                     bytes asked of socket servers (a bare TLS socket, the record layer alone),
+                     interleaved.
 """
 
 from __future__ import annotations
@@ -176,19 +177,22 @@ def crypto_ms_per_mib(blocks: Sequence[bytes], passes: int = 1) -> tuple[float, 
     return round(min(seal_open), 4), round(min(hashing), 4)
 
 
-async def get_latencies(kvfabric_get: Callable[[], Awaitable[None]], socket_get: Callable[[], None],
-                        samples: int) -> tuple[list[float], list[float]]:
-    """Seconds of `samples` calls of each, interleaved, on the running event loop (the socket get
-    blocks it meanwhile); a few warm-up calls of each first."""
+async def get_latencies(kvfabric_get: Callable[[], Awaitable[None]], socket_gets: Sequence[Callable[[], None]],
+                        samples: int) -> tuple[list[float], list[list[float]]]:
+    """Seconds of `samples` calls of each, interleaved, on the running event loop (a socket get
+    blocks it meanwhile): the kvfabric get's, and each socket get's; a few warm-up calls of each first."""
     for _ in range(WARM_UP_GETS):
         await kvfabric_get()
-        socket_get()
-    ours, theirs = [], []
+        for get in socket_gets:
+            get()
+    ours: list[float] = []
+    theirs: list[list[float]] = [[] for _ in socket_gets]
     for _ in range(samples):
         start = time.perf_counter()
         await kvfabric_get()
         ours.append(time.perf_counter() - start)
-        start = time.perf_counter()
-        socket_get()
-        theirs.append(time.perf_counter() - start)
+        for get, times in zip(socket_gets, theirs, strict=True):
+            start = time.perf_counter()
+            get()
+            times.append(time.perf_counter() - start)
     return ours, theirs

@@ -49,7 +49,9 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
     for suffix in ("", "_256k", "_64k"):   # what frames, sessions and the loop add to the record layer's work
         assert isinstance(result[f"tls_tcp_cpu_over_records{suffix}"], float), suffix
     assert result["get_1m_p50_ms"] > 0 and result["tls_socket_get_1m_p50_ms"] > 0
+    assert result["tls_records_get_1m_p50_ms"] > 0   # the same get through the record layer alone
     assert isinstance(result["get_1m_p50_over_tls_socket"], float)
+    assert isinstance(result["tls_records_get_1m_p50_over_tls_socket"], float)
     if syscalls_countable():
         # Many TLS records per socket call: a fraction of the calls a TLS socket makes (two reads
         # and one write per 16 KiB record), whatever the timing.

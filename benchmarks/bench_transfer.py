@@ -67,7 +67,8 @@ which a burst of other work on the machine moves less than a ratio of totals).
 Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
 TLS socket server and from the record layer alone, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms,
 tls_records_get_1m_p50_ms; tls_records_get_1m_p50_over_tls_socket: what the records alone take of a
-get, the rest of get_1m_p50_over_tls_socket is the framework's). The headline keys:
+get, the rest of get_1m_p50_over_tls_socket is the framework's), and the same with one 64 KiB block
+(get_64k_p50_ms, tls_socket_get_64k_p50_ms, tls_records_get_64k_p50_ms). The headline keys:
 syscalls_per_mib_1m, cpu_over_floor_1m, cpu_over_floor_64k (kvfabric TLS-TCP), get_1m_p50_over_tls_socket,
 and the record layer's pair: tls_tcp_cpu_over_openssl / _64k (client + server CPU per MiB, tls_tcp ÷
 tls_tcp_openssl) and tls_tcp_over_openssl_median / _64k (MB/s, median of the rounds' pairs);
@@ -135,6 +136,7 @@ logger = logging.getLogger("bench_transfer")
 MB = 1_000_000
 SIZE_LABELS = {"": "1 MiB blocks", "_256k": "256 KiB blocks", "_64k": "64 KiB blocks"}
 CONCURRENT_PULLS = 2
+LATENCY_SIZES = {"1m": "", "64k": "_64k"}   # one-block gets: key infix -> BLOCK_SIZES suffix
 SERVER_NODE, CLIENT_NODE = "bench-server", "bench-client"
 
 
@@ -451,7 +453,7 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     round_crypto: dict[str, list[tuple[float, float]]] = {}   # the floor's in-process parts, by round
     notes: list[str] = []
     progress = tqdm(desc="transfer", file=sys.stderr)
-    latency: tuple[float, float, float] | None = None
+    latency: dict[str, tuple[float, float, float]] = {}   # by block size: kvfabric, bare TLS, record layer
 
     def timed(name: str, run: Run, suffix: str, size: int, run_limit: float, server_pid: int | None) -> None:
         syscalls = Syscalls(os.getpid(), server_pid) if server_pid and syscalls_countable() else None
@@ -518,7 +520,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                     if blocks:   # the floor's crypto, beside this round's runs
                         round_crypto.setdefault(suffix, []).append(crypto_ms_per_mib(blocks))
             if kvfabric_server is not None and "tls_tcp" in only:
-                latency = one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 400)
+                latency = {name: one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 400,
+                                                     BLOCK_SIZES[suffix]) for name, suffix in LATENCY_SIZES.items()}
                 progress.update()
         finally:
             for stop in reversed(stoppers):
@@ -572,8 +575,9 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
             [None if ours is None or not theirs else ours / theirs
              for ours, theirs in zip(round_cpu.get("tls_tcp" + suffix, []), round_cpu.get("tls_records" + suffix, []),
                                      strict=False)])
-    out["get_1m_p50_ms"], out["tls_socket_get_1m_p50_ms"], out["tls_records_get_1m_p50_ms"] = (
-        latency if latency is not None else (None, None, None))
+    for name in LATENCY_SIZES:
+        out[f"get_{name}_p50_ms"], out[f"tls_socket_get_{name}_p50_ms"], out[f"tls_records_get_{name}_p50_ms"] = (
+            latency.get(name, (None, None, None)))
     for suffix in BLOCK_SIZES:  # each round's run against its pair's run just before it
         for key, (after, before) in (("tls_tcp_provenance_over_plain_median", ("tls_tcp_provenance", "tls_tcp")),
                                      ("tls_tcp_into_over_copy_median", ("tls_tcp_into", "tls_tcp_copy")),
@@ -590,14 +594,13 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     return out
 
 
-def one_block_latencies(kv_port: int, cert_dir: Path, samples: int) -> tuple[float, float, float]:
-    """p50 ms of getting one 1 MiB block on a warm connection: a kvfabric pull (digest checked,
+def one_block_latencies(kv_port: int, cert_dir: Path, samples: int, size: int) -> tuple[float, float, float]:
+    """p50 ms of getting one block of `size` bytes on a warm connection: a kvfabric pull (digest checked,
     timed as a caller on the running event loop sees it), the same bytes asked of a bare TLS socket
     server, and of the record layer alone (stream_records.py, BLAKE3 of the block: a pull without
     frames, sessions or event loop), each server a process of its own, interleaved. Every server
     answers with one block, again and again (the socket servers always send their first): the
     comparison is of the paths, not of where the bytes sit in memory."""
-    size = BLOCK_SIZES[""]
     peer = Peer(SERVER_NODE, "127.0.0.1", kv_port)
     block = address(size, 0)
     servers: list[Server] = []
@@ -663,7 +666,9 @@ def print_costs(out: dict[str, object], labels: dict[str, str]) -> None:
                 f"{cell('floor_aes_gcm_ms_per_mib')} + BLAKE3 {cell('floor_blake3_ms_per_mib')} ms at 1 MiB, medians "
                 "of the rounds; ÷ floor: the median of each round's CPU over that round's floor); "
                 f"one 1 MiB get, p50: kvfabric {cell('get_1m_p50_ms')} ms, bare TLS socket "
-                f"{cell('tls_socket_get_1m_p50_ms')} ms, record layer alone {cell('tls_records_get_1m_p50_ms')} ms",
+                f"{cell('tls_socket_get_1m_p50_ms')} ms, record layer alone {cell('tls_records_get_1m_p50_ms')} ms "
+                f"(64 KiB: {cell('get_64k_p50_ms')}, {cell('tls_socket_get_64k_p50_ms')}, "
+                f"{cell('tls_records_get_64k_p50_ms')} ms)",
                 ["method", "CPU ms, 1 MiB", "÷ floor", "CPU ms, 64 KiB", "÷ floor", "socket calls, 1 MiB",
                  "all calls, 1 MiB", "socket calls, 64 KiB"], rows)
 

@@ -50,6 +50,8 @@ def test_quick_run_prints_table_then_json_with_every_figure(tmp_path: Path) -> N
         assert isinstance(result[f"tls_tcp_cpu_over_records{suffix}"], float), suffix
     assert result["get_1m_p50_ms"] > 0 and result["tls_socket_get_1m_p50_ms"] > 0
     assert result["tls_records_get_1m_p50_ms"] > 0   # the same get through the record layer alone
+    assert result["get_64k_p50_ms"] > 0 and result["tls_socket_get_64k_p50_ms"] > 0
+    assert result["tls_records_get_64k_p50_ms"] > 0
     assert isinstance(result["get_1m_p50_over_tls_socket"], float)
     assert isinstance(result["tls_records_get_1m_p50_over_tls_socket"], float)
     if syscalls_countable():

@@ -131,9 +131,9 @@ class ServerConnection:
                 self.pump = self._loop.create_task(self._pump())
 
     def _answers_now(self) -> bool:
-        """May the next batch be answered right here, not by the pump a loop turn later? Only
-        from the read path (not from an answer being carried out), with nothing waiting to be
-        sent, no egress cap, and reads from the store that run on the loop."""
+        """May the next batch be answered right here, not by the pump a loop turn later? Not while
+        a batch is being answered (what it leaves is the pump's), and only with nothing waiting to
+        be sent, no egress cap, and reads from the store that run on the loop."""
         server = self.server
         return (not self._in_turn and not self.link.write_pending and server.pacer is None
                 and server.fetches_inline(self._loop.time()))

@@ -796,6 +796,43 @@ def test_a_get_from_ram_is_answered_in_the_read_that_brought_its_pull(
     run(main())
 
 
+def test_a_read_of_many_pulls_answers_one_of_them_per_loop_turn(
+        cert_dir: Path, memory_source: MemorySourceFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PULLs read together (ten callers at once on one connection, each PULL a record of its own and
+    answered in one batch): at most one batch per loop turn is answered from the read callback, so a
+    burst of PULLs cannot hold the event loop; the pump answers the rest, and every caller gets its
+    blocks."""
+    source = memory_source(num_blocks=200, num_layers=1, payload_size=1024)
+    turns = [0]
+    inline_turns: list[int] = []
+    answer_turn = tls_server.ServerConnection._answer_turn
+
+    def counted(conn: tls_server.ServerConnection) -> None:
+        inline_turns.append(turns[0])
+        answer_turn(conn)
+
+    monkeypatch.setattr(tls_server.ServerConnection, "_answer_turn", counted)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+
+        def tick() -> None:   # counts loop turns
+            turns[0] += 1
+            loop.call_soon(tick)
+
+        async with serving(cert_dir, source) as (_, peer), client_of(cert_dir) as client:
+            assert_hits(await pull_all(client, peer, source.addresses[:1]), source, source.addresses[:1])  # connect
+            inline_turns.clear()
+            loop.call_soon(tick)
+            results = await asyncio.gather(*(pull_all(client, peer, source.addresses) for _ in range(10)))
+            for got in results:
+                assert_hits(got, source, source.addresses)
+        assert inline_turns, "no PULL was answered from the read callback"
+        assert len(inline_turns) == len(set(inline_turns)), f"answers from the read path in turns {inline_turns}"
+
+    run(main())
+
+
 def test_slow_consumer_bounds_client_memory(cert_dir: Path, memory_source: MemorySourceFactory,
                                             monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(tls_client, "RESULTS_HIGH", 1 << 20)

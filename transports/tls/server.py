@@ -20,7 +20,8 @@ next batch only once under SERVER_WRITE_HIGH waits to be sent: a peer that does 
 SERVER_WRITE_HIGH + BATCH_BYTES per connection, a node at most `max_connections_per_peer` connections.
 The first batch of a PULL that finds nothing waiting to be sent is answered in the read callback that
 received it, when store reads run on the loop and no egress cap is set: a get from RAM waits for no
-loop turn, and the pump only starts for what is left.
+loop turn, and the pump only starts for what is left. One batch per connection and loop turn is
+answered so: a read that brings many PULLs leaves the rest to the pump, turn by turn.
 PULLs and payload bytes per second are budgeted per node (`budget`): a PULL over them is answered
 ERROR overloaded and the connection is not read until the budget admits a PULL again.
 Store reads: on the loop while fast, in a thread pool after slow ones (`serving.fetch`).
@@ -89,7 +90,9 @@ class ServerConnection:
                                      require_namespace=server.require_pull_namespace,
                                      authorise=server.authoriser(tenants))
         self.pump: asyncio.Task[None] | None = None
-        self._in_turn = False   # a batch is being answered from the read path (`_answer_turn`)
+        # A batch was answered from the read path in this loop turn (`_answer_turn`): the next
+        # one waits for the pump, so a flood of PULLs in one read cannot hold the loop.
+        self._answered_in_turn = False
         self.throttled = False   # over its budget: not read until the budget admits PULLs again
         self.timer = DeadlineTimer(self._expire)
 
@@ -131,11 +134,11 @@ class ServerConnection:
                 self.pump = self._loop.create_task(self._pump())
 
     def _answers_now(self) -> bool:
-        """May the next batch be answered right here, not by the pump a loop turn later? Not while
-        a batch is being answered (what it leaves is the pump's), and only with nothing waiting to
-        be sent, no egress cap, and reads from the store that run on the loop."""
+        """May the next batch be answered right here, not by the pump a loop turn later? Once per
+        loop turn (what follows, and what a batch leaves, is the pump's), and only with nothing
+        waiting to be sent, no egress cap, and reads from the store that run on the loop."""
         server = self.server
-        return (not self._in_turn and not self.link.write_pending and server.pacer is None
+        return (not self._answered_in_turn and not self.link.write_pending and server.pacer is None
                 and server.fetches_inline(self._loop.time()))
 
     def _answer_turn(self) -> None:
@@ -145,14 +148,15 @@ class ServerConnection:
         if turn is None:
             return
         rid, rest = turn
-        self._in_turn = True
-        try:
-            fetched = server.fetch_inline(rest, BATCH_BYTES)
-            now = self._loop.time()
-            self._carry_out(session.answer(rid, rest[:len(fetched)], fetched, now))
-        finally:
-            self._in_turn = False
+        self._answered_in_turn = True
+        self._loop.call_soon(self._turn_over)
+        fetched = server.fetch_inline(rest, BATCH_BYTES)
+        now = self._loop.time()
+        self._carry_out(session.answer(rid, rest[:len(fetched)], fetched, now))
         server.count_served(session, now)
+
+    def _turn_over(self) -> None:
+        self._answered_in_turn = False
 
     def _unthrottle(self) -> None:
         self.throttled = False

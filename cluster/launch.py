@@ -14,6 +14,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import dataclasses
 import logging
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -120,6 +122,7 @@ class LocalCluster:
     cluster: Cluster
     config: Config
     root: Path
+    ray_dir: Path | None = None   # Ray's session files and sockets, removed at shutdown
 
     @property
     def address(self) -> str:
@@ -163,6 +166,8 @@ class LocalCluster:
         finally:
             ray.shutdown()
             self.cluster.shutdown()
+            if self.ray_dir is not None:
+                shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
 def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Config | None = None, *,
@@ -181,8 +186,11 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
     cfg = local_config(root, config)
     ensure_ca(cfg.transport.cert_dir)
     node_args = dict(node_ip_address=LOOPBACK, num_cpus=num_cpus_per_node, object_store_memory=object_store_bytes)
+    # Ray's session files and sockets in a directory of this cluster's own, not the shared /tmp/ray
+    # (a short path: a Unix socket's must stay under 108 bytes); every node of the cluster uses it.
+    ray_dir = Path(tempfile.mkdtemp(prefix="kvf-ray-"))
     cluster = Cluster(initialize_head=True, shutdown_at_exit=not persistent,
-                      head_node_args=dict(include_dashboard=False, **node_args))
+                      head_node_args=dict(include_dashboard=False, temp_dir=str(ray_dir), **node_args))
     for _ in range(num_nodes - 1):
         cluster.add_node(**node_args)
     cluster.wait_for_nodes()
@@ -194,5 +202,6 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
     except BaseException:
         ray.shutdown()
         cluster.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
         raise
-    return LocalCluster(cluster, cfg, root)
+    return LocalCluster(cluster, cfg, root, None if persistent else ray_dir)

@@ -51,6 +51,7 @@ def fabric(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalCluster]:
         yield local
     finally:
         local.shutdown()
+    assert local.ray_dir is not None and not local.ray_dir.exists(), "Ray's files outlived the cluster"
 
 
 def prompt(seed: int, num_blocks: int) -> list[int]:
@@ -301,6 +302,15 @@ def test_a_node_added_later_gets_a_node_actor_and_serves_pulls(fabric: LocalClus
     wait_until(lambda: client.lookup(NS, tokens).num_blocks == 10, "new node's blocks visible", 5)
     reply = client.load(NS, tokens)
     assert np.array_equal(reply.payloads, data) and set(reply.sources) == {f"peer:{new}"}
+
+
+def test_every_ray_node_keeps_its_files_in_the_clusters_own_directory(fabric: LocalCluster) -> None:
+    """Session files and sockets of every Ray node (the one added later too) are under the cluster's
+    own directory, not the shared /tmp/ray that other clusters on the machine use."""
+    assert fabric.ray_dir is not None
+    session_dirs = [Path(node.get_session_dir_path()) for node in fabric.cluster.list_all_nodes()]
+    assert len(session_dirs) >= 3
+    assert all(d.parent == fabric.ray_dir for d in session_dirs), session_dirs
 
 
 def test_a_dead_owner_means_fallback_or_miss_never_wrong_data(fabric: LocalCluster) -> None:

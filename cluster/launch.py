@@ -12,6 +12,7 @@ import os
 # Before the first `import ray` anywhere in this process: Ray reads it once, at import.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import atexit
 import dataclasses
 import logging
 import shutil
@@ -122,7 +123,7 @@ class LocalCluster:
     cluster: Cluster
     config: Config
     root: Path
-    ray_dir: Path | None = None   # Ray's session files and sockets, removed at shutdown
+    ray_dir: Path | None = None   # Ray's session files and sockets: removed by `shutdown` (`kvfabric down`)
 
     @property
     def address(self) -> str:
@@ -189,6 +190,8 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
     # Ray's session files and sockets in a directory of this cluster's own, not the shared /tmp/ray
     # (a short path: a Unix socket's must stay under 108 bytes); every node of the cluster uses it.
     ray_dir = Path(tempfile.mkdtemp(prefix="kvf-ray-"))
+    if not persistent:   # registered first, so it runs after Ray's own exit handler has stopped the nodes
+        atexit.register(shutil.rmtree, ray_dir, ignore_errors=True)
     cluster = Cluster(initialize_head=True, shutdown_at_exit=not persistent,
                       head_node_args=dict(include_dashboard=False, temp_dir=str(ray_dir), **node_args))
     for _ in range(num_nodes - 1):
@@ -204,4 +207,4 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
         cluster.shutdown()
         shutil.rmtree(ray_dir, ignore_errors=True)
         raise
-    return LocalCluster(cluster, cfg, root, None if persistent else ray_dir)
+    return LocalCluster(cluster, cfg, root, ray_dir)

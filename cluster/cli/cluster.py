@@ -22,6 +22,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import socket
 import time
@@ -189,7 +190,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             for infos in node.all_processes.values() for p in infos if p.process is not None]
     state_file().parent.mkdir(parents=True, exist_ok=True)
     state_file().write_text(json.dumps({"address": local.address, "root": str(local.root), "pids": pids,
-                                        "config": args.config}))
+                                        "config": args.config, "ray_dir": str(local.ray_dir)}))
     print(f"kvfabric is up: {num_nodes} Ray nodes at {local.address} ({time.monotonic() - start:.1f} s), "
           f"stores under {local.root}")
     print(f"  connect:  ray.init(address={local.address!r}); FabricClient.connect()")
@@ -374,6 +375,8 @@ def cmd_down(args: argparse.Namespace) -> int:
             deadline = time.monotonic() + 10
             while any(pid_alive(p) for p in alive) and time.monotonic() < deadline:
                 time.sleep(0.1)
+        if state.get("ray_dir"):   # Ray's session files and sockets of the stopped nodes
+            shutil.rmtree(state["ray_dir"], ignore_errors=True)
         state_file().unlink()
         print(f"local cluster at {state['address']} stopped")
     return 0

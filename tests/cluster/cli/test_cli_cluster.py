@@ -53,6 +53,7 @@ def test_up_stats_down_round_trip(tmp_path: Path) -> None:
     assert down.returncode == 0, down.stderr[-3000:]
     assert not (home / "local-cluster.json").exists()
     assert not any(_alive(pid) for pid in state["pids"])
+    assert not Path(state["ray_dir"]).exists(), "Ray's session files and sockets outlived `kvfabric down`"
 
 
 def test_the_stats_table_shows_blocks_held_against_the_block_capacity() -> None:

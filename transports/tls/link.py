@@ -522,15 +522,13 @@ class TlsLink(LinkBase):
         batch (FIRST_BATCH), so that the peer opens its first records while this side seals the
         next, goes on FEED_SIZE at a time, and once BURST_HEAD is sent or the socket is full, in
         WRITE_BATCH batches: a few system calls per MiB of a long transfer, little wait for a short one.
-        What is left under SMALL bytes joins the batch before it."""
+        A tail under SMALL bytes (an answer's END) joins the batch before it: one wake-up less for the peer."""
         cipher = self._cipher
         while not self.closed:
             try:
                 self._take_outgoing()
                 # Own records are sealed a batch at a time (into one send buffer); OpenSSL's go
                 # through the BIO FEED_SIZE at a time.
-                # A tail of under SMALL bytes (an answer's END) goes with the batch before it: a
-                # send of its own would cost the peer another wake-up before its answer is whole.
                 step = self._batch if self._records is not None else FEED_SIZE
                 while self._plain and (self._cipher_bytes < self._batch or self._plain_bytes < SMALL):
                     self._encrypt(max(min(step, self._batch - self._cipher_bytes), SMALL))

@@ -37,11 +37,13 @@ import errno
 import logging
 import socket
 import ssl
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Self
 
 from fabric import config as defaults
 from fabric.config import TransportConfig
+from fabric.keys import BlockAddress
 from transports.core.base import BlockSource
 from transports.core.budget import PeerBudgets, PeerRates, peer_rates
 from transports.core.codec import (
@@ -62,7 +64,7 @@ from transports.core.serving import (
     ServingServer,
     payload_bytes,
 )
-from transports.core.session import ServerSession
+from transports.core.session import Fetched, ServerSession
 from transports.core.timer import DeadlineTimer
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, auth_failure_reason, peer_node, peer_tenants
@@ -150,13 +152,17 @@ class ServerConnection:
         rid, rest = turn
         self._answered_in_turn = True
         self._loop.call_soon(self._turn_over)
-        fetched = server.fetch_inline(rest, BATCH_BYTES)
-        now = self._loop.time()
-        self._carry_out(session.answer(rid, rest[:len(fetched)], fetched, now))
-        server.count_served(session, now)
+        self._send_answer(rid, rest, server.fetch_inline(rest, BATCH_BYTES))
 
     def _turn_over(self) -> None:
         self._answered_in_turn = False
+
+    def _send_answer(self, rid: int, rest: Sequence[BlockAddress], fetched: list[Fetched]) -> None:
+        """Answer the start of `rest` (what is left of pull `rid`) with what the store gave."""
+        now = self._loop.time()
+        out = self.session.answer(rid, rest[:len(fetched)], fetched, now)
+        self.server.count_served(self.session, now)
+        self._carry_out(out)
 
     def _unthrottle(self) -> None:
         self.throttled = False
@@ -189,10 +195,7 @@ class ServerConnection:
                     fetched = await server.fetch_in_pool(rest, batch)
                 if link.closed or rid not in session.active:
                     break
-                now = self._loop.time()
-                out = session.answer(rid, rest[:len(fetched)], fetched, now)
-                server.count_served(session, now)
-                self._carry_out(out)
+                self._send_answer(rid, rest, fetched)
                 if server.pacer is not None:   # a capped egress: the next batch waits its turn
                     await asyncio.sleep(server.pacer.wait_s(payload_bytes(fetched), self._loop.time()))
         finally:

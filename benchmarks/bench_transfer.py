@@ -520,8 +520,8 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                     if blocks:   # the floor's crypto, beside this round's runs
                         round_crypto.setdefault(suffix, []).append(crypto_ms_per_mib(blocks))
             if kvfabric_server is not None and "tls_tcp" in only:
-                latency = {name: one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 400,
-                                                     BLOCK_SIZES[suffix]) for name, suffix in LATENCY_SIZES.items()}
+                latency = one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 400,
+                                              {name: BLOCK_SIZES[suffix] for name, suffix in LATENCY_SIZES.items()})
                 progress.update()
         finally:
             for stop in reversed(stoppers):
@@ -594,15 +594,15 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     return out
 
 
-def one_block_latencies(kv_port: int, cert_dir: Path, samples: int, size: int) -> tuple[float, float, float]:
-    """p50 ms of getting one block of `size` bytes on a warm connection: a kvfabric pull (digest checked,
-    timed as a caller on the running event loop sees it), the same bytes asked of a bare TLS socket
-    server, and of the record layer alone (stream_records.py, BLAKE3 of the block: a pull without
-    frames, sessions or event loop), each server a process of its own, interleaved. Every server
-    answers with one block, again and again (the socket servers always send their first): the
-    comparison is of the paths, not of where the bytes sit in memory."""
+def one_block_latencies(kv_port: int, cert_dir: Path, samples: int,
+                        sizes: dict[str, int]) -> dict[str, tuple[float, float, float]]:
+    """p50 ms of getting one block on a warm connection, for each of `sizes` (name: bytes): a kvfabric
+    pull (digest checked, timed as a caller on the running event loop sees it), the same bytes asked
+    of a bare TLS socket server, and of the record layer alone (stream_records.py, BLAKE3 of the
+    block: a pull without frames, sessions or event loop), each server a process of its own,
+    interleaved. Every server answers with one block, again and again (the socket servers always
+    send their first): the comparison is of the paths, not of where the bytes sit in memory."""
     peer = Peer(SERVER_NODE, "127.0.0.1", kv_port)
-    block = address(size, 0)
     servers: list[Server] = []
     conn = stream = None
     try:
@@ -612,15 +612,9 @@ def one_block_latencies(kv_port: int, cert_dir: Path, samples: int, size: int) -
         ctx = credentials(cert_dir, CLIENT_NODE).ssl_context(server=False)
         conn = ctx.wrap_socket(raw, server_hostname=SERVER_NODE)
         stream = stream_records.dial(servers[1].port, credentials(cert_dir, CLIENT_NODE), SERVER_NODE)
-        buf = memoryview(bytearray(size))
 
-        def socket_get() -> None:
-            receive_blocks(conn, size, 1, buf)
-
-        def records_get() -> None:
-            stream_records.receive_blocks(stream, size, 1, buf)
-
-        async def measure() -> tuple[list[float], list[list[float]]]:
+        async def measure(size: int) -> tuple[list[float], list[list[float]]]:
+            block, buf = address(size, 0), memoryview(bytearray(size))
             client = TlsTcpClient(credentials(cert_dir, CLIENT_NODE), tune_malloc=True)
 
             async def pull_one() -> None:
@@ -628,12 +622,23 @@ def one_block_latencies(kv_port: int, cert_dir: Path, samples: int, size: int) -
                     if not isinstance(result, Hit):
                         raise RuntimeError(f"a kvfabric get missed: {result}")
 
+            def socket_get() -> None:
+                receive_blocks(conn, size, 1, buf)
+
+            def records_get() -> None:
+                stream_records.receive_blocks(stream, size, 1, buf)
+
             try:
                 return await get_latencies(pull_one, [socket_get, records_get], samples)
             finally:
                 await client.close()
 
-        ours, (bare, records) = asyncio.run(measure())
+        out = {}
+        for name, size in sizes.items():
+            ours, (bare, records) = asyncio.run(measure(size))
+            ours_ms, bare_ms, records_ms = (round(statistics.median(t) * 1e3, 3) for t in (ours, bare, records))
+            out[name] = (ours_ms, bare_ms, records_ms)
+        return out
     finally:
         if conn is not None:
             conn.close()
@@ -641,8 +646,6 @@ def one_block_latencies(kv_port: int, cert_dir: Path, samples: int, size: int) -
             stream.close()
         for server in servers:
             server.stop()
-    ours_ms, bare_ms, records_ms = (round(statistics.median(times) * 1e3, 3) for times in (ours, bare, records))
-    return ours_ms, bare_ms, records_ms
 
 
 def print_costs(out: dict[str, object], labels: dict[str, str]) -> None:

@@ -65,7 +65,9 @@ its parts floor_tcp_cpu_*, floor_aes_gcm_*, floor_blake3_*: medians over rounds)
 CPU over it (*_cpu_over_floor*: the median over rounds of each round's CPU over that round's floor,
 which a burst of other work on the machine moves less than a ratio of totals).
 Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
-TLS socket server and from the record layer alone, interleaved (get_1m_p50_ms, tls_socket_get_1m_p50_ms,
+TLS socket server and from the record layer alone, interleaved, with this process on one CPU and the servers
+on another (transfer_costs.cores_apart: left to the scheduler, the ends' placement moved a bare TLS get's p50
+by half from run to run) (get_1m_p50_ms, tls_socket_get_1m_p50_ms,
 tls_records_get_1m_p50_ms; tls_records_get_1m_p50_over_tls_socket: what the records alone take of a
 get, the rest of get_1m_p50_over_tls_socket is the framework's), and the same with one 64 KiB block
 (get_64k_p50_ms, tls_socket_get_64k_p50_ms, tls_records_get_64k_p50_ms). The headline keys:
@@ -114,7 +116,7 @@ from benchmarks.lib.transfer_baselines import (
     redis_server_binary,
     stop_process,
 )
-from benchmarks.lib.transfer_costs import Syscalls, crypto_ms_per_mib, get_latencies, syscalls_countable
+from benchmarks.lib.transfer_costs import Syscalls, cores_apart, crypto_ms_per_mib, get_latencies, syscalls_countable
 from benchmarks.lib.transfer_provenance import (
     NAMESPACE,
     SignedSource,
@@ -520,7 +522,7 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
                     if blocks:   # the floor's crypto, beside this round's runs
                         round_crypto.setdefault(suffix, []).append(crypto_ms_per_mib(blocks))
             if kvfabric_server is not None and "tls_tcp" in only:
-                latency = one_block_latencies(kvfabric_server.port, cert_dir, 10 if quick else 400,
+                latency = one_block_latencies(kvfabric_server, cert_dir, 10 if quick else 400,
                                               {name: BLOCK_SIZES[suffix] for name, suffix in LATENCY_SIZES.items()})
                 progress.update()
         finally:
@@ -594,15 +596,16 @@ def measure(workdir: Path, quick: bool, rounds: int, per_run: int, limit: float,
     return out
 
 
-def one_block_latencies(kv_port: int, cert_dir: Path, samples: int,
+def one_block_latencies(kv_server: Server, cert_dir: Path, samples: int,
                         sizes: dict[str, int]) -> dict[str, tuple[float, float, float]]:
     """p50 ms of getting one block on a warm connection, for each of `sizes` (name: bytes): a kvfabric
     pull (digest checked, timed as a caller on the running event loop sees it), the same bytes asked
     of a bare TLS socket server, and of the record layer alone (stream_records.py, BLAKE3 of the
     block: a pull without frames, sessions or event loop), each server a process of its own,
-    interleaved. Every server answers with one block, again and again (the socket servers always
-    send their first): the comparison is of the paths, not of where the bytes sit in memory."""
-    peer = Peer(SERVER_NODE, "127.0.0.1", kv_port)
+    interleaved, this process on one CPU and the servers on another (`cores_apart`). Every server
+    answers with one block, again and again (the socket servers always send their first): the
+    comparison is of the paths, not of where the bytes sit in memory."""
+    peer = Peer(SERVER_NODE, "127.0.0.1", kv_server.port)
     servers: list[Server] = []
     conn = stream = None
     try:
@@ -629,7 +632,8 @@ def one_block_latencies(kv_port: int, cert_dir: Path, samples: int,
                 stream_records.receive_blocks(stream, size, 1, buf)
 
             try:
-                return await get_latencies(pull_one, [socket_get, records_get], samples)
+                with cores_apart([kv_server.proc.pid] + [server.proc.pid for server in servers]):
+                    return await get_latencies(pull_one, [socket_get, records_get], samples)
             finally:
                 await client.close()
 

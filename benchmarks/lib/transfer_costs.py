@@ -18,6 +18,12 @@ the latency of one block.
     get_latencies    one block at a time on a warm connection: a kvfabric pull against the same
                      bytes asked of socket servers (a bare TLS socket, the record layer alone),
                      interleaved.
+    cores_apart      while one-block gets are timed: the client on one CPU, every server on another.
+                     A get hands its bytes from one process to the other and back; left to the
+                     scheduler, whether the two ends share a core changes from run to run (a bare TLS
+                     socket's p50 moved between 0.93 and 1.45 ms over three runs minutes apart), and
+                     with it every method's time, so that a ratio of two methods' p50s did not hold
+                     from one run to the next. Pinned, each method is timed with its ends on two cores.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import shutil
 import subprocess
 import tempfile
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from pathlib import Path
 
 import blake3
@@ -196,3 +202,36 @@ async def get_latencies(kvfabric_get: Callable[[], Awaitable[None]], socket_gets
             get()
             times.append(time.perf_counter() - start)
     return ours, theirs
+
+
+def _threads(pid: int) -> list[int]:
+    """The thread ids of process `pid` (none once it is gone)."""
+    try:
+        return [int(tid) for tid in os.listdir(f"/proc/{pid}/task")]
+    except OSError:
+        return []
+
+
+@contextlib.contextmanager
+def cores_apart(server_pids: Sequence[int]) -> Iterator[bool]:
+    """Within the block, the calling thread runs on one CPU and every thread of each of
+    `server_pids` on another (see the module docstring); each thread's own CPU set is given back
+    after it. Yields False, pinning nothing, where fewer than two CPUs are available or pinning is
+    not (a platform without `sched_setaffinity`)."""
+    setaffinity = getattr(os, "sched_setaffinity", None)
+    cpus = sorted(os.sched_getaffinity(0)) if setaffinity is not None else []
+    if setaffinity is None or len(cpus) < 2:
+        yield False
+        return
+    client, server = cpus[0], cpus[1]
+    saved: list[tuple[int, set[int]]] = []
+    try:
+        for tid, cpu in [(0, client)] + [(tid, server) for pid in server_pids for tid in _threads(pid)]:
+            with contextlib.suppress(ProcessLookupError):   # a thread that ended meanwhile
+                saved.append((tid, os.sched_getaffinity(tid)))
+                setaffinity(tid, {cpu})
+        yield True
+    finally:
+        for tid, mask in saved:
+            with contextlib.suppress(ProcessLookupError):
+                setaffinity(tid, mask)

@@ -66,8 +66,8 @@ CPU over it (*_cpu_over_floor*: the median over rounds of each round's CPU over 
 which a burst of other work on the machine moves less than a ratio of totals).
 Then one 1 MiB block at a time on a warm connection: a kvfabric pull against the same bytes from a bare
 TLS socket server and from the record layer alone, interleaved, with this process on one CPU and the servers
-on another (transfer_costs.cores_apart: left to the scheduler, the ends' placement moved a bare TLS get's p50
-by half from run to run) (get_1m_p50_ms, tls_socket_get_1m_p50_ms,
+on another (transfer_costs.cores_apart: left to the scheduler, where the two ends run changes from run to run,
+and every method's p50 with it) (get_1m_p50_ms, tls_socket_get_1m_p50_ms,
 tls_records_get_1m_p50_ms; tls_records_get_1m_p50_over_tls_socket: what the records alone take of a
 get, the rest of get_1m_p50_over_tls_socket is the framework's), and the same with one 64 KiB block
 (get_64k_p50_ms, tls_socket_get_64k_p50_ms, tls_records_get_64k_p50_ms). The headline keys:

@@ -20,10 +20,10 @@ the latency of one block.
                      interleaved.
     cores_apart      while one-block gets are timed: the client on one CPU, every server on another.
                      A get hands its bytes from one process to the other and back; left to the
-                     scheduler, whether the two ends share a core changes from run to run (a bare TLS
-                     socket's p50 moved between 0.93 and 1.45 ms over three runs minutes apart), and
-                     with it every method's time, so that a ratio of two methods' p50s did not hold
-                     from one run to the next. Pinned, each method is timed with its ends on two cores.
+                     scheduler, whether the two ends share a core changes from run to run, and with
+                     it every method's time, so that a ratio of two methods' p50s does not hold from
+                     one run to the next (docs/benchmarks.md). Pinned, each method is timed with its
+                     ends on two cores.
 """
 
 from __future__ import annotations

@@ -216,8 +216,8 @@ def _threads(pid: int) -> list[int]:
 def cores_apart(server_pids: Sequence[int]) -> Iterator[bool]:
     """Within the block, the calling thread runs on one CPU and every thread of each of
     `server_pids` on another (see the module docstring); each thread's own CPU set is given back
-    after it. Yields False, pinning nothing, where fewer than two CPUs are available or pinning is
-    not (a platform without `sched_setaffinity`)."""
+    after it. Yields False, pinning nothing, where fewer than two CPUs are available or the platform
+    has no `sched_setaffinity`."""
     setaffinity = getattr(os, "sched_setaffinity", None)
     cpus = sorted(os.sched_getaffinity(0)) if setaffinity is not None else []
     if setaffinity is None or len(cpus) < 2:

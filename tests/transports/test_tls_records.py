@@ -116,6 +116,35 @@ def test_a_tampered_record_is_refused_and_nothing_of_it_is_delivered() -> None:
         assert reader.open_into(memoryview(tampered), pos, len(tampered), dst) == (pos, 0)   # and it stays refused
 
 
+def _seal_padded(layer: RecordLayer, content: bytes, ctype: int, padding: int) -> bytes:
+    """One record of `content`, its type and `padding` zero bytes (RFC 8446 §5.4), as a peer may send."""
+    inner = content + bytes([ctype]) + bytes(padding)
+    header = struct.pack(">BHH", 23, 0x0303, len(inner) + 16)
+    return header + layer.tx.aead.encrypt(layer.tx.nonce(), inner, header)
+
+
+def test_full_size_records_that_are_padded_or_carry_a_message_open_amid_a_run_of_full_ones() -> None:
+    """Full-size records (16 KiB of data) open in a run straight into the payload; one of the same
+    size on the wire that is padded, or that carries a KeyUpdate, does not pass for data."""
+    server, client = _layers()
+    first, second, third = (os.urandom(MAX_CONTENT) for _ in range(3))
+    run = memoryview(bytearray(RecordLayer.run_size(MAX_CONTENT)))
+    wire = b""
+    for data in (first, second):
+        end = server.seal_run(memoryview(data), run, 0)
+        wire += bytes(run[:end])
+    padded = os.urandom(MAX_CONTENT - 300)
+    wire += _seal_padded(server, padded, 23, 300)    # as long as a full record, 300 bytes of padding
+    update = bytes([24, 0, 0, 1, 0])
+    wire += _seal_padded(server, update, 22, MAX_CONTENT - len(update))   # a KeyUpdate, padded to full size
+    server.tx.update()
+    end = server.seal_run(memoryview(third), run, 0)
+    wire += bytes(run[:end])
+    assert len(wire) == 5 * (5 + MAX_CONTENT + 17)   # five records of the same size
+    assert _open_all(client, wire) == first + second + padded + third
+    assert client.failure is None and not client.outbox   # the update was taken, and not asked to be answered
+
+
 def test_key_update_asked_by_the_peer_is_answered_and_both_directions_move_on() -> None:
     server, client = _layers()
     wire = server.seal_control(22, bytes([24, 0, 0, 1, 1]))   # KeyUpdate, update_requested

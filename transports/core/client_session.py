@@ -203,6 +203,12 @@ class ClientSession(SessionBase):
         """Frames an adapter decoded with `self.decoder`, after every read (see ServerSession)."""
         return self._guarded(lambda: frames, now)
 
+    def receive_bytes(self, now: float) -> None:
+        """A read that completed no frame (`receive_frames` of none, which changes no outcome)."""
+        if self.state is State.OPEN:
+            self.last_rx = now
+            self._track_frame(0, now)
+
     def end_of_stream(self, now: float) -> list[int]:
         touched = self._guarded(self._close_decoder, now)
         return touched + self.connection_lost(MissReason.PEER_ERROR if self.requests else MissReason.PEER_GONE)
@@ -320,11 +326,12 @@ class ClientSession(SessionBase):
     def next_deadline(self) -> float | None:
         if self.state is not State.OPEN or self.paused_since is not None:
             return None
-        deadlines = [d for d in (self._frame_deadline(),
-                                 self.last_rx + self.frame_timeout_s if self.requests else None,
-                                 None if self.requests else self.idle_since + self.idle_timeout_s / 2)
-                     if d is not None]
-        return min(deadlines, default=None)
+        if not self.requests:
+            deadline = self.idle_since + self.idle_timeout_s / 2
+        else:
+            deadline = self.last_rx + self.frame_timeout_s
+        started = self.frame_started
+        return deadline if started is None else min(deadline, started + self.frame_timeout_s)
 
     def handle_timer(self, now: float) -> tuple[list[Frame], list[int]]:
         """(frames to send, ids of the requests whose outcomes changed): a stalled server ends its

@@ -6,6 +6,7 @@ frame types are `transports.core.frames`'.
 from __future__ import annotations
 
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -36,6 +37,15 @@ PREAMBLE = struct.Struct("<4sBBHIQ")
 PREAMBLE_SIZE = PREAMBLE.size  # 20
 DEFAULT_MAX_HEADER = 64 * 1024
 DIGEST_SIZE = 32
+
+_packers = threading.local()   # one msgpack Packer per thread: `msgpack.packb` makes (and allocates) one per call
+
+
+def _pack(header: dict[str, Any]) -> bytes:
+    packer = getattr(_packers, "packer", None)
+    if packer is None:
+        packer = _packers.packer = msgpack.Packer(use_bin_type=True)
+    return packer.pack(header)   # a failed pack leaves the packer empty for the next one
 
 
 def payload_pieces(payload: Payload | tuple[Payload, ...]) -> tuple[Payload, ...]:
@@ -123,7 +133,7 @@ def _encode_block(frame: Block, max_header: int, max_payload: int, sent: SentRec
     fields = {"rid": frame.request_id, "hash": a.hash, "layer": a.layer, "digest": frame.digest}
     if frame.provenance is not None:
         fields |= sent.table(frame.provenance) if sent is not None else record_tables((frame.provenance,))
-    header = msgpack.packb(fields, use_bin_type=True)
+    header = _pack(fields)
     if len(header) > max_header:
         raise ValueError(f"BLOCK header is {len(header)} bytes, over the {max_header}-byte limit")
     if size > max_payload:
@@ -134,7 +144,7 @@ def _encode_block(frame: Block, max_header: int, max_payload: int, sent: SentRec
 
 
 def _encode_checked(frame: Frame, max_header: int, max_payload: int, sent: SentRecords | None) -> Encoded:
-    header = msgpack.packb(_header(frame, sent), use_bin_type=True)
+    header = _pack(_header(frame, sent))
     payload: Payload | tuple[Payload, ...] = frame.payload if isinstance(frame, Block | Blocks) else b""
     piece_sizes = tuple(memoryview(p).nbytes for p in payload_pieces(payload))
     payload_len = sum(piece_sizes)

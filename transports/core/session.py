@@ -384,12 +384,17 @@ class ServerSession(SessionBase):
         waiting for the peer to read, or None."""
         if self.state is not State.OPEN:
             return None
-        deadlines = [d for d in (self._frame_deadline(),
-                                 None if blocked_since is None else blocked_since + self.frame_timeout_s)
-                     if d is not None]
-        if not self.active and not self.queued and self.frame_started is None and not self.one_pull:
-            deadlines.append(self.idle_since + self.idle_timeout_s)
-        return min(deadlines, default=None)
+        started = self.frame_started
+        if started is not None:
+            deadline: float | None = started + self.frame_timeout_s
+        elif not self.active and not self.queued and not self.one_pull:
+            deadline = self.idle_since + self.idle_timeout_s
+        else:
+            deadline = None
+        if blocked_since is not None:
+            blocked = blocked_since + self.frame_timeout_s
+            return blocked if deadline is None or blocked < deadline else deadline
+        return deadline
 
     def handle_timer(self, now: float, blocked_since: float | None = None) -> list[Frame]:
         if self.state is not State.OPEN:

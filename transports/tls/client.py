@@ -115,7 +115,10 @@ class ClientConnection:
             self.timer.at_most(self.session.next_deadline())
 
     def on_frames(self, frames: list[Frame]) -> None:
-        self._deliver(self.session.receive_frames(frames, self._loop.time()))
+        if frames:
+            self._deliver(self.session.receive_frames(frames, self._loop.time()))
+        else:   # part of a payload: progress for the stall timers, no result to hand over
+            self.session.receive_bytes(self._loop.time())
 
     def _deliver(self, touched: list[int]) -> None:
         """Count what the session queued, wake the callers of the requests whose outcomes it changed,

@@ -314,6 +314,11 @@ class TlsLink(LinkBase):
                 if n:
                     got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
+                    # No whole record left to open: read the socket now, not on the next pass.
+                    stop = records.record_end(src, pos, self._rend)
+                    if (stop < 0 or stop > self._rend) and records.failure is None and not records.peer_closed \
+                            and not self._recv_records():
+                        break
                 elif pos == start and records.failure is None and not records.peer_closed:
                     stop = records.record_end(src, pos, self._rend)
                     if 0 <= stop <= self._rend:   # a whole record, larger than what is left of `buf`

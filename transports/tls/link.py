@@ -82,6 +82,7 @@ BURST_HEAD = 1024 * 1024        # bytes of a burst sent FEED_SIZE at a time, the
 WRITE_BATCH = 1024 * 1024       # ciphertext sent by one sendmsg once a burst is long, or the socket full
 TLS_RECORD = 16 * 1024          # largest TLS plaintext record
 SMALL = 4 * 1024                # queued pieces under this are joined into one record
+RECHECK_AFTER = 64 * 1024       # ciphertext opened after a short read before the socket is tried again
 STAGE_SPAN = 4 * 1024           # ciphertext opened into the decoder's staging area beyond its next record
 SEND_BUFFER = WRITE_BATCH + 2 * MAX_RECORD   # one batch of sealed records (own record layer)
 SPARE_SEND_BUFFERS = 3          # send buffers kept for reuse once the socket took them
@@ -314,11 +315,15 @@ class TlsLink(LinkBase):
                 if n:
                     got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
-                    # No whole record left to open: read the socket now, not on the next pass.
+                    # No whole record left to open: read the socket now, not on the next pass; and
+                    # once a large read has been opened, again even after a short one (the peer sent
+                    # more meanwhile, more likely than not: one recv, not a turn of the event loop).
                     stop = records.record_end(src, pos, self._rend)
-                    if (stop < 0 or stop > self._rend) and records.failure is None and not records.peer_closed \
-                            and not self._recv_records():
-                        break
+                    if (stop < 0 or stop > self._rend) and records.failure is None and not records.peer_closed:
+                        if pos - start >= RECHECK_AFTER:
+                            self._socket_dry = False
+                        if not self._recv_records():
+                            break
                 elif pos == start and records.failure is None and not records.peer_closed:
                     stop = records.record_end(src, pos, self._rend)
                     if 0 <= stop <= self._rend:   # a whole record, larger than what is left of `buf`

@@ -12,9 +12,8 @@ One socket read takes up to READ_SIZE bytes, many TLS records, and one `sendmsg`
 them: the answer to a request starts with FIRST_BATCH, so that the peer opens its first records
 while this side seals the next, goes on FEED_SIZE at a time, and after BURST_HEAD (or once the
 socket is full) WRITE_BATCH at a time: a few system calls per MiB, where OpenSSL on the socket
-itself makes two reads and one write per 16 KiB record. A payload is decrypted straight
-into its own buffer (the decoder's or the caller's slot): its plaintext is never copied.
-Ciphertext is copied into and out of the BIOs, FEED_SIZE at a time so that it stays in cache.
+itself makes two reads and one write per 16 KiB record. A payload is decrypted straight into its
+own buffer (the decoder's or the caller's slot); ciphertext goes through the BIOs FEED_SIZE at a time.
 
 Invariants:
   * every OpenSSL call of a connection happens on the event loop thread (it is not thread-safe);
@@ -33,13 +32,11 @@ path and records are opened and sealed in this process (records.py):
     send(frame) ─► plaintext queue ──RecordLayer.seal_run (a payload's records in one call)──► send buffer
            ─sendmsg─► socket      (send buffers are reused once the socket took them)
 
-A batch is sealed in one pass into one send buffer (WRITE_BATCH of a long transfer at once, not
-FEED_SIZE at a time as through OpenSSL's BIO): fewer passes through the sealing code per MiB.
-
-A payload's records are decrypted straight into its buffer, each record's plaintext exactly once
-(the last record of a payload ending on a record boundary goes through a scratch record: its
-content type byte would not fit); a record that fails authentication closes the connection
-(with a bad_record_mac alert to the peer) before any of its bytes count.
+A batch is sealed in one pass into one send buffer (WRITE_BATCH of a long transfer at once). A
+payload's records are decrypted straight into its buffer, each record's plaintext exactly once (the
+last record of a payload ending on a record boundary goes through a scratch record: its content
+type byte would not fit); a record that fails authentication closes the connection (with a
+bad_record_mac alert to the peer) before any of its bytes count.
 
 The mutual TLS handshake that makes the channel is `transports.tls.handshake`.
 """
@@ -106,10 +103,8 @@ class TlsLink(LinkBase):
         self._read, self._write = channel.read, channel.write
         self._fd = channel.fileno()
         self._decoder = decoder
-        self._on_frames = on_frames
-        self._on_closed = on_closed
-        self.max_payload = max_payload
-        self.frame_timeout_s = frame_timeout_s
+        self._on_frames, self._on_closed = on_frames, on_closed
+        self.max_payload, self.frame_timeout_s = max_payload, frame_timeout_s
         taken = channel.take_records()
         self._records: RecordLayer | None = None if taken is None else taken[0]
         if taken is None:
@@ -122,10 +117,8 @@ class TlsLink(LinkBase):
         self._filled = self._fed = 0   # bytes of the last socket read, and how many went to the BIO
         self._rpos, self._rend = 0, 0 if taken is None else len(taken[1])   # unopened ciphertext (own records)
         self._spare: list[bytearray] = []   # send buffers the socket has taken (own records)
-        self._out = memoryview(b"")   # the send buffer being sealed into, and where (own records)
-        self._at = 0
-        self._socket_dry = False
-        self._at_eof = False
+        self._out, self._at = memoryview(b""), 0   # the send buffer being sealed into, and where (own records)
+        self._socket_dry = self._at_eof = False
         self._plain: deque[memoryview] = deque()    # queued, not yet encrypted
         self._plain_bytes = 0
         self._cipher: deque[memoryview] = deque()   # encrypted, not yet taken by the socket
@@ -303,9 +296,8 @@ class TlsLink(LinkBase):
                 buf = decoder.get_buffer()
                 if not decoder.receiving_payload:
                     # The decoder's staging area: the next record, and more only within STAGE_SPAN
-                    # bytes, so that the records of a payload after a frame's head are opened into
-                    # the payload's own buffer once the head is parsed, not into staging and copied
-                    # from there (a run of small records still goes in one call).
+                    # bytes, so that a payload's records after its frame's head are opened into the
+                    # payload's own buffer once the head is parsed (small records still go in one call).
                     first = records.record_end(src, start, end)
                     if first >= 0:
                         end = min(end, max(first, start + STAGE_SPAN))
@@ -315,9 +307,8 @@ class TlsLink(LinkBase):
                 if n:
                     got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
-                    # No whole record left to open: read the socket now, not on the next pass; and
-                    # once a large read has been opened, again even after a short one (the peer sent
-                    # more meanwhile, more likely than not: one recv, not a turn of the event loop).
+                    # No whole record left: read now, not on the next pass; after a large read, even if
+                    # it was short (the peer has likely sent more: one recv, not a turn of the loop).
                     stop = records.record_end(src, pos, self._rend)
                     if (stop < 0 or stop > self._rend) and records.failure is None and not records.peer_closed:
                         if pos - start >= RECHECK_AFTER:
@@ -522,9 +513,7 @@ class TlsLink(LinkBase):
             return
         out = self._channel.outgoing
         if out.pending:
-            data = memoryview(out.read())
-            self._cipher.append(data)
-            self._cipher_bytes += data.nbytes
+            self._queue_cipher(memoryview(out.read()))
 
     def _flush(self) -> None:
         """Encrypt and send until the socket is full or nothing waits, a batch per sendmsg. A burst

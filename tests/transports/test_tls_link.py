@@ -21,7 +21,7 @@ from transports.core.codec import Block, End, Frame, FrameDecoder, Hello, Miss, 
 from transports.core.metrics import TransportMetrics
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import accept_tls, open_tls
-from transports.tls.link import FEED_SIZE, TLS_RECORD, TlsLink
+from transports.tls.link import FEED_SIZE, READ_AHEAD, TLS_RECORD, TlsLink
 
 
 def _frames() -> list[Frame]:
@@ -255,16 +255,16 @@ def test_an_answers_end_leaves_with_its_last_block(cert_dir: Path) -> None:
     assert sends.offered[0] == sum(sends.taken), f"sends offered {sends.offered} bytes and took {sends.taken}"
 
 
-@pytest.mark.parametrize("read_size,sizes", [(4096, [1, 5, 4, 16384 + 22, 7, 100_000]), (1 << 20, [3000, 17, 1])],
-                         ids=["reads-shorter-than-a-record", "records-cut-by-the-sender"])
-def test_records_split_across_socket_reads_arrive_whole(cert_dir: Path, read_size: int, sizes: list[int]) -> None:
-    """Record headers, record bodies and frames cut at every kind of boundary by what one socket
-    read returns still decrypt and decode into the frames sent."""
-    sent = _frames()[:20]
-
+def _trickle(cert_dir: Path, sent: list[Frame], read_size: int, sizes: list[int],
+             watch: Callable[[Receiver, TlsChannel], None] | None = None) -> None:
+    """Send the records of `sent` in pieces of `sizes` (cycled, a loop turn between them) to a
+    Receiver reading `read_size` bytes at a time (`watch` sees it before the first piece); every
+    frame must arrive whole and in order."""
     async def main() -> None:
         server, client = await _pair(cert_dir)
         receiver = Receiver(server, read_size)
+        if watch is not None:
+            watch(receiver, server)
         try:
             await _send_in_pieces(client.sock, _ciphertext(client, sent), sizes)
             await wait_until(lambda: len(receiver.frames) >= len(sent))
@@ -275,6 +275,47 @@ def test_records_split_across_socket_reads_arrive_whole(cert_dir: Path, read_siz
         _assert_same(receiver.frames, sent)
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("read_size,sizes", [(4096, [1, 5, 4, 16384 + 22, 7, 100_000]), (1 << 20, [3000, 17, 1])],
+                         ids=["reads-shorter-than-a-record", "records-cut-by-the-sender"])
+def test_records_split_across_socket_reads_arrive_whole(cert_dir: Path, read_size: int, sizes: list[int]) -> None:
+    """Record headers, record bodies and frames cut at every kind of boundary by what one socket
+    read returns still decrypt and decode into the frames sent."""
+    _trickle(cert_dir, _frames()[:20], read_size, sizes)
+
+
+@pytest.mark.parametrize("read_ahead", [False, True], ids=["reads-as-it-lands", "reads-ahead"])
+def test_a_reader_that_expects_more_answers_is_woken_per_read_ahead_not_per_segment(cert_dir: Path,
+                                                                                     read_ahead: bool) -> None:
+    """Two 1 MiB blocks trickle in, one TLS record per loop turn. A reader told that more answers
+    follow (`read_ahead`) is woken about once per READ_AHEAD bytes of a payload, and at every
+    record only for a payload's last READ_AHEAD bytes; the frames arrive whole either way."""
+    sent: list[Frame] = [Block(i, BlockAddress(BlockHash(os.urandom(32)), i), os.urandom(32), os.urandom(1 << 20))
+                         for i in range(2)]
+    wakeups: list[int] = []   # bytes waiting in the socket at each wake-up
+
+    def count_wakeups(receiver: Receiver, channel: TlsChannel) -> None:
+        link = receiver.link
+        link.read_ahead = read_ahead
+        on_readable = link._on_readable
+
+        def counted() -> None:
+            wakeups.append(_unread(channel.sock))
+            on_readable()
+
+        link.pause_reading()
+        link._on_readable = counted   # type: ignore[method-assign]
+        link.resume_reading()
+
+    _trickle(cert_dir, sent, 1 << 20, [TLS_RECORD + 22], count_wakeups)
+    records = 2 * (1 << 20) // TLS_RECORD
+    if read_ahead:   # per payload: its first record, each READ_AHEAD after it, then its last records one by one
+        most = 2 * (1 + (1 << 20) // READ_AHEAD + READ_AHEAD // TLS_RECORD + 1)
+        assert len(wakeups) <= most, f"{len(wakeups)} wake-ups for {records} records"
+        assert max(wakeups) >= READ_AHEAD - TLS_RECORD, wakeups
+    else:
+        assert len(wakeups) >= records // 4, f"{len(wakeups)} wake-ups for {records} records"
 
 
 @pytest.mark.parametrize("cut", [False, True], ids=["between-frames", "inside-a-frame"])

@@ -382,13 +382,22 @@ def test_lying_server_payload_is_a_counted_miss(cert_dir: Path) -> None:
     run(main())
 
 
-def test_server_stalling_mid_frame_times_out(cert_dir: Path) -> None:
+@pytest.mark.parametrize("whole,payload,cut", [(0, 100_000, 5000), (1, 2 << 20, 600_000)],
+                         ids=["inside-the-first-frame", "inside-a-large-payload-while-the-client-reads-ahead"])
+def test_server_stalling_mid_frame_times_out(cert_dir: Path, whole: int, payload: int, cut: int) -> None:
+    """A server that stops inside a frame: the pull ends in TIMEOUT misses at the frame deadline,
+    after hits for the `whole` blocks sent before it. With blocks due after the one being received,
+    the client lets the kernel gather that payload (SO_RCVLOWAT); a stall short of it ends the same."""
     addresses = [BlockAddress(BlockHash(os.urandom(32)), 0) for _ in range(3)]
+    first = os.urandom(1 << 20)
 
     async def staller(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         pull = await read_pull(reader)
-        frame = encode(Block(pull.request_id, addresses[0], b"\0" * 32, os.urandom(100_000)))
-        writer.write(encode(Hello("node-a")) + frame[:5000])  # then nothing more
+        sent = encode(Hello("node-a"))
+        if whole:
+            sent += encode(Block(pull.request_id, addresses[0], blake3.blake3(first).digest(), first))
+        frame = encode(Block(pull.request_id, addresses[whole], b"\0" * 32, os.urandom(payload)))
+        writer.write(sent + frame[:cut])  # then nothing more
         await writer.drain()
         await reader.read()
 
@@ -398,7 +407,8 @@ def test_server_stalling_mid_frame_times_out(cert_dir: Path) -> None:
             start = asyncio.get_running_loop().time()
             results = await pull_all(client, Peer("node-a", "127.0.0.1", port), addresses)
             assert asyncio.get_running_loop().time() - start < 10  # the frame timeout, not the 30 s idle one
-        assert [r.reason for r in results if isinstance(r, Miss)] == [MissReason.TIMEOUT] * 3
+        assert all(isinstance(r, Hit) and bytes(r.payload) == first for r in results[:whole])
+        assert [r.reason for r in results[whole:] if isinstance(r, Miss)] == [MissReason.TIMEOUT] * (3 - whole)
 
     run(main())
 

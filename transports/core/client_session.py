@@ -181,6 +181,11 @@ class ClientSession(SessionBase):
         return tally
 
     @property
+    def blocks_pending(self) -> int:
+        """Addresses of live requests not answered yet (the one being received included)."""
+        return sum(tracker.num_pending for tracker in self.requests.values())
+
+    @property
     def buffered(self) -> int:
         """Payload bytes of hits queued in outcomes and not taken yet (a cancelled request's are gone)."""
         return sum(outcome.num_bytes for outcome in self.outcomes.values())

@@ -181,6 +181,11 @@ class FrameDecoder:
         return self._records.held_bytes + self._records.known_bytes
 
     @property
+    def payload_left(self) -> int:
+        """Bytes of the payload being received that have not arrived yet (0 between payloads)."""
+        return self._payload_len - self._payload_filled if self._state is _State.PAYLOAD else 0
+
+    @property
     def buffered_bytes(self) -> int:
         return len(self._buf) + self._payload_len
 

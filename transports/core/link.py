@@ -25,6 +25,7 @@ class FrameLink(Protocol):
     `transports.rdma.link`."""
 
     closed: bool
+    read_ahead: bool
     last_rx: float
     last_tx: float
     frame_timeout_s: float
@@ -64,6 +65,9 @@ class LinkBase:
         self._closers: set[asyncio.Task[None]] = set()
         self.closed = False
         self.last_rx = self.last_tx = self._loop.time()
+        # The owner expects more answers after the payload being received: a link may then let the
+        # kernel gather a payload's bytes before it wakes the reader (a hint; links may ignore it).
+        self.read_ahead = False
 
     def send(self, frame: Frame) -> None:
         raise NotImplementedError

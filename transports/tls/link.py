@@ -8,22 +8,18 @@
     send(frame) ─► plaintext queue: [head][payload pieces: views] …
            ─SSL_write, FEED_SIZE at a time─► outgoing BIO ─read()─► ciphertext ─sendmsg─► socket
 
-One socket read takes up to READ_SIZE bytes, many TLS records, and one `sendmsg` sends a batch of
-them: the answer to a request starts with FIRST_BATCH, so that the peer opens its first records
-while this side seals the next, goes on FEED_SIZE at a time, and after BURST_HEAD (or once the
-socket is full) WRITE_BATCH at a time: a few system calls per MiB, where OpenSSL on the socket
-itself makes two reads and one write per 16 KiB record. A payload is decrypted straight into its
-own buffer (the decoder's or the caller's slot); ciphertext goes through the BIOs FEED_SIZE at a time.
+One socket read takes up to READ_SIZE bytes, many TLS records; one `sendmsg` sends a batch of
+them: an answer starts with FIRST_BATCH (the peer opens it while this side seals the next), goes
+on FEED_SIZE at a time, and after BURST_HEAD (or once the socket is full) WRITE_BATCH at a time: a
+few system calls per MiB, where OpenSSL on the socket makes two reads and one write per record. A
+reader whose owner expects more answers wakes per READ_AHEAD bytes of a payload (`_read_ahead`).
 
 Invariants:
   * every OpenSSL call of a connection happens on the event loop thread (it is not thread-safe);
-  * ciphertext leaves in the order OpenSSL made it: application data and protocol messages made
-    by a read (a key update reply) share the outgoing BIO and one send queue;
+  * ciphertext leaves in the order OpenSSL made it (a key update reply made by a read included);
   * about WRITE_BATCH bytes at most are encrypted ahead of what the socket took;
   * `on_closed` is called exactly once, after which nothing is read or sent;
   * `last_rx` / `last_tx` are the loop times of the last progress, for the owner's stall checks.
-Reading costs O(1) Python calls per TLS record and per socket read; writing O(1) per queued piece
-and per batch.
 
 Where the channel hands over its records (`TlsChannel.take_records`), OpenSSL is out of the data
 path and records are opened and sealed in this process (records.py):
@@ -32,13 +28,10 @@ path and records are opened and sealed in this process (records.py):
     send(frame) ─► plaintext queue ──RecordLayer.seal_run (a payload's records in one call)──► send buffer
            ─sendmsg─► socket      (send buffers are reused once the socket took them)
 
-A batch is sealed in one pass into one send buffer (WRITE_BATCH of a long transfer at once). A
-payload's records are decrypted straight into its buffer, each record's plaintext exactly once (the
-last record of a payload ending on a record boundary goes through a scratch record: its content
-type byte would not fit); a record that fails authentication closes the connection (with a
-bad_record_mac alert to the peer) before any of its bytes count.
-
-The mutual TLS handshake that makes the channel is `transports.tls.handshake`.
+A batch is sealed in one pass into one send buffer. A payload's records are decrypted straight into
+its buffer, each exactly once (a payload's last, if full, through a scratch record: its type byte
+would not fit); a record that fails authentication closes the connection (bad_record_mac to the
+peer) before any of its bytes count. The mutual TLS handshake is `transports.tls.handshake`'s.
 """
 
 from __future__ import annotations
@@ -81,6 +74,7 @@ TLS_RECORD = 16 * 1024          # largest TLS plaintext record
 SMALL = 4 * 1024                # queued pieces under this are joined into one record
 RECHECK_AFTER = 64 * 1024       # ciphertext opened after a short read before the socket is tried again
 STAGE_SPAN = 4 * 1024           # ciphertext opened into the decoder's staging area beyond its next record
+READ_AHEAD = 256 * 1024         # payload bytes the kernel gathers before it wakes a reader expecting more
 SEND_BUFFER = WRITE_BATCH + 2 * MAX_RECORD   # one batch of sealed records (own record layer)
 SPARE_SEND_BUFFERS = 3          # send buffers kept for reuse once the socket took them
 
@@ -127,10 +121,9 @@ class TlsLink(LinkBase):
         self._batch = FIRST_BATCH    # ciphertext to have ready before a sendmsg (see _flush)
         self._burst = 0              # bytes sent in this burst (see _flush)
         self._heard = False          # frames came from the peer since this burst began
-        self._writer_on = False
-        self._reading = False
-        self._got_bytes = False
+        self._writer_on = self._reading = self._got_bytes = False
         self._tls_broken = False     # no close_notify after a TLS error
+        self._wake_at = 1            # the socket's SO_RCVLOWAT (see _read_ahead); 0: not settable
 
     # -- reading
     def start(self) -> None:
@@ -152,9 +145,8 @@ class TlsLink(LinkBase):
         return self._decoder.mid_frame
 
     def _feed(self) -> bool:
-        """Move the next FEED_SIZE bytes of the last socket read into the incoming BIO, reading the
-        socket first when that read is used up; False when the socket has nothing now. The end of
-        the stream is written to the BIO as EOF, which OpenSSL reports on the next read."""
+        """Move the next FEED_SIZE bytes of the last socket read into the incoming BIO (reading the
+        socket once that read is used up; its end as EOF); False when the socket has nothing now."""
         if self._fed == self._filled:
             if self._at_eof:   # OpenSSL wants more after the end of the stream: it ends here
                 raise ssl.SSLEOFError("the peer closed TCP inside a TLS record")
@@ -229,8 +221,7 @@ class TlsLink(LinkBase):
             self._flush()
 
     def _read_ended(self, frames: list[Frame], e: BaseException) -> None:
-        """A read path stopped on `e`: hand over what was decoded before it, then end as `e` says
-        (close_notify or TCP closed without one: the end of the stream)."""
+        """A read path stopped on `e`: hand over what was decoded before it, then end as `e` says."""
         self._deliver(frames)
         if isinstance(e, ssl.SSLEOFError):
             try:
@@ -247,8 +238,7 @@ class TlsLink(LinkBase):
             self.close(MissReason.PEER_GONE, f"read failed: {e}")
 
     def _deliver(self, frames: list[Frame]) -> None:
-        """Hand over the frames of a read (none, when it only carried part of a frame: the owner
-        still learns that bytes arrived, for its total frame deadline)."""
+        """Hand over the frames of a read (none: part of a frame came, for the owner's deadlines)."""
         if (not frames and not self._got_bytes) or self.closed:
             return
         self._got_bytes = False
@@ -337,8 +327,24 @@ class TlsLink(LinkBase):
         if got_any:
             self.last_rx = self._loop.time()
         self._deliver(frames)
+        if (self.read_ahead or self._wake_at > 1) and not self.closed:
+            self._read_ahead()
         if records.outbox and not self.closed:   # a KeyUpdate answering the peer's
             self._flush()
+
+    def _read_ahead(self) -> None:
+        """While more answers are due and READ_AHEAD or more of this payload is still to come (its
+        ciphertext is at least its plaintext, less the unopened bytes here), the socket wakes the loop
+        once READ_AHEAD bytes are there, not per segment (a wake-up costs the sender too). The wait
+        always ends; a payload's last READ_AHEAD bytes, and a get of one block, are read as they land."""
+        ahead = self._decoder.payload_left - (self._rend - self._rpos)
+        want = READ_AHEAD if self.read_ahead and ahead >= READ_AHEAD else 1
+        if want != self._wake_at and self._wake_at:
+            try:
+                self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            except (OSError, AttributeError):   # not settable here: every segment wakes the loop
+                want = 0
+            self._wake_at = want
 
     def _take_plain(self, plain: memoryview) -> list[Frame]:
         """Hand `plain` (opened elsewhere than the decoder's buffer) to the decoder."""
@@ -400,9 +406,8 @@ class TlsLink(LinkBase):
         return self._plain_bytes + self._cipher_bytes
 
     def _encrypt(self, limit: int) -> None:
-        """Encrypt about `limit` bytes of queued pieces (at most FEED_SIZE through OpenSSL, a send
-        buffer's worth with this process's records) and queue their ciphertext (with anything else
-        OpenSSL wrote) for the socket."""
+        """Encrypt about `limit` bytes of queued pieces (at most FEED_SIZE through OpenSSL) and queue
+        their ciphertext (with anything else OpenSSL wrote) for the socket."""
         if self._records is not None:
             self._seal(self._records, limit)
             return
@@ -437,9 +442,8 @@ class TlsLink(LinkBase):
         self._take_outgoing()
 
     def _seal(self, records: RecordLayer, limit: int) -> None:
-        """Seal about `limit` bytes of queued pieces into send buffers, in records as `_encrypt`
-        makes them: small pieces in a row joined, a large one in full records from its first
-        byte (so that the peer opens a payload straight into its buffer), a run of them per call."""
+        """Seal about `limit` bytes of queued pieces into send buffers: small pieces in a row joined,
+        a large one in full records from its first byte (the peer opens it into its buffer)."""
         plain = self._plain
         self._out, self._at = self._send_buffer(), 0
         done = 0
@@ -516,12 +520,9 @@ class TlsLink(LinkBase):
             self._queue_cipher(memoryview(out.read()))
 
     def _flush(self) -> None:
-        """Encrypt and send until the socket is full or nothing waits, a batch per sendmsg. A burst
-        (what is sent after the peer last spoke: the answer to a request) starts with a small
-        batch (FIRST_BATCH), so that the peer opens its first records while this side seals the
-        next, goes on FEED_SIZE at a time, and once BURST_HEAD is sent or the socket is full, in
-        WRITE_BATCH batches: a few system calls per MiB of a long transfer, little wait for a short one.
-        A tail under SMALL bytes (an answer's END) joins the batch before it: one wake-up less for the peer."""
+        """Encrypt and send until the socket is full or nothing waits, a batch per sendmsg, as the
+        module docstring says (a burst: what is sent after the peer last spoke). A tail under SMALL
+        bytes (an answer's END) joins the batch before it: one wake-up less for the peer."""
         cipher = self._cipher
         while not self.closed:
             try:

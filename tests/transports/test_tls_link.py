@@ -289,7 +289,7 @@ def test_records_split_across_socket_reads_arrive_whole(cert_dir: Path, read_siz
 def test_a_reader_that_expects_more_answers_is_woken_per_read_ahead_not_per_segment(cert_dir: Path,
                                                                                      read_ahead: bool) -> None:
     """Two 1 MiB blocks trickle in, one TLS record per loop turn. A reader told that more answers
-    follow (`read_ahead`) is woken about once per READ_AHEAD bytes of a payload, and at every
+    follow (`more_due`) is woken about once per READ_AHEAD bytes of a payload, and at every
     record only for a payload's last READ_AHEAD bytes; the frames arrive whole either way."""
     sent: list[Frame] = [Block(i, BlockAddress(BlockHash(os.urandom(32)), i), os.urandom(32), os.urandom(1 << 20))
                          for i in range(2)]
@@ -297,7 +297,7 @@ def test_a_reader_that_expects_more_answers_is_woken_per_read_ahead_not_per_segm
 
     def count_wakeups(receiver: Receiver, channel: TlsChannel) -> None:
         link = receiver.link
-        link.read_ahead = read_ahead
+        link.more_due = lambda: read_ahead
         on_readable = link._on_readable
 
         def counted() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Protocol
 
 from transports.core.codec import Error, ErrorCode, Frame, MissReason, ProtocolError
@@ -20,12 +21,16 @@ logger = logging.getLogger(__name__)
 WRITE_HIGH = 8 * 1024 * 1024    # drain() waits while more than this is queued for sending
 
 
+def _nothing_due() -> bool:
+    return False
+
+
 class FrameLink(Protocol):
     """What a transport's connection logic needs from a link: TLS in `transports.tls.link`, RDMA in
     `transports.rdma.link`."""
 
     closed: bool
-    read_ahead: bool
+    more_due: Callable[[], bool]
     last_rx: float
     last_tx: float
     frame_timeout_s: float
@@ -65,9 +70,9 @@ class LinkBase:
         self._closers: set[asyncio.Task[None]] = set()
         self.closed = False
         self.last_rx = self.last_tx = self._loop.time()
-        # The owner expects more answers after the payload being received: a link may then let the
-        # kernel gather a payload's bytes before it wakes the reader (a hint; links may ignore it).
-        self.read_ahead = False
+        # Whether the owner expects more answers after the payload being received: a link may then
+        # let the kernel gather a payload's bytes before it wakes the reader (a hint; links may ignore it).
+        self.more_due: Callable[[], bool] = _nothing_due
 
     def send(self, frame: Frame) -> None:
         raise NotImplementedError

@@ -86,6 +86,11 @@ class ClientConnection:
 
     def attach(self, link: FrameLink) -> None:
         self.link = link
+        link.more_due = self._more_due
+
+    def _more_due(self) -> bool:
+        """Another answer is due after the one being received (the link may read ahead)."""
+        return self.session.blocks_pending > 1
 
     def submit(self, addresses: Sequence[BlockAddress], into: memoryview | None = None,
                namespace: bytes = b"") -> _Request:
@@ -95,7 +100,6 @@ class ClientConnection:
         req = self.requests[rid] = _Request(rid, self.session.outcome(rid))
         for frame in frames:
             self.link.send(frame)
-        self.link.read_ahead = self.session.blocks_pending > 1
         self.timer.at_most(self.session.next_deadline())
         return req
 
@@ -104,7 +108,6 @@ class ClientConnection:
         self.session.cancel(req.request_id)   # its results no longer count in `session.buffered`
         self.requests.pop(req.request_id, None)
         req.outcome.clear()
-        self.link.read_ahead = self.session.blocks_pending > 1
         self.consumed()
 
     def consumed(self, *, starving: bool = False) -> None:
@@ -139,8 +142,6 @@ class ClientConnection:
             if req.outcome.done:
                 del self.requests[rid]
             req.wakeup.set()
-        if touched:   # another answer is due after the one being received: the link may read ahead
-            self.link.read_ahead = self.session.blocks_pending > 1
         if touched and not self.paused and self.session.buffered > RESULTS_HIGH and not any(
                 r.waiting and not r.outcome.results for r in self.requests.values()):
             self.paused = True

@@ -327,7 +327,7 @@ class TlsLink(LinkBase):
         if got_any:
             self.last_rx = self._loop.time()
         self._deliver(frames)
-        if (self.read_ahead or self._wake_at > 1) and not self.closed:
+        if not self.closed:
             self._read_ahead()
         if records.outbox and not self.closed:   # a KeyUpdate answering the peer's
             self._flush()
@@ -338,7 +338,7 @@ class TlsLink(LinkBase):
         once READ_AHEAD bytes are there, not per segment (a wake-up costs the sender too). The wait
         always ends; a payload's last READ_AHEAD bytes, and a get of one block, are read as they land."""
         ahead = self._decoder.payload_left - (self._rend - self._rpos)
-        want = READ_AHEAD if self.read_ahead and ahead >= READ_AHEAD else 1
+        want = READ_AHEAD if ahead >= READ_AHEAD and self.more_due() else 1
         if want != self._wake_at and self._wake_at:
             try:
                 self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)

@@ -64,14 +64,20 @@ def kv_for(seed: int, num_blocks: int, ns: Namespace = NS) -> np.ndarray:
 
 
 def owners(config: Config, hashes: list[bytes]) -> list[set[str]]:
-    return [set(o) for o in asyncio.run(DirectoryClient(config.cluster).locate(hashes, exclude=())).owners]
+    async def ask() -> list[set[str]]:
+        located = await DirectoryClient(config.cluster).locate(hashes, exclude=())
+        return [set(o) for o in located.owners]
+    return asyncio.run(ask())
 
 
-def listed_at(config: Config, hashes: list[bytes], node_id: str) -> str | None:
-    """Where the directory sends pulls of `hashes` to `node_id` ("host:port"), if it lists it for them all."""
-    located = asyncio.run(DirectoryClient(config.cluster).locate(hashes, exclude=()))
-    addr = located.addresses.get(node_id)
-    return f"{addr.host}:{addr.port}" if addr is not None and all(node_id in o for o in located.owners) else None
+def records_of(config: Config, node_id: str) -> list[tuple[int, str] | None]:
+    """Each directory shard's record of `node_id`: (incarnation, "host:port" pulls go to), None if it has none."""
+    out: list[tuple[int, str] | None] = []
+    for k in range(config.cluster.directory_shards):
+        _, infos = ray.get(ray.get_actor(shard_actor_name(config.cluster, k), namespace="kvfabric").nodes.remote())
+        out.append(next(((n.incarnation, f"{n.address.host}:{n.address.port}") for n in infos
+                         if n.node_id == node_id), None))
+    return out
 
 
 def nodes(fabric: LocalCluster) -> list[str]:
@@ -264,10 +270,11 @@ def test_a_restarted_node_reregisters_its_ssd_blocks_under_a_new_incarnation(fab
     ray.kill(ray.get_actor(node_actor_name(a), namespace="kvfabric"), no_restart=False)
     client_a = FabricClient.connect(node_id=a, timeout_s=60)
     wait_until(lambda: client_a.stats()["incarnation"] > old, "A restarted", 60)   # the kill is asynchronous
-    # The old incarnation's entries stay listed while the new one resyncs; it has re-registered once
-    # the directory sends pulls to the port the new incarnation listens on.
-    new_address = client_a.stats()["address"]
-    wait_until(lambda: listed_at(fabric.config, hashes, a) == new_address, "A re-registered", 10)
+    # The old incarnation's entries stay listed (at its closed port) while the new one resyncs; A has
+    # re-registered once every shard's record of it is the new incarnation's, at its new port.
+    new = client_a.stats()
+    wait_until(lambda: set(records_of(fabric.config, a)) == {(new["incarnation"], new["address"])},
+               "A re-registered", 10)
     assert all(o == {a} for o in owners(fabric.config, hashes))
     reply = FabricClient.connect(node_id=head).load(NS, tokens)
     assert reply.num_blocks == 12 and np.array_equal(reply.payloads, data)

@@ -104,11 +104,12 @@ def _wait_listed(owner: ray.actor.ActorHandle, reader: str, tokens: list[int], w
 
 
 def test_block_corrupted_on_the_owners_ssd_is_recomputed_with_identical_output(
-        cluster: Cluster) -> None:
+        cluster: Cluster, wait_until: Wait) -> None:
     local, engines = cluster
     owner, _, reader = sorted(engines)
     first, second = chat(seed=3)
     ray.get(engines[owner].answer.remote(first, 1))
+    _wait_listed(engines[owner], reader, first, wait_until)
     ns = ray.get(engines[owner].namespace.remote())
     hashes = block_hashes(ns, first)
     owner_fabric = FabricClient.connect(node_id=owner)

@@ -123,9 +123,15 @@ class DirectoryUpkeep:
         shards = range(self.config.directory_shards)
         if beat:   # shards are independent: one that stalls does not hold up the others
             self._next_heartbeat = now + self.config.heartbeat_s
-            await asyncio.gather(*(self._heartbeat(k) for k in shards))
+            # A shard about to resync hears BeginResync instead, which renews the lease and address as a
+            # heartbeat does but keeps a restarted node's entries listed until EndResync replaces them
+            # (a new incarnation's heartbeat drops them: it may no longer hold them).
+            await asyncio.gather(*(self._heartbeat(k) for k in shards if not self._resync_due(k, now)))
         await asyncio.gather(*(self._flush(k, now) for k in shards))
         return beat
+
+    def _resync_due(self, shard: int, now: float) -> bool:
+        return self.sync.resync_wanted(shard) and now >= self._resync_at[shard]
 
     async def _report(self, shard: int, body: Body) -> ApplyOutcome | None:
         """Sign and send one report; None when the shard did not answer."""
@@ -161,7 +167,7 @@ class DirectoryUpkeep:
 
     async def _flush(self, shard: int, now: float) -> None:
         if self.sync.resync_wanted(shard):
-            if now >= self._resync_at[shard]:
+            if self._resync_due(shard, now):
                 await self._resync(shard)
             return
         if not self.sync.due(shard, now):

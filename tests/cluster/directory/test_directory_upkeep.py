@@ -47,6 +47,7 @@ class MemoryDirectory:
         self.epochs = ["e0"] * SHARDS
         self.stalled: set[int] = set()
         self.num_calls = 0
+        self.after_report: list[object] = []   # callables run after each answered report
 
     def _gate(self, k: int) -> DirectoryGate:
         return DirectoryGate(DirectoryShard(k, SHARDS, lease_s=30.0), TrustAnchor.from_files(self.certs / "ca.pem"))
@@ -62,7 +63,10 @@ class MemoryDirectory:
         self.num_calls += 1
         if report.shard in self.stalled:
             raise ShardUnavailable(f"shard {report.shard} stalled")
-        return self.gates[report.shard].submit(report, self.clock())
+        outcome = self.gates[report.shard].submit(report, self.clock())
+        for watch in self.after_report:
+            watch()   # type: ignore[operator]
+        return outcome
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +74,13 @@ def certs(tmp_path_factory: pytest.TempPathFactory, make_pki: PkiFactory) -> Pat
     return make_pki(tmp_path_factory.mktemp("certs"), "node-a", extra_sans=("127.0.0.1",)).dir
 
 
-def make(certs: Path, held: set[bytes], clock: Clock, directory: MemoryDirectory) -> DirectoryUpkeep:
+def make(certs: Path, held: set[bytes], clock: Clock, directory: MemoryDirectory,
+         incarnation: int = 5) -> DirectoryUpkeep:
     async def held_now() -> Collection[bytes]:
         return set(held)
 
     config = ClusterConfig(directory_shards=SHARDS, heartbeat_s=1.0, flush_ms=5.0, resync_jitter_s=0.5)
-    reports = ReportSigner(NodeSigner(certs / "node-a.pem", certs / "node-a.key"), NODE, 5)
+    reports = ReportSigner(NodeSigner(certs / "node-a.pem", certs / "node-a.key"), NODE, incarnation)
     return DirectoryUpkeep(directory, config, address=ADDR, reports=reports, held=held_now,
                            metrics=ClusterMetrics(None), clock=clock, rng=random.Random(1))
 
@@ -130,6 +135,20 @@ def test_a_stalled_shard_loses_nothing_and_holds_up_nothing(certs: Path) -> None
     directory.stalled.clear()
     run_ticks(upkeep, clock, 2.0)            # the failed batch became a resync, retried a heartbeat later
     assert listed(directory, held) == held
+
+
+def test_a_restarted_node_keeps_its_blocks_listed_until_its_resync_replaces_them(certs: Path) -> None:
+    clock = Clock()
+    directory = MemoryDirectory(certs, clock)
+    held = {h(i) for i in range(40)}
+    run_ticks(make(certs, held, clock, directory), clock, 0.1)
+    assert listed(directory, held) == held
+    restarted = make(certs, held, clock, directory, incarnation=10**6)   # the same blocks, kept on its SSD
+    seen: list[int] = []
+    directory.after_report.append(lambda: seen.append(len(listed(directory, held))))
+    run_ticks(restarted, clock, 0.1)
+    assert seen and set(seen) == {len(held)}   # no report of the new incarnation unlisted them, even briefly
+    assert {i.incarnation for g in directory.gates for i in g.shard.nodes(clock.now)} == {10**6}
 
 
 def test_a_restarted_shard_is_rebuilt_after_a_jittered_delay(certs: Path) -> None:

@@ -13,12 +13,13 @@ import os
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import atexit
+import contextlib
 import dataclasses
 import logging
 import shutil
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,7 +133,8 @@ class LocalCluster:
     def add_node(self, num_cpus: int = 1, wait_s: float = 60.0) -> str:
         """Add a Ray node; returns its id once the supervisor has a NodeActor serving on it."""
         before = set(alive_node_ids())
-        self.cluster.add_node(node_ip_address=LOOPBACK, num_cpus=num_cpus)
+        with contextlib.nullcontext() if self.ray_dir is None else _ray_tmpdir(self.ray_dir):
+            self.cluster.add_node(node_ip_address=LOOPBACK, num_cpus=num_cpus)
         self.cluster.wait_for_nodes()
         new = sorted(set(alive_node_ids()) - before)
         assert len(new) == 1, f"expected one new node, saw {new}"
@@ -171,6 +173,19 @@ class LocalCluster:
                 shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def _ray_tmpdir(path: Path) -> Iterator[None]:
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = str(path)
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["RAY_TMPDIR"]
+        else:
+            os.environ["RAY_TMPDIR"] = before
+
+
 def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Config | None = None, *,
                         num_cpus_per_node: int = 1, persistent: bool = False,
                         object_store_bytes: int = 256 << 20) -> LocalCluster:
@@ -189,13 +204,17 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
     node_args = dict(node_ip_address=LOOPBACK, num_cpus=num_cpus_per_node, object_store_memory=object_store_bytes)
     # Ray's session files and sockets in a directory of this cluster's own, not the shared /tmp/ray
     # (a short path: a Unix socket's must stay under 108 bytes); every node of the cluster uses it.
+    # Ray's test cluster also notes its address under the default temp directory's ray/ (RAY_TMPDIR while
+    # the nodes start), which need not exist on a fresh machine: that goes here too.
     ray_dir = Path(tempfile.mkdtemp(prefix="kvf-ray-"))
+    (ray_dir / "ray").mkdir()
     if not persistent:   # registered first, so it runs after Ray's own exit handler has stopped the nodes
         atexit.register(shutil.rmtree, ray_dir, ignore_errors=True)
-    cluster = Cluster(initialize_head=True, shutdown_at_exit=not persistent,
-                      head_node_args=dict(include_dashboard=False, temp_dir=str(ray_dir), **node_args))
-    for _ in range(num_nodes - 1):
-        cluster.add_node(**node_args)
+    with _ray_tmpdir(ray_dir):
+        cluster = Cluster(initialize_head=True, shutdown_at_exit=not persistent,
+                          head_node_args=dict(include_dashboard=False, temp_dir=str(ray_dir), **node_args))
+        for _ in range(num_nodes - 1):
+            cluster.add_node(**node_args)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, namespace=cfg.cluster.namespace, logging_level=logging.WARNING,
              log_to_driver=False)

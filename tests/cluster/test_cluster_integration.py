@@ -326,6 +326,7 @@ def test_every_ray_node_keeps_its_files_in_the_clusters_own_directory(fabric: Lo
     session_dirs = [Path(node.get_session_dir_path()) for node in fabric.cluster.list_all_nodes()]
     assert len(session_dirs) >= 3
     assert all(d.parent == fabric.ray_dir for d in session_dirs), session_dirs
+    assert (fabric.ray_dir / "ray" / "ray_current_cluster").read_text() == fabric.cluster.address
 
 
 def test_a_dead_owner_means_fallback_or_miss_never_wrong_data(fabric: LocalCluster) -> None:

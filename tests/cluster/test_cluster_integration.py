@@ -270,8 +270,8 @@ def test_a_restarted_node_reregisters_its_ssd_blocks_under_a_new_incarnation(fab
     ray.kill(ray.get_actor(node_actor_name(a), namespace="kvfabric"), no_restart=False)
     client_a = FabricClient.connect(node_id=a, timeout_s=60)
     wait_until(lambda: client_a.stats()["incarnation"] > old, "A restarted", 60)   # the kill is asynchronous
-    # The old incarnation's entries stay listed (at its closed port) while the new one resyncs; A has
-    # re-registered once every shard's record of it is the new incarnation's, at its new port.
+    # Each shard keeps the old incarnation's record (and entries) until the new one's resync ends there:
+    # A has re-registered once every shard's record of it is the new incarnation's, at its new port.
     new = client_a.stats()
     wait_until(lambda: set(records_of(fabric.config, a)) == {(new["incarnation"], new["address"])},
                "A re-registered", 10)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 import pytest
@@ -47,7 +47,7 @@ class MemoryDirectory:
         self.epochs = ["e0"] * SHARDS
         self.stalled: set[int] = set()
         self.num_calls = 0
-        self.after_report: list[object] = []   # callables run after each answered report
+        self.after_report: list[Callable[[], None]] = []   # run after each answered report
 
     def _gate(self, k: int) -> DirectoryGate:
         return DirectoryGate(DirectoryShard(k, SHARDS, lease_s=30.0), TrustAnchor.from_files(self.certs / "ca.pem"))
@@ -65,7 +65,7 @@ class MemoryDirectory:
             raise ShardUnavailable(f"shard {report.shard} stalled")
         outcome = self.gates[report.shard].submit(report, self.clock())
         for watch in self.after_report:
-            watch()   # type: ignore[operator]
+            watch()
         return outcome
 
 

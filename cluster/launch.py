@@ -173,6 +173,21 @@ class LocalCluster:
                 shutil.rmtree(self.ray_dir, ignore_errors=True)
 
 
+def default_address_file() -> Path:
+    """Where `ray.init(address="auto")` looks first for the cluster to join (under `$RAY_TMPDIR`, else /tmp)."""
+    from ray._common.utils import get_ray_address_file
+
+    return Path(get_ray_address_file(None))
+
+
+def forget_default_address(address: str) -> None:
+    """Remove the note `start_local_cluster(persistent=True)` left, if it still names `address`."""
+    note = default_address_file()
+    with contextlib.suppress(OSError):
+        if note.read_text().strip() == address:
+            note.unlink()
+
+
 @contextlib.contextmanager
 def _ray_tmpdir(path: Path) -> Iterator[None]:
     before = os.environ.get("RAY_TMPDIR")
@@ -216,6 +231,9 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
         for _ in range(num_nodes - 1):
             cluster.add_node(**node_args)
     cluster.wait_for_nodes()
+    if persistent:   # as `ray start` does: `ray.init(address="auto")` on this machine finds it
+        default_address_file().parent.mkdir(parents=True, exist_ok=True)
+        default_address_file().write_text(cluster.address)
     ray.init(address=cluster.address, namespace=cfg.cluster.namespace, logging_level=logging.WARNING,
              log_to_driver=False)
     try:

@@ -351,7 +351,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_down(args: argparse.Namespace) -> int:
     import ray
 
-    from cluster.launch import stop_fabric
+    from cluster.launch import forget_default_address, stop_fabric
 
     state = json.loads(state_file().read_text()) if state_file().exists() else None
     if state is None and args.address is None:
@@ -377,6 +377,7 @@ def cmd_down(args: argparse.Namespace) -> int:
                 time.sleep(0.1)
         if state.get("ray_dir"):   # Ray's session files and sockets of the stopped nodes
             shutil.rmtree(state["ray_dir"], ignore_errors=True)
+        forget_default_address(state["address"])
         state_file().unlink()
         print(f"local cluster at {state['address']} stopped")
     return 0

@@ -19,7 +19,7 @@ def _run(cmd: list[str], env: dict[str, str], timeout: float) -> subprocess.Comp
 
 
 def test_ray_job_example_reuses_prefixes_on_a_local_fabric(tmp_path: Path) -> None:
-    env = {**os.environ, "KVFABRIC_HOME": str(tmp_path / "home")}
+    env = {**os.environ, "KVFABRIC_HOME": str(tmp_path / "home"), "RAY_TMPDIR": str(tmp_path / "ray-tmp")}
     up = _run([KVFABRIC, "up", "--nodes", "2", "--root", str(tmp_path / "local")], env, timeout=180)
     try:
         assert up.returncode == 0, up.stdout + up.stderr

@@ -20,7 +20,10 @@ _missing = missing_capability()
 
 
 def run(args: list[str], home: Path, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "KVFABRIC_HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    """The CLI in a process of its own; Ray's default temp directory (where `kvfabric up` notes its address
+    for `ray.init(address="auto")`) is under `home`, not the machine's /tmp/ray."""
+    env = {**os.environ, "KVFABRIC_HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+           "RAY_TMPDIR": str(home / "ray-tmp")}
     return subprocess.run(KVFABRIC + args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
                           check=False)
 
@@ -30,12 +33,15 @@ def test_up_stats_down_round_trip(tmp_path: Path) -> None:
     config = tmp_path / "team.toml"   # not the default namespace, directory name or shard count
     config.write_text('[cluster]\nnamespace = "team-a"\ndirectory_name = "team-a-dir"\ndirectory_shards = 2\n')
     up = run(["up", "--nodes", "2", "--root", str(tmp_path / "fabric"), "--config", str(config)], home)
+    noted = home / "ray-tmp" / "ray" / "ray_current_cluster"   # where `ray.init(address="auto")` looks first
     try:
         assert up.returncode == 0, up.stderr[-3000:]
         assert "kvfabric is up: 2 Ray nodes" in up.stdout
         state = json.loads((home / "local-cluster.json").read_text())
         assert state["address"].startswith("127.0.0.1:")
-        for args in (["stats", "--json"], ["stats", "--json", "--config", str(config)]):
+        assert noted.read_text() == state["address"]
+        for args in (["stats", "--json"], ["stats", "--json", "--config", str(config)],
+                     ["stats", "--json", "--config", str(config), "--address", "auto"]):   # as ray.init("auto")
             stats = run(args, home)
             assert stats.returncode == 0, stats.stderr[-3000:]
             report = json.loads(stats.stdout.strip().splitlines()[-1])
@@ -52,6 +58,7 @@ def test_up_stats_down_round_trip(tmp_path: Path) -> None:
         down = run(["down"], home)
     assert down.returncode == 0, down.stderr[-3000:]
     assert not (home / "local-cluster.json").exists()
+    assert not noted.exists()
     assert not any(_alive(pid) for pid in state["pids"])
     assert not Path(state["ray_dir"]).exists(), "Ray's session files and sockets outlived `kvfabric down`"
 

@@ -232,8 +232,9 @@ def start_local_cluster(num_nodes: int, root: str | os.PathLike[str], config: Co
             cluster.add_node(**node_args)
     cluster.wait_for_nodes()
     if persistent:   # as `ray start` does: `ray.init(address="auto")` on this machine finds it
-        default_address_file().parent.mkdir(parents=True, exist_ok=True)
-        default_address_file().write_text(cluster.address)
+        note = default_address_file()
+        note.parent.mkdir(parents=True, exist_ok=True)
+        note.write_text(cluster.address)
     ray.init(address=cluster.address, namespace=cfg.cluster.namespace, logging_level=logging.WARNING,
              log_to_driver=False)
     try:

@@ -145,6 +145,37 @@ def test_full_size_records_that_are_padded_or_carry_a_message_open_amid_a_run_of
     assert client.failure is None and not client.outbox   # the update was taken, and not asked to be answered
 
 
+def test_a_long_run_of_full_records_with_a_short_or_tampered_one_amid_them_opens_up_to_it() -> None:
+    """Runs of full records are checked header by header in one pass: a short record amid them, or
+    one whose header was altered on the way, is found where it is; the records before it open into
+    the payload, a short one opens the general way, a tampered one is refused with nothing of it kept."""
+    secrets = (os.urandom(48), os.urandom(48))
+    server, client = _layers(secrets=secrets)
+    blocks = [os.urandom(MAX_CONTENT) for _ in range(12)]
+    short = os.urandom(1000)
+    out = memoryview(bytearray(RecordLayer.run_size(12 * MAX_CONTENT + 1000)))
+    end = server.seal_run(memoryview(b"".join(blocks[:6])), out, 0)
+    end = server.seal_run(memoryview(short), out, end)
+    end = server.seal_run(memoryview(b"".join(blocks[6:])), out, end)
+    wire = bytes(out[:end])
+    assert _open_all(client, wire) == b"".join(blocks[:6]) + short + b"".join(blocks[6:])
+
+    server, _ = _layers(secrets=secrets)   # twelve full records, the 8th's header altered
+    full = bytearray(RecordLayer.run_size(12 * MAX_CONTENT))
+    server.seal_run(memoryview(b"".join(blocks)), memoryview(full), 0)
+    record = 5 + MAX_CONTENT + 17
+    for where, alert in ((7 * record + 2, 20), (7 * record + 4, 20), (7 * record, 10)):   # version, length, type
+        _, reader = _layers(secrets=secrets)
+        tampered = bytearray(full)
+        tampered[where] ^= 0x01
+        dst = memoryview(bytearray(b"\xaa" * (13 * MAX_CONTENT)))
+        pos, n = reader.open_into(memoryview(tampered), 0, len(tampered), dst)
+        assert (pos, bytes(dst[:n])) == (7 * record, b"".join(blocks[:7]))
+        # Nothing of the 8th record's plaintext (dst[n] may hold the 7th's content type, past what counts).
+        assert set(bytes(dst[n + 1:n + MAX_CONTENT + 1])) <= {0, 0xaa}
+        assert isinstance(reader.failure, RecordError) and reader.failure.alert == alert
+
+
 def test_key_update_asked_by_the_peer_is_answered_and_both_directions_move_on() -> None:
     server, client = _layers()
     wire = server.seal_control(22, bytes([24, 0, 0, 1, 1]))   # KeyUpdate, update_requested

@@ -52,6 +52,8 @@ _FULL_LENGTH = MAX_CONTENT + 1 + TAG
 _FULL_HEADER = _APP_HEADER.pack(APPLICATION_DATA, 0x0303, _FULL_LENGTH)   # every full record's
 _FULL_INNER = MAX_CONTENT + 1             # a full record's content and type byte
 _FULL_RECORD = HEADER + _FULL_LENGTH
+_COLUMN_RUN = 256                          # full records checked in one pass at most
+_FULL_HEADER_COLUMNS = [bytes([b]) * _COLUMN_RUN for b in _FULL_HEADER]   # byte i of full headers in a row
 
 # suite name (SSLObject.cipher()[0]) -> (AEAD class, key length, HKDF hash)
 SUITES: dict[str, tuple[type[AESGCM] | type[ChaCha20Poly1305], int, type[hashes.HashAlgorithm]]] = {
@@ -71,6 +73,28 @@ _ALERTS = {0: "SSLV3_ALERT_CLOSE_NOTIFY", 10: "SSLV3_ALERT_UNEXPECTED_MESSAGE", 
            109: "TLSV13_ALERT_MISSING_EXTENSION", 116: "TLSV13_ALERT_CERTIFICATE_REQUIRED"}
 UNEXPECTED_MESSAGE, BAD_RECORD_MAC, RECORD_OVERFLOW, DECODE_ERROR, ILLEGAL_PARAMETER = 10, 20, 22, 50, 47
 USER_CANCELED = 90
+
+
+def _full_run(src: memoryview, pos: int, count: int) -> int:
+    """How many of the `count` full-size records that would follow one another from `pos` do (each
+    header that of a full application-data record), up to the first that does not. One comparison
+    per header byte for the whole run (a strided view: that byte of every record); record by record
+    only when some record in it is not full."""
+    count = min(count, _COLUMN_RUN)
+    if count <= 0:
+        return 0
+    if count > 4:
+        stop, columns = pos + count * _FULL_RECORD, _FULL_HEADER_COLUMNS
+        if (src[pos:stop:_FULL_RECORD] == columns[0][:count] and src[pos + 1:stop:_FULL_RECORD] == columns[1][:count]
+                and src[pos + 2:stop:_FULL_RECORD] == columns[2][:count]
+                and src[pos + 3:stop:_FULL_RECORD] == columns[3][:count]
+                and src[pos + 4:stop:_FULL_RECORD] == columns[4][:count]):
+            return count
+    for k in range(count):
+        at = pos + k * _FULL_RECORD
+        if src[at:at + HEADER] != _FULL_HEADER:
+            return k
+    return count
 
 
 class RecordError(ssl.SSLError):
@@ -170,11 +194,12 @@ class RecordLayer:
         decrypt, iv, seq = rx.aead.decrypt_into, rx.iv, rx.seq
         full_header = _FULL_HEADER
         while end - pos >= HEADER and self.failure is None and not self.peer_closed:
-            # A payload's full records in a row, in as few steps as each allows: a full header (the
-            # record's additional data), decrypted into `dst` where the next record's data goes on.
-            stop = pos + _FULL_RECORD
-            while (stop <= end and filled + _FULL_INNER <= room and seq < _LAST_SEQ
-                   and src[pos:pos + HEADER] == full_header):
+            # A payload's full records in a row, in as few steps as each allows: as many as the
+            # bytes here and the room in `dst` hold, if each starts with a full record's header (its
+            # additional data), each decrypted into `dst` where the next record's data goes on.
+            run = _full_run(src, pos, min((end - pos) // _FULL_RECORD, (room - filled - 1) // MAX_CONTENT,
+                                          _LAST_SEQ - seq))
+            for stop in range(pos + _FULL_RECORD, pos + (run + 1) * _FULL_RECORD, _FULL_RECORD):
                 out = dst[filled:filled + _FULL_INNER]
                 try:
                     decrypt((iv ^ seq).to_bytes(12, "big"), src[pos + HEADER:stop], full_header, out)
@@ -184,7 +209,6 @@ class RecordLayer:
                     break   # padded, or a control record: opened again below, the general way
                 seq += 1
                 pos = stop
-                stop += _FULL_RECORD
                 filled += MAX_CONTENT
             if end - pos < HEADER:
                 break

@@ -176,6 +176,36 @@ def test_a_long_run_of_full_records_with_a_short_or_tampered_one_amid_them_opens
         assert isinstance(reader.failure, RecordError) and reader.failure.alert == alert
 
 
+def test_a_payloads_last_full_record_opens_in_the_same_call_its_type_byte_kept_out_of_the_buffer() -> None:
+    """A full record whose data exactly fills what is left of the buffer (its type byte would not
+    fit) opens in the same call, through the scratch record, and nothing lands past the buffer; a
+    tampered one leaves the buffer as it was, and one whose data may not fit is left to `open_one`."""
+    secrets = (os.urandom(48), os.urandom(48))
+    server, client = _layers(secrets=secrets)
+    data = os.urandom(3 * MAX_CONTENT)
+    wire = bytearray(RecordLayer.run_size(len(data)))
+    end = server.seal_run(memoryview(data), memoryview(wire), 0)
+    memory = bytearray(b"\xaa" * (4 * MAX_CONTENT))
+    dst = memoryview(memory)[:3 * MAX_CONTENT]
+    assert client.open_into(memoryview(wire), 0, end, dst) == (end, 3 * MAX_CONTENT)
+    assert bytes(memory[:3 * MAX_CONTENT]) == data and memory[3 * MAX_CONTENT:] == b"\xaa" * MAX_CONTENT
+
+    _, reader = _layers(secrets=secrets)
+    tampered = bytearray(wire)
+    tampered[end - 1] ^= 0x01   # the last record's tag
+    memory[:] = b"\xaa" * len(memory)
+    pos, n = reader.open_into(memoryview(tampered), 0, end, memoryview(memory)[:3 * MAX_CONTENT])
+    assert (pos, n) == (end - (5 + MAX_CONTENT + 17), 2 * MAX_CONTENT) and reader.failure is not None
+    # Nothing of the refused record (the byte after the data holds the second record's content type).
+    assert memory[2 * MAX_CONTENT + 1:] == b"\xaa" * (2 * MAX_CONTENT - 1)
+
+    server, client = _layers()
+    padded = _seal_padded(server, os.urandom(MAX_CONTENT), 23, 1)   # its data fits, its type and padding do not
+    assert client.open_into(memoryview(padded), 0, len(padded), memoryview(bytearray(MAX_CONTENT))) == (0, 0)
+    stop, plain = client.open_one(memoryview(padded), 0, len(padded))
+    assert stop == len(padded) and plain.nbytes == MAX_CONTENT
+
+
 def test_key_update_asked_by_the_peer_is_answered_and_both_directions_move_on() -> None:
     server, client = _layers()
     wire = server.seal_control(22, bytes([24, 0, 0, 1, 1]))   # KeyUpdate, update_requested

@@ -218,12 +218,15 @@ class RecordLayer:
                 break
             stop = pos + HEADER + length
             inner = length - TAG
-            if stop > end or inner > room - filled:
-                break
+            if stop > end or inner > room - filled + 1:
+                break   # not all here, or its data may not fit in `dst` (the caller opens it apart: open_one)
             if seq >= SEQ_LIMIT:
                 self.failure = _local_error("record sequence number exhausted", UNEXPECTED_MESSAGE)
                 break
-            out = dst[filled:filled + inner]
+            # One byte too long for `dst` (a full record that ends a payload: its type byte would
+            # not fit), it is opened into the scratch record and its data copied into `dst`.
+            apart = inner > room - filled
+            out = self._scratch[:inner] if apart else dst[filled:filled + inner]
             try:
                 decrypt((iv ^ seq).to_bytes(12, "big"), src[pos + HEADER:stop], src[pos:pos + HEADER], out)
             except InvalidTag:   # nothing unauthenticated stays in the caller's memory
@@ -234,15 +237,15 @@ class RecordLayer:
             seq += 1
             pos = stop
             last = inner - 1
+            if out[last] != APPLICATION_DATA:
+                while last >= 0 and out[last] == 0:   # padding
+                    last -= 1
+                if last < 0:
+                    self.failure = _local_error("a record without a content type", UNEXPECTED_MESSAGE)
+                    break
             if out[last] == APPLICATION_DATA:
-                filled += last
-                continue
-            while last >= 0 and out[last] == 0:   # padding
-                last -= 1
-            if last < 0:
-                self.failure = _local_error("a record without a content type", UNEXPECTED_MESSAGE)
-                break
-            if out[last] == APPLICATION_DATA:
+                if apart:
+                    dst[filled:filled + last] = out[:last]
                 filled += last
                 continue
             rx.seq = seq

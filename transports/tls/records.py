@@ -76,10 +76,10 @@ USER_CANCELED = 90
 
 
 def _full_run(src: memoryview, pos: int, count: int) -> int:
-    """How many of the `count` full-size records that would follow one another from `pos` do (each
-    header that of a full application-data record), up to the first that does not. One comparison
-    per header byte for the whole run (a strided view: that byte of every record); record by record
-    only when some record in it is not full."""
+    """How many of the next `count` records from `pos` on, were they all full size, are: each
+    starting with a full application-data record's header, up to the first that does not. One
+    comparison per header byte for the whole run (a strided view: that byte of every record);
+    record by record only when some record in it is not a full one."""
     count = min(count, _COLUMN_RUN)
     if count <= 0:
         return 0

@@ -276,6 +276,21 @@ class FrameDecoder:
 
     def _parse_preamble(self, fields: tuple[bytes, int, int, int, int, int]) -> None:
         magic, version, ftype, flags, header_len, payload_len = fields
+        frame_type = _FRAME_TYPES.get(ftype)
+        if (magic == MAGIC and version == VERSION and frame_type is not None and not flags
+                and 0 < header_len <= self.max_header and payload_len <= self.max_payload
+                and (not payload_len or frame_type in PAYLOAD_TYPES)):   # the data path: all checks at once
+            self._ftype = frame_type
+            self._header_len = header_len
+            self._payload_len = payload_len   # its buffer is chosen once the header is known
+            self._payload_filled = 0
+            self._state = _State.HEADER
+            return
+        self._refuse_preamble(fields)
+
+    def _refuse_preamble(self, fields: tuple[bytes, int, int, int, int, int]) -> None:
+        """Raise the ProtocolError that says which of the preamble's checks `fields` fail."""
+        magic, version, ftype, flags, header_len, payload_len = fields
         if magic != MAGIC:
             raise ProtocolError(f"bad magic {bytes(magic)!r}; expected {MAGIC!r} (not a kvfabric peer?)")
         if version != VERSION:
@@ -283,7 +298,6 @@ class FrameDecoder:
         frame_type = _FRAME_TYPES.get(ftype)
         if frame_type is None:
             raise ProtocolError(f"unknown frame type {ftype}")
-        self._ftype = frame_type
         if flags != 0:
             raise ProtocolError(f"reserved flags must be zero, got {flags:#x}")
         if header_len == 0 or header_len > self.max_header:
@@ -293,10 +307,7 @@ class FrameDecoder:
                                 f"{self.max_payload}-byte limit")
         if payload_len and frame_type not in PAYLOAD_TYPES:
             raise ProtocolError(f"{frame_type.name} frame must not carry a payload ({payload_len} bytes)")
-        self._header_len = header_len
-        self._payload_len = payload_len   # its buffer is chosen once the header is known
-        self._payload_filled = 0
-        self._state = _State.HEADER
+        raise AssertionError(f"a preamble refused for no reason: {fields!r}")
 
     def _place_payload(self, header: dict[Any, Any]) -> None:
         """The buffer the payload is received into: where `payload_target` says, else a new one."""

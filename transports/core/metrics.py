@@ -19,10 +19,10 @@ class TransportMetrics:
                                     ["transport", "outcome"], registry=self.registry)
         self.pull_bytes = CountedCounter("kvfabric_pull_bytes_total", "Verified payload bytes pulled",
                                          ["transport"], registry=self.registry)
-        self.served = Counter("kvfabric_served_total", "(block, layer) answers sent by the server",
-                              ["transport", "outcome"], registry=self.registry)
-        self.served_bytes = Counter("kvfabric_served_bytes_total", "Payload bytes sent by the server",
-                                    ["transport"], registry=self.registry)
+        self.served = CountedCounter("kvfabric_served_total", "(block, layer) answers sent by the server",
+                                     ["transport", "outcome"], registry=self.registry)
+        self.served_bytes = CountedCounter("kvfabric_served_bytes_total", "Payload bytes sent by the server",
+                                           ["transport"], registry=self.registry)
         self.protocol_errors = Counter("kvfabric_protocol_errors_total", "Connections or streams closed for "
                                        "a protocol error, by transport", ["transport"], registry=self.registry)
         self.auth_failures = Counter("kvfabric_auth_failures_total", "Peers refused during the handshake",

@@ -18,6 +18,8 @@ DIGEST_SIZE bytes per part, once every byte has been advanced over.
 
 from __future__ import annotations
 
+from itertools import accumulate
+
 import blake3
 
 __all__ = ["HASH_STEP", "ReceiptDigests"]
@@ -28,22 +30,25 @@ HASH_STEP = 64 * 1024   # landed bytes hashed at a time, at least (except at a p
 class ReceiptDigests:
     """The digests of the parts (`sizes`, in order, back to back) of one payload being received."""
 
-    __slots__ = ("_digests", "_ends", "_hasher", "_part", "hashed_to")
+    __slots__ = ("_digests", "_end", "_ends", "_hasher", "_part", "hashed_to")
 
     def __init__(self, sizes: tuple[int, ...] | list[int]) -> None:
-        ends, at = [], 0
-        for size in sizes:
-            at += size
-            ends.append(at)
-        self._ends = ends
+        self._ends = list(accumulate(sizes))
         self._part = 0
+        self._end = self._ends[0] if self._ends else -1   # where the part being hashed ends (-1: none left)
         self._hasher = blake3.blake3()
         self._digests = bytearray()
         self.hashed_to = 0
 
     def advance(self, view: memoryview, filled: int) -> None:
         """The payload (`view`, all of it) now holds its bytes up to `filled`: hash what is due."""
-        ends, part, at = self._ends, self._part, self.hashed_to
+        at = self.hashed_to
+        if filled < self._end:   # inside the part being hashed: a step, if one is due
+            if filled - at >= HASH_STEP:
+                self._hasher.update(view[at:filled])
+                self.hashed_to = filled
+            return
+        ends, part = self._ends, self._part
         while part < len(ends):
             end = ends[part]
             stop = end if end <= filled else filled
@@ -58,6 +63,7 @@ class ReceiptDigests:
             self._hasher = blake3.blake3()
             part += 1
         self._part, self.hashed_to = part, at
+        self._end = ends[part] if part < len(ends) else -1
 
     def digests(self) -> bytes:
         """Every part's digest, concatenated; b"" unless every byte has been advanced over."""

@@ -234,6 +234,12 @@ class ServerSession(SessionBase):
         return None if rid is None else (rid, self.active[rid].addresses[self.answered[rid]:])
 
     @property
+    def settled(self) -> bool:
+        """True while open with no PULL waiting in `take_pulls`: answering a batch changed nothing
+        but what is to be sent (the reading state and the PULLs to start are as they were)."""
+        return not self._to_start and self.state is State.OPEN
+
+    @property
     def answering(self) -> bool:
         """True while `next_batch` has a batch to hand out."""
         return self._next_turn() is not None
@@ -295,18 +301,21 @@ class ServerSession(SessionBase):
                     stats.num_bytes += size
                     # Stores hand out their records; a source without them serves unsigned blocks.
                     prov: Provenance | None = getattr(got, "provenance", None)
+                    if size > GROUP_PART_MAX:   # a frame of its own
+                        if run:
+                            out.append(self._frame_run(request_id, first + start, addresses[start], run))
+                            run = []
+                        out.append(Block(request_id, addresses[i], got.digest, payload, prov))
+                        continue
                     prov_bytes = 0   # header bytes this part's record (and certificate) add to the run
                     if prov is not None and prov is not last_prov:
                         prov_bytes = 128 + len(prov.layer_digests) + len(prov.path) + (
                             len(prov.cert_der) if last_prov is None or prov.cert_der != last_prov.cert_der else 0)
                         last_prov = prov
-                    if run and (run_bytes + size > budget or len(run) == MAX_PARTS or size > GROUP_PART_MAX
+                    if run and (run_bytes + size > budget or len(run) == MAX_PARTS
                                 or run_prov_bytes + prov_bytes > PROVENANCE_HEADER_BUDGET):
                         out.append(self._frame_run(request_id, first + start, addresses[start], run))
                         run = []
-                    if size > GROUP_PART_MAX:
-                        out.append(Block(request_id, addresses[i], got.digest, payload, prov))
-                        continue
                     if not run:
                         start, run_bytes = i, 0
                         run_prov_bytes = 0 if prov is None else (128 + len(prov.layer_digests) + len(prov.path)

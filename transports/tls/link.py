@@ -57,7 +57,7 @@ from transports.core.link import WRITE_HIGH, LinkBase
 from transports.core.metrics import TransportMetrics
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason
-from transports.tls.records import MAX_CONTENT, MAX_RECORD, RecordError, RecordLayer
+from transports.tls.records import HEADER, MAX_CONTENT, MAX_RECORD, RECORD_OVERHEAD, RecordError, RecordLayer
 from transports.trust.provenance_tables import SentRecords
 
 logger = logging.getLogger(__name__)
@@ -277,6 +277,7 @@ class TlsLink(LinkBase):
         self._got_bytes = got_any = False
         self._socket_dry = False
         decoder, src, open_into = self._decoder, self._rbuf, records.open_into
+        each = not self.batch_frames
         try:
             while self._reading and not self.closed:
                 if budget <= 0:   # the buffer may hold records that the fd will not signal
@@ -284,43 +285,41 @@ class TlsLink(LinkBase):
                     break
                 start, end = self._rpos, self._rend
                 buf = decoder.get_buffer()
-                if not decoder.receiving_payload:
+                if not decoder.receiving_payload and end - start >= HEADER:
                     # The decoder's staging area: the next record, and more only within STAGE_SPAN
                     # bytes, so that a payload's records after its frame's head are opened into the
                     # payload's own buffer once the head is parsed (small records still go in one call).
-                    first = records.record_end(src, start, end)
-                    if first >= 0:
-                        end = min(end, max(first, start + STAGE_SPAN))
+                    first = start + HEADER + ((src[start + 3] << 8) | src[start + 4])   # records.record_end
+                    end = min(end, max(first, start + STAGE_SPAN))
                 pos, n = open_into(src, start, end, buf)
                 self._rpos = pos
                 budget -= pos - start   # ciphertext: records without data (tickets, empty ones) count too
+                end = self._rend
                 if n:
                     got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
                     # No whole record left: read now, not on the next pass; after a large read, even if
                     # it was short (the peer has likely sent more: one recv, not a turn of the loop).
-                    stop = records.record_end(src, pos, self._rend)
-                    if (stop < 0 or stop > self._rend) and records.failure is None and not records.peer_closed:
+                    if (end - pos < HEADER or pos + HEADER + ((src[pos + 3] << 8) | src[pos + 4]) > end) and \
+                            records.failure is None and not records.peer_closed:
                         if pos - start >= RECHECK_AFTER:
                             self._socket_dry = False
                         if not self._recv_records():
                             break
                 elif pos == start and records.failure is None and not records.peer_closed:
-                    stop = records.record_end(src, pos, self._rend)
-                    if 0 <= stop <= self._rend:   # a whole record, larger than what is left of `buf`
-                        self._rpos, plain = records.open_one(src, pos, self._rend)
+                    stop = records.record_end(src, pos, end)
+                    if 0 <= stop <= end:   # a whole record, larger than what is left of `buf`
+                        self._rpos, plain = records.open_one(src, pos, end)
                         got_any = self._got_bytes = True
                         frames += self._take_plain(plain)
                         budget -= stop - pos
                     elif not self._recv_records():
                         break
-                if frames and not self.batch_frames:
+                if frames and each:
                     self._deliver(frames)
                     frames = []
-                if records.failure is not None:
-                    raise records.failure
-                if records.peer_closed:
-                    raise ssl.SSLEOFError("peer sent close_notify")
+                if records.failure is not None or records.peer_closed:
+                    raise ssl.SSLEOFError("peer sent close_notify") if records.failure is None else records.failure
         except (ssl.SSLError, OSError, ProtocolError) as e:
             self._read_ended(frames, e)
             return
@@ -406,11 +405,8 @@ class TlsLink(LinkBase):
         return self._plain_bytes + self._cipher_bytes
 
     def _encrypt(self, limit: int) -> None:
-        """Encrypt about `limit` bytes of queued pieces (at most FEED_SIZE through OpenSSL) and queue
-        their ciphertext (with anything else OpenSSL wrote) for the socket."""
-        if self._records is not None:
-            self._seal(self._records, limit)
-            return
+        """Encrypt about `limit` bytes of queued pieces through OpenSSL and queue their ciphertext
+        (with anything else OpenSSL wrote) for the socket."""
         plain, write = self._plain, self._write
         done = 0
         small = bytearray()
@@ -445,7 +441,8 @@ class TlsLink(LinkBase):
         """Seal about `limit` bytes of queued pieces into send buffers: small pieces in a row joined,
         a large one in full records from its first byte (the peer opens it into its buffer)."""
         plain = self._plain
-        self._out, self._at = self._send_buffer(), 0
+        out = self._out = self._send_buffer()
+        at = self._at = 0
         done = 0
         small: list[memoryview] = []
         small_bytes = 0
@@ -459,21 +456,32 @@ class TlsLink(LinkBase):
                 done += size
                 continue
             if small:
+                self._at = at
                 self._seal_small(records, small, small_bytes)
+                out, at = self._out, self._at
                 small, small_bytes = [], 0
                 continue
-            if not records.records_before_update():
+            # Whole records up to `limit` (at least one), within the records left before a KeyUpdate;
+            # a payload's last record goes with the rest of it, not in a batch of its own.
+            left = records.key_update_records - records.tx.seq
+            if left <= 0:
+                self._at = at
                 self._place(records.update_keys())
-            # whole records up to `limit` (at least one), within the records left before a KeyUpdate
-            step = min(max((limit - done) // MAX_CONTENT, 1), records.records_before_update()) * MAX_CONTENT
-            if size > step:
+                out, at, left = self._out, self._at, records.records_before_update()
+            step = min(max((limit - done) // MAX_CONTENT, 1), left) * MAX_CONTENT
+            if size > step + (MAX_CONTENT if step < left * MAX_CONTENT else 0):
                 plain[0] = piece[step:]
                 piece, size = piece[:step], step
             else:
                 plain.popleft()
-            self._make_room(records.run_size(size))
-            self._at = records.seal_run(piece, self._out, self._at)
+            need = size + -(-size // MAX_CONTENT) * RECORD_OVERHEAD   # records.run_size(size)
+            if at + need > out.nbytes:
+                self._at = at
+                self._make_room(need)
+                out, at = self._out, self._at
+            at = records.seal_run(piece, out, at)
             done += size
+        self._at = at
         if small:
             self._seal_small(records, small, small_bytes)
         self._plain_bytes -= done
@@ -523,15 +531,19 @@ class TlsLink(LinkBase):
         """Encrypt and send until the socket is full or nothing waits, a batch per sendmsg, as the
         module docstring says (a burst: what is sent after the peer last spoke). A tail under SMALL
         bytes (an answer's END) joins the batch before it: one wake-up less for the peer."""
-        cipher = self._cipher
+        cipher, records, spare = self._cipher, self._records, self._spare
         while not self.closed:
             try:
-                self._take_outgoing()
+                if records is None or records.outbox:
+                    self._take_outgoing()
                 # Own records are sealed a batch at a time (into one send buffer); OpenSSL's go
                 # through the BIO FEED_SIZE at a time.
-                step = self._batch if self._records is not None else FEED_SIZE
                 while self._plain and (self._cipher_bytes < self._batch or self._plain_bytes < SMALL):
-                    self._encrypt(max(min(step, self._batch - self._cipher_bytes), SMALL))
+                    limit = max(self._batch - self._cipher_bytes, SMALL)
+                    if records is not None:
+                        self._seal(records, limit)
+                    else:
+                        self._encrypt(min(limit, FEED_SIZE))
             except ssl.SSLError as e:
                 self._tls_failed(e)
                 return
@@ -553,9 +565,9 @@ class TlsLink(LinkBase):
                     n -= head.nbytes
                     cipher.popleft()
                     obj = head.obj
-                    if (type(obj) is bytearray and len(obj) == SEND_BUFFER and len(self._spare) < SPARE_SEND_BUFFERS
-                            and self._records is not None):
-                        self._spare.append(obj)
+                    if (records is not None and type(obj) is bytearray and len(obj) == SEND_BUFFER
+                            and len(spare) < SPARE_SEND_BUFFERS):
+                        spare.append(obj)
                 else:
                     cipher[0] = head[n:]
                     n = 0
@@ -563,11 +575,13 @@ class TlsLink(LinkBase):
                 self._batch = WRITE_BATCH
                 break
             self._batch = WRITE_BATCH if self._burst >= BURST_HEAD else FEED_SIZE
-        if self._queued_bytes() <= self.write_high:
+        queued = self._plain_bytes + self._cipher_bytes
+        if queued <= self.write_high:
             self._drained.set()
-        if not self._plain and not self._cipher:
+        if not queued:
             self._empty.set()
-        self._update_writer()
+        if self._writer_on is not (queued > 0 and not self.closed):
+            self._update_writer()
 
     def _on_writable(self) -> None:
         self._flush()

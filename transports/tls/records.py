@@ -32,14 +32,15 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
-__all__ = ["HEADER", "MAX_CONTENT", "MAX_RECORD", "SUITES", "RecordError", "RecordLayer", "TrafficKeys",
-           "hkdf_expand_label"]
+__all__ = ["HEADER", "MAX_CONTENT", "MAX_RECORD", "RECORD_OVERHEAD", "SUITES", "RecordError", "RecordLayer",
+           "TrafficKeys", "hkdf_expand_label"]
 
 HEADER = 5                       # type, legacy version, length
 TAG = 16                         # AEAD tag of every suite here
 MAX_CONTENT = 16 * 1024          # largest plaintext of a record
 MAX_CIPHERTEXT = MAX_CONTENT + 256
 MAX_RECORD = HEADER + MAX_CIPHERTEXT
+RECORD_OVERHEAD = HEADER + 1 + TAG   # bytes a record adds to its content: header, content type, tag
 MAX_HANDSHAKE = 64 * 1024        # post-handshake message bytes held while reassembling one
 KEY_UPDATE_RECORDS = 1 << 23     # records sealed under one key before a KeyUpdate (AES-GCM allows ~2^24.5)
 SEQ_LIMIT = (1 << 64) - 1
@@ -380,7 +381,7 @@ class RecordLayer:
     @staticmethod
     def run_size(size: int) -> int:
         """Bytes of the records `seal_run` makes of `size` bytes."""
-        return size + -(-size // MAX_CONTENT) * (HEADER + 1 + TAG)
+        return size + -(-size // MAX_CONTENT) * RECORD_OVERHEAD
 
     def key_update_due(self) -> bool:
         return self.tx.seq >= self.key_update_records
@@ -400,4 +401,4 @@ class RecordLayer:
     @staticmethod
     def sealed_size(content: int) -> int:
         """Bytes of one record carrying `content` bytes of application data."""
-        return HEADER + content + 1 + TAG
+        return content + RECORD_OVERHEAD

@@ -157,12 +157,20 @@ class ServerConnection:
     def _turn_over(self) -> None:
         self._answered_in_turn = False
 
-    def _send_answer(self, rid: int, rest: Sequence[BlockAddress], fetched: list[Fetched]) -> None:
-        """Answer the start of `rest` (what is left of pull `rid`) with what the store gave."""
+    def _send_answer(self, rid: int, rest: Sequence[BlockAddress], fetched: list[Fetched],
+                     pumping: bool = False) -> None:
+        """Answer the start of `rest` (what is left of pull `rid`) with what the store gave.
+        `pumping`: from the pump, which goes on answering: where the answer left the session
+        settled, only the frames and the send timer need following."""
+        session = self.session
         now = self._loop.time()
-        out = self.session.answer(rid, rest[:len(fetched)], fetched, now)
-        self.server.count_served(self.session, now)
-        self._carry_out(out)
+        out = session.answer(rid, rest[:len(fetched)], fetched, now)
+        self.server.count_served(session, now)
+        if pumping and session.settled:
+            self.link.send_many(out)
+            self.timer.at_most(session.next_deadline(self._blocked_since()))
+        else:
+            self._carry_out(out)
 
     def _unthrottle(self) -> None:
         self.throttled = False
@@ -195,7 +203,7 @@ class ServerConnection:
                     fetched = await server.fetch_in_pool(rest, batch)
                 if link.closed or rid not in session.active:
                     break
-                self._send_answer(rid, rest, fetched)
+                self._send_answer(rid, rest, fetched, pumping=True)
                 if server.pacer is not None:   # a capped egress: the next batch waits its turn
                     await asyncio.sleep(server.pacer.wait_s(payload_bytes(fetched), self._loop.time()))
         finally:

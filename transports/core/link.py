@@ -42,6 +42,8 @@ class FrameLink(Protocol):
     def mid_frame(self) -> bool: ...
     @property
     def write_pending(self) -> bool: ...
+    @property
+    def backlogged(self) -> bool: ...
     def send(self, frame: Frame) -> None: ...
     def send_many(self, frames: list[Frame]) -> None: ...
     async def drain(self) -> None: ...
@@ -93,6 +95,11 @@ class LinkBase:
     @property
     def write_pending(self) -> bool:
         return self._queued_bytes() > 0
+
+    @property
+    def backlogged(self) -> bool:
+        """More than `write_high` waits to be sent: `drain` would wait."""
+        return self._queued_bytes() > self.write_high and not self.closed
 
     async def drain(self) -> None:
         """Wait until the send queue is at most `write_high` (or the link closed)."""

@@ -160,17 +160,23 @@ class ServerConnection:
     def _send_answer(self, rid: int, rest: Sequence[BlockAddress], fetched: list[Fetched],
                      pumping: bool = False) -> None:
         """Answer the start of `rest` (what is left of pull `rid`) with what the store gave.
-        `pumping`: from the pump, which goes on answering: where the answer left the session
-        settled, only the frames and the send timer need following."""
+        `pumping`: from the pump, which goes on answering. Where the answer left the session
+        settled, only its frames go out here; what was served is counted (and charged to the
+        peer's budget) and the send timer set by `_settle`, before the pump waits or ends: no
+        read, admission or timer of any connection can run before that."""
         session = self.session
-        now = self._loop.time()
-        out = session.answer(rid, rest[:len(fetched)], fetched, now)
-        self.server.count_served(session, now)
+        out = session.answer(rid, rest[:len(fetched)], fetched, self._loop.time())
         if pumping and session.settled:
             self.link.send_many(out)
-            self.timer.at_most(session.next_deadline(self._blocked_since()))
-        else:
-            self._carry_out(out)
+            return
+        self.server.count_served(session, self._loop.time())
+        self._carry_out(out)
+
+    def _settle(self) -> None:
+        """What the pump answered since it last waited: counted and charged; the send timer set."""
+        self.server.count_served(self.session, self._loop.time())
+        if not self.link.closed:
+            self.timer.at_most(self.session.next_deadline(self._blocked_since()))
 
     def _unthrottle(self) -> None:
         self.throttled = False
@@ -191,8 +197,12 @@ class ServerConnection:
         server, session, link = self.server, self.session, self.link
         try:
             while not link.closed and session.answering:
-                await link.drain()
-                turn = None if link.closed else session.next_batch()
+                if link.backlogged:   # the pump waits: what it answered is settled first
+                    self._settle()
+                    await link.drain()
+                    if link.closed:
+                        break
+                turn = session.next_batch()
                 if turn is None:
                     break
                 rid, rest = turn
@@ -200,13 +210,16 @@ class ServerConnection:
                 if server.fetches_inline(self._loop.time()):
                     fetched = server.fetch_inline(rest, batch)
                 else:
+                    self._settle()
                     fetched = await server.fetch_in_pool(rest, batch)
                 if link.closed or rid not in session.active:
                     break
                 self._send_answer(rid, rest, fetched, pumping=True)
                 if server.pacer is not None:   # a capped egress: the next batch waits its turn
+                    self._settle()
                     await asyncio.sleep(server.pacer.wait_s(payload_bytes(fetched), self._loop.time()))
         finally:
+            self._settle()
             self.pump = None
 
     def on_closed(self, reason: MissReason) -> None:

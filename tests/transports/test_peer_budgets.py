@@ -109,6 +109,30 @@ def test_a_peer_served_past_its_bytes_gets_overloaded_misses(
     run(main())
 
 
+def test_bytes_the_pump_served_count_and_are_charged_before_the_peer_is_read_again(
+        cert_dir: Path, memory_source: MemorySourceFactory) -> None:
+    """A pull of 8 blocks of 256 KiB is answered in two batches: the first from the read that
+    brought the PULL, the second by the pump. The burst (1.5 MiB) covers the first batch but
+    not both, so the next PULL is refused only if the pump's batch was charged before it was read;
+    the served counters hold both batches."""
+    source = memory_source(num_blocks=8, num_layers=1, payload_size=256 * 1024)
+    rates = PeerRates(bytes_per_s=1024.0, bytes_burst=1.5 * 1024 * 1024)
+
+    async def main() -> None:
+        server = TlsTcpServer(creds(cert_dir, "node-a"), source, peer_rates=rates)
+        async with started(server, "node-a") as (_, peer), closing(TlsTcpClient(creds(cert_dir, "client-1"))) as client:
+            first = await pull_all(client, peer, source.addresses)
+            assert all(isinstance(r, Hit) for r in first)
+            registry = server.metrics.registry
+            assert registry.get_sample_value("kvfabric_served_total", {"transport": "tls-tcp", "outcome": "hit"}) == 8
+            assert registry.get_sample_value("kvfabric_served_bytes_total", {"transport": "tls-tcp"}) == 2 << 20
+            second = await pull_all(client, peer, source.addresses[:1])
+            assert isinstance(second[0], Miss) and second[0].reason is MissReason.OVERLOADED
+            assert overloaded(server.metrics, "tls-tcp", "client-1", "bytes") == 1
+
+    run(main())
+
+
 def test_quic_connections_past_the_per_peer_cap_are_refused_as_overloaded(
         cert_dir: Path, memory_source: MemorySourceFactory) -> None:
     source = memory_source(num_blocks=1, num_layers=1)

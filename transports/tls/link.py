@@ -277,7 +277,6 @@ class TlsLink(LinkBase):
         self._got_bytes = got_any = False
         self._socket_dry = False
         decoder, src, open_into = self._decoder, self._rbuf, records.open_into
-        each = not self.batch_frames
         try:
             while self._reading and not self.closed:
                 if budget <= 0:   # the buffer may hold records that the fd will not signal
@@ -315,7 +314,7 @@ class TlsLink(LinkBase):
                         budget -= stop - pos
                     elif not self._recv_records():
                         break
-                if frames and each:
+                if frames and not self.batch_frames:
                     self._deliver(frames)
                     frames = []
                 if records.failure is not None or records.peer_closed:
@@ -405,8 +404,7 @@ class TlsLink(LinkBase):
         return self._plain_bytes + self._cipher_bytes
 
     def _encrypt(self, limit: int) -> None:
-        """Encrypt about `limit` bytes of queued pieces through OpenSSL and queue their ciphertext
-        (with anything else OpenSSL wrote) for the socket."""
+        """Encrypt about `limit` bytes of queued pieces through OpenSSL; queue what it wrote for the socket."""
         plain, write = self._plain, self._write
         done = 0
         small = bytearray()
@@ -441,8 +439,7 @@ class TlsLink(LinkBase):
         """Seal about `limit` bytes of queued pieces into send buffers: small pieces in a row joined,
         a large one in full records from its first byte (the peer opens it into its buffer)."""
         plain = self._plain
-        out = self._out = self._send_buffer()
-        at = self._at = 0
+        self._out, self._at = self._send_buffer(), 0
         done = 0
         small: list[memoryview] = []
         small_bytes = 0
@@ -456,32 +453,23 @@ class TlsLink(LinkBase):
                 done += size
                 continue
             if small:
-                self._at = at
                 self._seal_small(records, small, small_bytes)
-                out, at = self._out, self._at
                 small, small_bytes = [], 0
                 continue
-            # Whole records up to `limit` (at least one), within the records left before a KeyUpdate;
-            # a payload's last record goes with the rest of it, not in a batch of its own.
+            # whole records up to `limit` (at least one) before a KeyUpdate is due; a payload's last goes with the rest
             left = records.key_update_records - records.tx.seq
             if left <= 0:
-                self._at = at
                 self._place(records.update_keys())
-                out, at, left = self._out, self._at, records.records_before_update()
+                left = records.records_before_update()
             step = min(max((limit - done) // MAX_CONTENT, 1), left) * MAX_CONTENT
             if size > step + (MAX_CONTENT if step < left * MAX_CONTENT else 0):
                 plain[0] = piece[step:]
                 piece, size = piece[:step], step
             else:
                 plain.popleft()
-            need = size + -(-size // MAX_CONTENT) * RECORD_OVERHEAD   # records.run_size(size)
-            if at + need > out.nbytes:
-                self._at = at
-                self._make_room(need)
-                out, at = self._out, self._at
-            at = records.seal_run(piece, out, at)
+            self._make_room(size + -(-size // MAX_CONTENT) * RECORD_OVERHEAD)   # records.run_size(size)
+            self._at = records.seal_run(piece, self._out, self._at)
             done += size
-        self._at = at
         if small:
             self._seal_small(records, small, small_bytes)
         self._plain_bytes -= done
@@ -575,13 +563,11 @@ class TlsLink(LinkBase):
                 self._batch = WRITE_BATCH
                 break
             self._batch = WRITE_BATCH if self._burst >= BURST_HEAD else FEED_SIZE
-        queued = self._plain_bytes + self._cipher_bytes
-        if queued <= self.write_high:
+        if self._queued_bytes() <= self.write_high:
             self._drained.set()
-        if not queued:
+        if not self._plain and not self._cipher:
             self._empty.set()
-        if self._writer_on is not (queued > 0 and not self.closed):
-            self._update_writer()
+        self._update_writer()
 
     def _on_writable(self) -> None:
         self._flush()

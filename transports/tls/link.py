@@ -57,7 +57,7 @@ from transports.core.link import WRITE_HIGH, LinkBase
 from transports.core.metrics import TransportMetrics
 from transports.tls.channel import TlsChannel
 from transports.tls.handshake import auth_failure_reason
-from transports.tls.records import HEADER, MAX_CONTENT, MAX_RECORD, RECORD_OVERHEAD, RecordError, RecordLayer
+from transports.tls.records import MAX_CONTENT, MAX_RECORD, RecordError, RecordLayer
 from transports.trust.provenance_tables import SentRecords
 
 logger = logging.getLogger(__name__)
@@ -284,31 +284,31 @@ class TlsLink(LinkBase):
                     break
                 start, end = self._rpos, self._rend
                 buf = decoder.get_buffer()
-                if not decoder.receiving_payload and end - start >= HEADER:
+                if not decoder.receiving_payload:
                     # The decoder's staging area: the next record, and more only within STAGE_SPAN
                     # bytes, so that a payload's records after its frame's head are opened into the
                     # payload's own buffer once the head is parsed (small records still go in one call).
-                    first = start + HEADER + ((src[start + 3] << 8) | src[start + 4])   # records.record_end
-                    end = min(end, max(first, start + STAGE_SPAN))
+                    first = records.record_end(src, start, end)
+                    if first >= 0:
+                        end = min(end, max(first, start + STAGE_SPAN))
                 pos, n = open_into(src, start, end, buf)
                 self._rpos = pos
                 budget -= pos - start   # ciphertext: records without data (tickets, empty ones) count too
-                end = self._rend
                 if n:
                     got_any = self._got_bytes = True
                     frames += decoder.buffer_updated(n)
                     # No whole record left: read now, not on the next pass; after a large read, even if
                     # it was short (the peer has likely sent more: one recv, not a turn of the loop).
-                    if (end - pos < HEADER or pos + HEADER + ((src[pos + 3] << 8) | src[pos + 4]) > end) and \
-                            records.failure is None and not records.peer_closed:
+                    stop = records.record_end(src, pos, self._rend)
+                    if (stop < 0 or stop > self._rend) and records.failure is None and not records.peer_closed:
                         if pos - start >= RECHECK_AFTER:
                             self._socket_dry = False
                         if not self._recv_records():
                             break
                 elif pos == start and records.failure is None and not records.peer_closed:
-                    stop = records.record_end(src, pos, end)
-                    if 0 <= stop <= end:   # a whole record, larger than what is left of `buf`
-                        self._rpos, plain = records.open_one(src, pos, end)
+                    stop = records.record_end(src, pos, self._rend)
+                    if 0 <= stop <= self._rend:   # a whole record, larger than what is left of `buf`
+                        self._rpos, plain = records.open_one(src, pos, self._rend)
                         got_any = self._got_bytes = True
                         frames += self._take_plain(plain)
                         budget -= stop - pos
@@ -467,7 +467,7 @@ class TlsLink(LinkBase):
                 piece, size = piece[:step], step
             else:
                 plain.popleft()
-            self._make_room(size + -(-size // MAX_CONTENT) * RECORD_OVERHEAD)   # records.run_size(size)
+            self._make_room(records.run_size(size))
             self._at = records.seal_run(piece, self._out, self._at)
             done += size
         if small:

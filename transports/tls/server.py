@@ -164,12 +164,12 @@ class ServerConnection:
         settled, only its frames go out here; what was served is counted (and charged to the
         peer's budget) and the send timer set by `_settle`, before the pump waits or ends: no
         read, admission or timer of any connection can run before that."""
-        session = self.session
-        out = session.answer(rid, rest[:len(fetched)], fetched, self._loop.time())
+        session, now = self.session, self._loop.time()
+        out = session.answer(rid, rest[:len(fetched)], fetched, now)
         if pumping and session.settled:
             self.link.send_many(out)
             return
-        self.server.count_served(session, self._loop.time())
+        self.server.count_served(session, now)
         self._carry_out(out)
 
     def _settle(self) -> None:

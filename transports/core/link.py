@@ -103,7 +103,7 @@ class LinkBase:
 
     async def drain(self) -> None:
         """Wait until the send queue is at most `write_high` (or the link closed)."""
-        while self._queued_bytes() > self.write_high and not self.closed:
+        while self.backlogged:
             self._drained.clear()
             await self._drained.wait()
 

@@ -457,8 +457,8 @@ class TlsLink(LinkBase):
                 small, small_bytes = [], 0
                 continue
             # whole records up to `limit` (at least one) before a KeyUpdate is due; a payload's last goes with the rest
-            left = records.key_update_records - records.tx.seq
-            if left <= 0:
+            left = records.records_before_update()
+            if not left:
                 self._place(records.update_keys())
                 left = records.records_before_update()
             step = min(max((limit - done) // MAX_CONTENT, 1), left) * MAX_CONTENT

@@ -32,8 +32,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM, ChaCha20Poly1305
 from cryptography.hazmat.primitives.kdf.hkdf import HKDFExpand
 
-__all__ = ["HEADER", "MAX_CONTENT", "MAX_RECORD", "RECORD_OVERHEAD", "SUITES", "RecordError", "RecordLayer",
-           "TrafficKeys", "hkdf_expand_label"]
+__all__ = ["HEADER", "MAX_CONTENT", "MAX_RECORD", "SUITES", "RecordError", "RecordLayer", "TrafficKeys",
+           "hkdf_expand_label"]
 
 HEADER = 5                       # type, legacy version, length
 TAG = 16                         # AEAD tag of every suite here

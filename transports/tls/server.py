@@ -128,12 +128,12 @@ class ServerConnection:
             link.resume_reading()
         else:
             link.pause_reading()
-        self.timer.at_most(session.next_deadline(self._blocked_since()))
         if self.pump is None and session.answering and not link.closed:
             if self._answers_now():
                 self._answer_turn()   # its own _carry_out starts the pump if more is left
             else:
                 self.pump = self._loop.create_task(self._pump())
+        self.timer.at_most(session.next_deadline(self._blocked_since()))
 
     def _answers_now(self) -> bool:
         """May the next batch be answered right here, not by the pump a loop turn later? Once per
@@ -150,27 +150,27 @@ class ServerConnection:
         if turn is None:
             return
         rid, rest = turn
-        self._answered_in_turn = True
-        self._loop.call_soon(self._turn_over)
+        self._answered_in_turn = True   # before the answer: its own _carry_out must not answer again
         self._send_answer(rid, rest, server.fetch_inline(rest, BATCH_BYTES))
+        self._loop.call_soon(self._turn_over)
 
     def _turn_over(self) -> None:
         self._answered_in_turn = False
 
     def _send_answer(self, rid: int, rest: Sequence[BlockAddress], fetched: list[Fetched],
                      pumping: bool = False) -> None:
-        """Answer the start of `rest` (what is left of pull `rid`) with what the store gave.
-        `pumping`: from the pump, which goes on answering. Where the answer left the session
-        settled, only its frames go out here; what was served is counted (and charged to the
-        peer's budget) and the send timer set by `_settle`, before the pump waits or ends: no
-        read, admission or timer of any connection can run before that."""
+        """Answer the start of `rest` (what is left of pull `rid`) with what the store gave. Its
+        frames go to the link first (the peer's wait ends soonest); the bookkeeping follows, in
+        this same callback. `pumping`: from the pump, which goes on answering. Where the answer
+        left the session settled, only its frames go out here; what was served is counted (and
+        charged to the peer's budget) and the send timer set by `_settle`, before the pump waits
+        or ends: no read, admission or timer of any connection can run before that."""
         session, now = self.session, self._loop.time()
-        out = session.answer(rid, rest[:len(fetched)], fetched, now)
+        self.link.send_many(session.answer(rid, rest[:len(fetched)], fetched, now))
         if pumping and session.settled:
-            self.link.send_many(out)
             return
         self.server.count_served(session, now)
-        self._carry_out(out)
+        self._carry_out([])
 
     def _settle(self) -> None:
         """What the pump answered since it last waited: counted and charged; the send timer set."""
